@@ -1,0 +1,106 @@
+"""Datasets for causal LM training: where text comes from, and how it becomes blocks.
+
+Sources, in order of precedence:
+- `--dataset_name` (+ `--dataset_config_name`): a dataset on the Hugging Face Hub, or a
+  local dataset directory that `datasets.load_dataset` understands;
+- `--train_file` / `--validation_file`: local txt, json/jsonl, csv or parquet files;
+- nothing: the embedded default corpus (`data/default_corpus.py`).
+
+Tokenization and packing run once, on the main process first, and are cached under
+`datasets`' cache directory (`HF_DATASETS_CACHE`); every other rank, and every later
+run with the same data, tokenizer and block size, reads the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import datasets
+from datasets import Dataset, DatasetDict, load_dataset
+from transformers import PreTrainedTokenizerBase
+
+from data.default_corpus import CORPUS_VERSION, default_splits
+from data.packing import tokenize_and_pack
+
+FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+PACKING_VERSION = "1"  # bump when packing changes, so old caches are not reused
+
+
+def _builder_for(path: str) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in FILE_BUILDERS:
+        raise ValueError(f"unsupported data file type {suffix!r} ({path}); use one of {sorted(FILE_BUILDERS)}")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"data file not found: {path}; check --train_file/--validation_file")
+    return FILE_BUILDERS[suffix]
+
+
+def load_raw_datasets(
+    dataset_name: str | None,
+    dataset_config_name: str | None,
+    train_file: str | None,
+    validation_file: str | None,
+    validation_split_percentage: int,
+    seed: int,
+) -> DatasetDict:
+    """A `DatasetDict` with `train` and `validation` splits of raw documents."""
+    if dataset_name:
+        raw = load_dataset(dataset_name, dataset_config_name)
+    elif train_file:
+        files = {"train": train_file} | ({"validation": validation_file} if validation_file else {})
+        builders = {_builder_for(path) for path in files.values()}
+        if len(builders) > 1:
+            raise ValueError("--train_file and --validation_file must have the same format")
+        raw = load_dataset(builders.pop(), data_files=files)
+    else:
+        raw = DatasetDict({split: Dataset.from_dict({"text": docs}) for split, docs in default_splits().items()})
+    if "validation" not in raw:
+        split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
+        raw = DatasetDict({"train": split["train"], "validation": split["test"]})
+    return raw
+
+
+def _cache_key(raw: Dataset, tokenizer: PreTrainedTokenizerBase, text_column: str, block_size: int) -> str:
+    """Identify a packed dataset by everything that changes its content."""
+    source = raw._fingerprint if raw.cache_files else f"default-corpus-{CORPUS_VERSION}-{len(raw)}"
+    parts = [source, tokenizer.backend_tokenizer.to_str(), text_column, str(block_size), PACKING_VERSION]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+
+
+def build_lm_datasets(
+    raw: DatasetDict,
+    tokenizer: PreTrainedTokenizerBase,
+    text_column: str,
+    block_size: int,
+    main_process_first: AbstractContextManager | None = None,
+) -> tuple[Dataset, Dataset]:
+    """Tokenize and pack both splits into `block_size` blocks, cached on disk.
+
+    `main_process_first` is `accelerator.main_process_first()`: the main process builds
+    the cache while the other ranks wait, then they load it.
+    """
+    for split in raw.values():
+        if text_column not in split.column_names:
+            raise ValueError(
+                f"text column {text_column!r} not found (columns: {split.column_names}); set --text_column"
+            )
+    cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "packed"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    packed = {}
+    with main_process_first or nullcontext():
+        for name, split in raw.items():
+            key = _cache_key(split, tokenizer, text_column, block_size)
+            packed[name] = split.map(
+                tokenize_and_pack,
+                batched=True,
+                batch_size=1000,
+                remove_columns=split.column_names,
+                fn_kwargs={"tokenizer": tokenizer, "text_column": text_column, "block_size": block_size},
+                cache_file_name=str(cache_dir / f"{key}.arrow"),
+                new_fingerprint=key,
+                desc=f"Tokenizing and packing {name}",
+            ).with_format("torch")
+    return packed["train"], packed["validation"]

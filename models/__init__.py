@@ -1,0 +1,67 @@
+"""Model and tokenizer construction: the one place that knows where weights come from.
+
+Two ways in:
+- `--model_name_or_path`: a Hub id or a local directory holding any `AutoModelForCausalLM`
+  (continued pre-training or fine-tuning).
+- `--model_config NAME`: a named small config from `models/configs.py`, trained from
+  scratch with the tokenizer shipped in `models/tokenizer/` (the default job).
+
+Adding your own model: register its config in `models/configs.py` (any `transformers`
+config class works), or save it as a directory with `save_pretrained` and pass it as
+`--model_name_or_path`. Sharded strategies wrap the classes listed in the model's
+`_no_split_modules`, which every `transformers` decoder defines.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from models.configs import build_named_config
+
+SHIPPED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer"
+
+
+def build_tokenizer(
+    model_name_or_path: str | None, tokenizer_name: str | None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """The tokenizer named explicitly, else the pretrained model's own, else the shipped one."""
+    source = tokenizer_name or model_name_or_path or str(SHIPPED_TOKENIZER)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_model(
+    model_name_or_path: str | None,
+    model_config: str,
+    tokenizer: PreTrainedTokenizerBase,
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+) -> PreTrainedModel:
+    """Load pretrained weights, or initialise a named config from scratch (seed first).
+
+    Weights are always fp32: mixed precision is applied by the strategy, which keeps
+    fp32 master weights (loading bf16 weights and training them directly learns worse).
+    """
+    if model_name_or_path:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_name_or_path, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
+    else:
+        config = build_named_config(model_config, tokenizer)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def max_positions(model: PreTrainedModel) -> int | None:
+    """The longest sequence the model accepts, if its config says."""
+    return getattr(model.config, "max_position_embeddings", None)

@@ -1,0 +1,46 @@
+"""Named model configs for training from scratch (`--model_config NAME`).
+
+Each entry is a Llama-style decoder sized for one job. To add your own, add an entry
+that returns any `transformers.PretrainedConfig` whose model type
+`AutoModelForCausalLM` knows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+
+def _llama(hidden: int, layers: int, heads: int, intermediate: int, positions: int) -> Callable[[int, int], LlamaConfig]:
+    def make(vocab_size: int, eos_token_id: int) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            intermediate_size=intermediate,
+            max_position_embeddings=positions,
+            bos_token_id=eos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=eos_token_id,
+            tie_word_embeddings=False,
+        )
+
+    return make
+
+
+NAMED_CONFIGS: dict[str, Callable[[int, int], PretrainedConfig]] = {
+    "llama-tiny": _llama(hidden=64, layers=2, heads=4, intermediate=176, positions=128),  # tests: seconds
+    "llama-small": _llama(hidden=256, layers=4, heads=4, intermediate=688, positions=256),  # the default job
+    "llama-125m": _llama(hidden=768, layers=12, heads=12, intermediate=2048, positions=1024),  # GPU benchmarks
+}
+
+
+def build_named_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """The config called `name`, with a vocabulary that fits `tokenizer` (padded to a multiple of 64)."""
+    if name not in NAMED_CONFIGS:
+        raise ValueError(f"unknown --model_config {name!r}; choose one of {sorted(NAMED_CONFIGS)}")
+    vocab_size = -(-len(tokenizer) // 64) * 64  # a multiple of 64 keeps the output matmul fast
+    return NAMED_CONFIGS[name](vocab_size, tokenizer.eos_token_id)

@@ -1,0 +1,225 @@
+"""Train a causal language model with DDP, FSDP2 or DeepSpeed ZeRO, chosen by config file only.
+
+    accelerate launch train.py                                               # one process, defaults
+    accelerate launch --config_file accelerate_configs/fsdp.yaml train.py    # any strategy, same code
+    accelerate launch --config_file accelerate_configs/ddp.yaml train.py --config recipe.yaml --max_steps 100
+
+The strategy never appears below: `training/distributed.py` builds the Accelerator and
+checks that what runs is what the config file asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+
+import torch
+from accelerate.logging import get_logger
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
+
+from data import build_lm_datasets, load_raw_datasets
+from models import build_model, build_tokenizer, max_positions
+from training.arguments import ArgumentError, parse_args
+from training.checkpoint import (
+    TrainerState,
+    export_final,
+    load_checkpoint,
+    resolve_resume_path,
+    save_checkpoint,
+)
+from training.distributed import (
+    StrategyError,
+    align_deepspeed_config,
+    build_accelerator,
+    check_deepspeed_engine,
+    describe,
+    model_construction,
+    release_model_construction_hooks,
+    verify_strategy,
+)
+from training.evaluation import evaluate
+from training.metrics import MetricsLogger, Throughput, to_float
+from training.optim import build_optimizer, build_scheduler
+
+logger = get_logger(__name__)
+SAMPLE_PROMPT = "Once upon a time"
+
+
+def main() -> None:
+    model_args, data_args, args = parse_args()
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+    accelerator = build_accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # We step the scheduler once per optimizer step ourselves: accelerate would step it
+        # once per process, making the schedule depend on the number of processes.
+        step_scheduler_with_optimizer=False,
+        # A seedable sampler makes the shuffled order depend only on seed and epoch, so a
+        # resumed run sees the same samples as an uninterrupted one.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=args.output_dir,
+    )
+    strategy = verify_strategy(accelerator)
+    logger.info(describe(accelerator, strategy), main_process_only=True)
+    set_seed(args.seed)  # identical initial weights on every rank and strategy
+
+    # ---- model and data ----
+    tokenizer = build_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name, model_args.trust_remote_code)
+    with model_construction(accelerator):
+        model = build_model(
+            model_args.model_name_or_path,
+            model_args.model_config,
+            tokenizer,
+            model_args.trust_remote_code,
+            model_args.gradient_checkpointing,
+        )
+    block_size = resolve_block_size(data_args.block_size, max_positions(model))
+    with accelerator.main_process_first():  # download once per machine, not once per rank
+        raw = load_raw_datasets(
+            data_args.dataset_name,
+            data_args.dataset_config_name,
+            data_args.train_file,
+            data_args.validation_file,
+            data_args.validation_split_percentage,
+            args.seed,
+        )
+    train_set, eval_set = build_lm_datasets(
+        raw, tokenizer, data_args.text_column, block_size, accelerator.main_process_first()
+    )
+    # Every optimizer step sees one full global batch: a partial last batch would get a
+    # smaller weight under accumulation, so it is dropped (the same samples each epoch).
+    global_batch = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    steps_per_epoch = len(train_set) // global_batch
+    if steps_per_epoch == 0 or len(eval_set) == 0:
+        raise ArgumentError(
+            f"{len(train_set)} training and {len(eval_set)} validation blocks of {block_size} tokens: need at least one "
+            f"global batch of {global_batch} and one validation block; use more data or smaller batches"
+        )
+    train_set = train_set.select(range(steps_per_epoch * global_batch))
+    train_loader = DataLoader(
+        train_set, batch_size=args.per_device_train_batch_size, shuffle=True, collate_fn=default_data_collator
+    )
+    eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=default_data_collator)
+    max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+
+    optimizer = build_optimizer(model, args.learning_rate, args.weight_decay)
+    scheduler = build_scheduler(optimizer, args.lr_scheduler_type, args.warmup_steps, max_steps)
+    align_deepspeed_config(accelerator, args.max_grad_norm)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
+    verify_strategy(accelerator, model)
+    check_deepspeed_engine(accelerator, model, args.max_grad_norm)
+    accelerator.init_trackers("train", config=vars(args) | vars(model_args) | vars(data_args))
+
+    state = TrainerState()
+    resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir)
+    if resume_path:
+        state = load_checkpoint(accelerator, resume_path)
+        logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
+    logger.info(
+        f"{len(train_set)} blocks x {block_size} tokens, global batch {global_batch}, "
+        f"{steps_per_epoch} steps/epoch, training to step {max_steps}",
+        main_process_only=True,
+    )
+
+    # ---- train ----
+    metrics = MetricsLogger(accelerator, args.output_dir)
+    if state.completed_steps == 0:
+        metrics.log(0, **evaluate(model, eval_loader, accelerator))
+    tokens_per_step = global_batch * block_size
+    clip_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf  # inf: measure, never clip
+    throughput, window_loss, window_micro_steps = Throughput(), torch.zeros((), device=accelerator.device), 0
+    progress = tqdm(total=max_steps, initial=state.completed_steps, disable=not accelerator.is_main_process)
+    run_start, first_step = time.perf_counter(), state.completed_steps
+    eval_result: dict[str, float] = {}
+    while state.completed_steps < max_steps:
+        train_loader.set_epoch(state.epoch)  # before skipping, or a resume replays another order
+        batches = accelerator.skip_first_batches(train_loader, state.batches_seen_in_epoch)
+        for batch in batches:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            state.batches_seen_in_epoch += 1
+            window_loss += loss.detach()  # stays on device: no host sync in the hot loop
+            window_micro_steps += 1
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            state.completed_steps += 1
+            throughput.add(tokens_per_step)
+            progress.update(1)
+            step = state.completed_steps
+
+            if step % args.logging_steps == 0 or step == max_steps:
+                train_loss = accelerator.reduce(window_loss, "mean").item() / window_micro_steps
+                window_loss.zero_()
+                window_micro_steps = 0
+                lr = scheduler.get_last_lr()[0]
+                metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), tokens_per_sec=throughput.rate())
+                progress.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}")
+            if step % args.eval_steps == 0 or step == max_steps:
+                eval_result = evaluate(model, eval_loader, accelerator)
+                metrics.log(step, **eval_result)
+                if accelerator.is_main_process:
+                    progress.write(f"step {step}: eval_loss {eval_result['eval_loss']:.4f}")
+            if step % args.save_steps == 0:
+                save_checkpoint(accelerator, args.output_dir, state, args.save_total_limit)
+            if step >= max_steps:
+                break
+        else:  # the epoch ran out before max_steps
+            state.epoch, state.batches_seen_in_epoch = state.epoch + 1, 0
+    progress.close()
+    elapsed = time.perf_counter() - run_start
+
+    # ---- export and summary ----
+    final_dir = export_final(accelerator, model, tokenizer, args.output_dir)
+    accelerator.end_training()
+    release_model_construction_hooks()
+    if accelerator.is_main_process:
+        steps_run = state.completed_steps - first_step
+        print_summary(steps_run, steps_run * tokens_per_step / elapsed, eval_result, final_dir)
+
+
+def resolve_block_size(requested: int | None, model_max: int | None) -> int:
+    """The requested block size, or the model's maximum (at most 1024); never above the maximum."""
+    if requested is None:
+        return min(model_max or 1024, 1024)
+    if model_max is not None and requested > model_max:
+        raise ArgumentError(f"--block_size {requested} exceeds the model's maximum of {model_max} positions")
+    return requested
+
+
+def print_summary(steps: int, tokens_per_sec: float, eval_result: dict[str, float], final_dir) -> None:
+    """Load the export with plain `transformers` (proving it loads) and show a sample."""
+    model = AutoModelForCausalLM.from_pretrained(final_dir)
+    tokenizer = AutoTokenizer.from_pretrained(final_dir)
+    inputs = tokenizer(SAMPLE_PROMPT, return_tensors="pt")
+    output = model.generate(**inputs, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    sample = tokenizer.decode(output[0], skip_special_tokens=True)
+    print(
+        "\n===== training summary =====\n"
+        f"steps:           {steps}\n"
+        f"tokens/s:        {tokens_per_sec:,.0f}\n"
+        f"final eval loss: {eval_result.get('eval_loss', float('nan')):.4f} "
+        f"(perplexity {eval_result.get('perplexity', float('nan')):.2f})\n"
+        f"model:           {final_dir}\n"
+        f"sample:          {sample!r}"
+    )
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ArgumentError, StrategyError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

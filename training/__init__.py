@@ -1,0 +1,1 @@
+"""The pieces `train.py` is built from, one concern per module."""

@@ -1,0 +1,146 @@
+"""Command-line flags (Hugging Face `TrainingArguments` names) and `--config recipe.yaml`.
+
+Precedence: built-in defaults < recipe YAML < command line. A key the template does not
+know is an error, in the recipe as on the command line, with the nearest valid name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import HfArgumentParser
+
+from models.configs import NAMED_CONFIGS
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Hub id or local directory of a pretrained causal LM. Unset: train from scratch."}
+    )
+    model_config: str = field(
+        default="llama-small",
+        metadata={"help": "Named config to train from scratch.", "choices": sorted(NAMED_CONFIGS)},
+    )
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow model/tokenizer code from the Hub."})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations to save memory."})
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset id or local dataset directory."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
+    train_file: str | None = field(default=None, metadata={"help": "Local txt, json/jsonl, csv or parquet file."})
+    validation_file: str | None = field(default=None, metadata={"help": "Same format as --train_file."})
+    text_column: str = field(default="text", metadata={"help": "Column that holds the documents."})
+    validation_split_percentage: int = field(
+        default=5, metadata={"help": "Percent of train held out when there is no validation split."}
+    )
+    block_size: int | None = field(
+        default=None, metadata={"help": "Tokens per training sequence. Default: the model's maximum, at most 1024."}
+    )
+
+
+@dataclass
+class TrainArguments:
+    output_dir: str = field(default="outputs/default", metadata={"help": "Checkpoints, metrics and the final model."})
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps to run; -1 means --num_train_epochs."})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs over the training set if max_steps is -1."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-step."})
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per process per eval step."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate (AdamW)."})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay; never on biases and norms."})
+    warmup_steps: int = field(default=30, metadata={"help": "Linear warmup, in optimizer steps."})
+    lr_scheduler_type: str = field(
+        default="cosine", metadata={"help": "Decay after warmup: any transformers scheduler name."}
+    )
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Clip the global gradient norm to this on every strategy; 0 disables."}
+    )
+    seed: int = field(default=42, metadata={"help": "Seeds model init, data order and dropout."})
+    logging_steps: int = field(default=10, metadata={"help": "Log training metrics every N optimizer steps."})
+    eval_steps: int = field(default=100, metadata={"help": "Evaluate every N optimizer steps (and at start and end)."})
+    save_steps: int = field(default=200, metadata={"help": "Save a resumable checkpoint every N optimizer steps."})
+    save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "A checkpoint directory, or 'latest' for the newest in output_dir."}
+    )
+    report_to: str = field(
+        default="none", metadata={"help": "Tracker for accelerate: tensorboard, wandb, mlflow, trackio, all or none."}
+    )
+
+
+ALL_ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArguments)
+KNOWN_KEYS = {f.name for cls in ALL_ARGUMENT_CLASSES for f in fields(cls)}
+
+
+class ArgumentError(ValueError):
+    """A flag or recipe value the template cannot use; its message says how to fix it."""
+
+
+def _check_known(keys: list[str], where: str) -> None:
+    for key in keys:
+        if key not in KNOWN_KEYS:
+            close = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else "; see train.py --help"
+            raise ArgumentError(f"unknown key {key!r} in {where}{hint}")
+
+
+def load_recipe(path: str) -> dict[str, Any]:
+    """Read a flat YAML mapping of flag names to values."""
+    try:
+        recipe = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ArgumentError(f"recipe file not found: {path}") from None
+    except yaml.YAMLError as error:
+        raise ArgumentError(f"recipe {path} is not valid YAML: {error}".replace("\n", " ")) from None
+    recipe = recipe or {}
+    if not isinstance(recipe, dict):
+        raise ArgumentError(f"recipe {path} must be a mapping of flag names to values")
+    _check_known(list(recipe), f"recipe {path}")
+    return recipe
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, TrainArguments]:
+    """Parse defaults, then `--config recipe.yaml`, then the command line."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = HfArgumentParser(ALL_ARGUMENT_CLASSES, description="Train a causal LM with any accelerate strategy.")
+    parser.add_argument("--config", help="Recipe YAML of flag values; the command line overrides it.")
+    pre_args, _ = parser.parse_known_args(argv)
+    if pre_args.config:
+        parser.set_defaults(**load_recipe(pre_args.config))
+    namespace, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flags = [item.lstrip("-").split("=")[0] for item in unknown if item.startswith("--")]
+        _check_known(flags or unknown, "the command line")
+        raise ArgumentError(f"unexpected arguments {unknown}; see train.py --help")
+    values = vars(namespace)
+    model_args, data_args, train_args = (
+        cls(**{f.name: values[f.name] for f in fields(cls)}) for cls in ALL_ARGUMENT_CLASSES
+    )
+    validate(data_args, train_args)
+    return model_args, data_args, train_args
+
+
+def validate(data_args: DataArguments, train_args: TrainArguments) -> None:
+    """Reject settings that cannot train, before any process group starts."""
+    positive = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                "logging_steps", "eval_steps", "save_steps"]
+    for name in positive:
+        if getattr(train_args, name) < 1:
+            raise ArgumentError(f"--{name} must be at least 1, got {getattr(train_args, name)}")
+    if train_args.max_steps == 0 or (train_args.max_steps < 0 and train_args.num_train_epochs <= 0):
+        raise ArgumentError("nothing to train: set --max_steps > 0 or --num_train_epochs > 0")
+    if data_args.block_size is not None and data_args.block_size < 2:
+        raise ArgumentError(f"--block_size must be at least 2, got {data_args.block_size}")
+    if train_args.max_grad_norm < 0:
+        raise ArgumentError("--max_grad_norm must be >= 0 (0 disables clipping)")
+    if data_args.validation_file and not data_args.train_file:
+        raise ArgumentError("--validation_file needs --train_file")

@@ -1,0 +1,209 @@
+"""Build the `Accelerator`, and prove the strategy that runs is the one the config asked for.
+
+This is the only module that knows about strategies. Everything else calls the
+Accelerator API and stays strategy-agnostic.
+
+Why an accommodation is needed on machines without a GPU (measured with accelerate 1.15.0):
+- DDP: accelerate only picks the gloo CPU backend when told `Accelerator(cpu=True)`;
+  otherwise each of the N launched processes trains alone with world size 1.
+- DeepSpeed: without `InitProcessGroupKwargs(backend="gloo")` accelerate counts one
+  process while DeepSpeed counts N, and batch-size checks fail.
+- FSDP: accelerate's device detection refuses FSDP on CPU and falls back silently
+  (independent single-process runs, or plain DDP with `cpu=True`). FSDP2 itself trains
+  on gloo. So we start accelerate's process group on gloo with device `cpu`, then mark
+  the run as multi-device so that `AcceleratorState` activates the FSDP plugin exactly
+  as it does on GPUs. `tests/test_cpu_accommodation.py` fails loudly if a new accelerate
+  changes either the refusal or the behaviour this relies on.
+On a GPU machine none of this applies: the same config files run unmodified over NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import Enum
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+
+class Strategy(str, Enum):
+    SINGLE = "single"
+    DDP = "ddp"
+    FSDP = "fsdp"
+    DEEPSPEED = "deepspeed"
+
+
+class StrategyError(RuntimeError):
+    """The strategy in use differs from the one configured; training would silently be wrong."""
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() == "true"
+
+
+def requested_strategy() -> Strategy:
+    """The strategy the launcher was configured with (`accelerate launch` sets these variables)."""
+    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        return Strategy.DEEPSPEED
+    if _env_flag("ACCELERATE_USE_FSDP"):
+        return Strategy.FSDP
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return Strategy.DDP
+    return Strategy.SINGLE
+
+
+def has_accelerator_device() -> bool:
+    return torch.accelerator.is_available()
+
+
+def build_accelerator(**accelerator_kwargs) -> Accelerator:
+    """An `Accelerator` for the configured strategy, on GPUs or, for real, on CPU."""
+    strategy = requested_strategy()
+    if has_accelerator_device():
+        return Accelerator(**accelerator_kwargs)
+    if strategy is Strategy.DEEPSPEED:
+        handlers = accelerator_kwargs.pop("kwargs_handlers", []) + [InitProcessGroupKwargs(backend="gloo")]
+        return Accelerator(kwargs_handlers=handlers, **accelerator_kwargs)
+    if strategy is Strategy.FSDP:
+        if os.environ.get("FSDP_VERSION", "1") != "2":
+            raise StrategyError("FSDP1 cannot run on CPU; set `fsdp_version: 2` in the accelerate config")
+        state = PartialState(backend="gloo")  # a gloo process group on device cpu, type NO
+        state.distributed_type = DistributedType.MULTI_GPU  # so AcceleratorState turns on the FSDP plugin
+        return Accelerator(**accelerator_kwargs)
+    return Accelerator(cpu=True, **accelerator_kwargs)
+
+
+def wrapped_strategy(model: torch.nn.Module) -> Strategy:
+    """The strategy implied by the wrapper `accelerator.prepare` put around the model."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if type(model).__name__ == "DeepSpeedEngine":
+        return Strategy.DEEPSPEED
+    if isinstance(model, (FSDPModule, FullyShardedDataParallel)):
+        return Strategy.FSDP
+    if isinstance(model, DistributedDataParallel):
+        return Strategy.DDP
+    return Strategy.SINGLE
+
+
+EXPECTED_TYPES = {
+    Strategy.SINGLE: {DistributedType.NO},
+    Strategy.DDP: {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU},
+    Strategy.FSDP: {DistributedType.FSDP},
+    Strategy.DEEPSPEED: {DistributedType.DEEPSPEED},
+}
+
+
+def verify_strategy(accelerator: Accelerator, prepared_model: torch.nn.Module | None = None) -> Strategy:
+    """Refuse to train unless the strategy in use is the configured one.
+
+    Call once after building the Accelerator and again with the prepared model.
+    """
+    requested = requested_strategy()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != world_size:
+        raise StrategyError(
+            f"{world_size} processes were launched but accelerate sees {accelerator.num_processes}: "
+            "each would train alone. Launch with `accelerate launch --config_file accelerate_configs/<strategy>.yaml`"
+        )
+    if accelerator.num_processes > 1 and accelerator.distributed_type is DistributedType.NO:
+        raise StrategyError(
+            f"{accelerator.num_processes} processes but no distributed strategy: gradients would never be synchronised"
+        )
+    if accelerator.distributed_type not in EXPECTED_TYPES[requested]:
+        raise StrategyError(
+            f"the config asked for {requested.value} but accelerate set up {accelerator.distributed_type.value}"
+        )
+    if prepared_model is not None:
+        wrapped = wrapped_strategy(prepared_model)
+        if wrapped is not requested:
+            raise StrategyError(f"the config asked for {requested.value} but the model is wrapped for {wrapped.value}")
+        if requested is Strategy.FSDP and accelerator.is_fsdp2 is not (os.environ.get("FSDP_VERSION") == "2"):
+            raise StrategyError("the FSDP version in use differs from the config's fsdp_version")
+    return requested
+
+
+def describe(accelerator: Accelerator, strategy: Strategy) -> str:
+    """One line for the logs: strategy, processes, backend and device."""
+    detail = ""
+    if strategy is Strategy.DEEPSPEED:
+        detail = f" ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
+    elif strategy is Strategy.FSDP:
+        detail = f" v{accelerator.state.fsdp_plugin.fsdp_version}"
+    backend = accelerator.state.backend or "none"
+    return (
+        f"strategy={strategy.value}{detail} processes={accelerator.num_processes} "
+        f"backend={backend} device={accelerator.device.type} mixed_precision={accelerator.mixed_precision}"
+    )
+
+
+def align_deepspeed_config(accelerator: Accelerator, max_grad_norm: float) -> None:
+    """Make DeepSpeed clip exactly as the other strategies do, before `prepare`.
+
+    accelerate fills an `"auto"` (or missing) `gradient_clipping` with 1.0 while DDP and
+    FSDP clip at `--max_grad_norm`; we write our value in instead. A number in the JSON
+    that disagrees with the flag is an error rather than a silent difference.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    clipping = config.get("gradient_clipping", "auto")
+    if clipping == "auto":
+        config["gradient_clipping"] = max_grad_norm
+    elif float(clipping) != max_grad_norm:
+        raise StrategyError(
+            f"gradient_clipping is {clipping} in the DeepSpeed JSON but --max_grad_norm is {max_grad_norm}; "
+            'set "gradient_clipping": "auto" in the JSON so the flag decides'
+        )
+
+
+def check_deepspeed_engine(accelerator: Accelerator, model: torch.nn.Module, max_grad_norm: float) -> None:
+    """After `prepare`: the engine accumulates and clips exactly as train.py was told."""
+    if wrapped_strategy(model) is not Strategy.DEEPSPEED:
+        return
+    if model.gradient_accumulation_steps() != accelerator.gradient_accumulation_steps:
+        raise StrategyError(
+            f"DeepSpeed accumulates {model.gradient_accumulation_steps()} micro-steps but train.py "
+            f"{accelerator.gradient_accumulation_steps}; set \"gradient_accumulation_steps\": \"auto\" in the JSON"
+        )
+    if model.gradient_clipping() != max_grad_norm:
+        raise StrategyError(f"DeepSpeed clips at {model.gradient_clipping()} but --max_grad_norm is {max_grad_norm}")
+
+
+@contextmanager
+def model_construction(accelerator: Accelerator) -> Iterator[None]:
+    """Build the model as the config's `zero3_init_flag` says.
+
+    Under ZeRO-3 accelerate registers the DeepSpeed config with `transformers` even when
+    `zero3_init_flag` is false (accelerate 1.15), and `transformers` then builds every
+    model already partitioned (`deepspeed.zero.Init`). That saves memory for models too
+    big for one process, but initialises the weights differently from every other
+    strategy. We honour the flag: false builds the model whole, exactly as DDP and FSDP do.
+    """
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero3_init_flag:
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def release_model_construction_hooks() -> None:
+    """After training: let one process alone build `transformers` models again.
+
+    With ZeRO-3's config registered, `transformers` builds every new model partitioned,
+    a collective that needs all ranks; the summary loads the export on one process.
+    """
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()

@@ -1,0 +1,49 @@
+"""Metrics: `output_dir/metrics.jsonl` (one JSON object per line) and accelerate's trackers."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+
+def to_float(value: torch.Tensor | float) -> float:
+    """A Python float from a tensor, a DTensor (FSDP2 grad norms) or a number."""
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)
+
+
+class MetricsLogger:
+    """Appends metrics on the main process only; every rank may call it."""
+
+    def __init__(self, accelerator: Accelerator, output_dir: str) -> None:
+        self.accelerator = accelerator
+        self.path = Path(output_dir) / "metrics.jsonl"
+        if accelerator.is_main_process:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, step: int, **values: float) -> None:
+        self.accelerator.log(values, step=step)
+        if self.accelerator.is_main_process:
+            with self.path.open("a") as file:
+                file.write(json.dumps({"step": step, **values}) + "\n")
+
+
+class Throughput:
+    """Tokens per second over the window since the last `rate()` call."""
+
+    def __init__(self) -> None:
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def rate(self) -> float:
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.start, 1e-9)
+        self.start, self.tokens = now, 0
+        return rate
