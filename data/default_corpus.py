@@ -77,7 +77,7 @@ def generate_documents(num_documents: int, seed: int) -> list[str]:
     return [_arithmetic(rng) if rng.random() < 0.2 else _story(rng) for _ in range(num_documents)]
 
 
-def default_splits(num_train: int = 20_000, num_validation: int = 400) -> dict[str, list[str]]:
+def default_splits(num_train: int = 8_000, num_validation: int = 400) -> dict[str, list[str]]:
     """Train and validation documents, drawn from differently seeded generators."""
     return {
         "train": generate_documents(num_train, seed=1234),
