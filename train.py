@@ -14,8 +14,11 @@ import logging
 import math
 import sys
 import time
+import warnings
 
+import datasets
 import torch
+import transformers
 from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader
@@ -53,6 +56,8 @@ SAMPLE_PROMPT = "Once upon a time"
 def main() -> None:
     model_args, data_args, args = parse_args()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+    # DeepSpeed 0.19 calls collectives that torch 2.13 deprecates, once per step: not actionable here.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     accelerator = build_accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # We step the scheduler once per optimizer step ourselves: accelerate would step it
@@ -65,6 +70,9 @@ def main() -> None:
         project_dir=args.output_dir,
     )
     strategy = verify_strategy(accelerator)
+    if not accelerator.is_main_process:  # one voice in the logs: the other ranks report errors only
+        datasets.utils.logging.set_verbosity_error()
+        transformers.utils.logging.set_verbosity_error()
     logger.info(describe(accelerator, strategy), main_process_only=True)
     set_seed(args.seed)  # identical initial weights on every rank and strategy
 
@@ -115,6 +123,7 @@ def main() -> None:
     )
     verify_strategy(accelerator, model)
     check_deepspeed_engine(accelerator, model, args.max_grad_norm)
+    logger.info(f"model wrapped as {type(model).__name__}", main_process_only=True)
     accelerator.init_trackers("train", config=vars(args) | vars(model_args) | vars(data_args))
 
     state = TrainerState()

@@ -131,7 +131,9 @@ def describe(accelerator: Accelerator, strategy: Strategy) -> str:
     """One line for the logs: strategy, processes, backend and device."""
     detail = ""
     if strategy is Strategy.DEEPSPEED:
-        detail = f" ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
+        plugin = accelerator.state.deepspeed_plugin
+        offload = plugin.deepspeed_config["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
+        detail = f" ZeRO-{plugin.zero_stage}" + (f" offload={offload}" if offload != "none" else "")
     elif strategy is Strategy.FSDP:
         detail = f" v{accelerator.state.fsdp_plugin.fsdp_version}"
     backend = accelerator.state.backend or "none"

@@ -1,0 +1,58 @@
+"""The model builder, the shipped tokenizer and the named configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models import SHIPPED_TOKENIZER, build_model, build_tokenizer
+from models.configs import NAMED_CONFIGS
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(None, None)
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_CONFIGS))
+def test_named_configs_build_fp32_llama_models(name, tokenizer) -> None:
+    model = build_model(None, name, tokenizer)
+    assert model.config.model_type == "llama"
+    assert model.config.vocab_size % 64 == 0 and model.config.vocab_size >= len(tokenizer)
+    assert next(model.parameters()).dtype == torch.float32
+    assert set(model._no_split_modules) == {"LlamaDecoderLayer"}  # what FSDP2 wraps, one unit per layer
+
+
+def test_unknown_named_config_is_an_error(tokenizer) -> None:
+    with pytest.raises(ValueError, match="unknown --model_config 'gpt-9'"):
+        build_model(None, "gpt-9", tokenizer)
+
+
+def test_a_local_pretrained_directory_loads_with_its_tokenizer(tmp_path, tokenizer) -> None:
+    """--model_name_or_path takes a Hub id or a local directory; the weights come back as saved."""
+    saved = build_model(None, "llama-tiny", tokenizer)
+    saved.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = build_model(str(tmp_path), "ignored-when-a-path-is-given", build_tokenizer(str(tmp_path), None))
+    for (name, expected), (_, actual) in zip(saved.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(expected, actual), name
+
+
+def test_gradient_checkpointing_is_switched_on(tokenizer) -> None:
+    model = build_model(None, "llama-tiny", tokenizer, gradient_checkpointing=True)
+    assert model.is_gradient_checkpointing
+
+
+def test_the_shipped_tokenizer_is_what_the_build_script_makes(tmp_path) -> None:
+    subprocess.run([sys.executable, "scripts/build_tokenizer.py", "--output_dir", str(tmp_path)], cwd=REPO, check=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / name).read_text() == (SHIPPED_TOKENIZER / name).read_text(), name
+
+
+def test_the_shipped_tokenizer_round_trips_text(tokenizer) -> None:
+    text = "Once upon a time, 12 + 7 = 19. Unicode too: café ✓"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
