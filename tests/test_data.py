@@ -60,6 +60,17 @@ def test_local_files_become_packed_blocks(suffix, tmp_path, tokenizer, text_docu
     assert train_set[0]["input_ids"].shape == (32,)
 
 
+def test_packing_is_cached_and_reused(tmp_path, tokenizer, text_documents) -> None:
+    train_file = tmp_path / "train.txt"
+    write_dataset(train_file, text_documents)
+    raw = load_raw_datasets(None, None, str(train_file), None, 10, seed=0)
+    first, _ = build_lm_datasets(raw, tokenizer, "text", block_size=32)
+    again, _ = build_lm_datasets(raw, tokenizer, "text", block_size=32)
+    other, _ = build_lm_datasets(raw, tokenizer, "text", block_size=16)
+    assert first.cache_files == again.cache_files  # the second call read the first one's cache file
+    assert other.cache_files != first.cache_files  # a different block size is a different cache
+
+
 def test_a_train_file_alone_is_split_for_validation(tmp_path, tokenizer, text_documents) -> None:
     train_file = tmp_path / "train.txt"
     write_dataset(train_file, text_documents)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from data import build_lm_datasets, load_raw_datasets
 from tests.conftest import read_metrics, train
 
 # config -> (strategy line in the log, wrapper class around the model, a file only that strategy's checkpoint has)
@@ -50,7 +51,20 @@ def test_config_trains_with_the_strategy_it_names(config: str, tmp_path) -> None
     model = AutoModelForCausalLM.from_pretrained(final)
     tokenizer = AutoTokenizer.from_pretrained(final)
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)  # full, not a shard
+    # The export is the trained model, gathered correctly: it reproduces the final eval loss.
+    assert exported_eval_loss(model, tokenizer) == pytest.approx(evals[-1], abs=1e-4)
     prompt = tokenizer("Once upon a time", return_tensors="pt")
     generated = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 8
     assert "sample:" in result.stdout and "final eval loss" in result.stdout
+
+
+@torch.no_grad()
+def exported_eval_loss(model, tokenizer) -> float:
+    """Mean token loss of `model` over the default validation blocks (all full, so a plain mean)."""
+    raw = load_raw_datasets(None, None, None, None, 5, seed=42)
+    _, eval_set = build_lm_datasets(raw, tokenizer, "text", block_size=128)
+    blocks = torch.stack(list(eval_set["input_ids"]))
+    losses = [model(input_ids=chunk, labels=chunk).loss for chunk in blocks.split(16)]
+    sizes = [len(chunk) for chunk in blocks.split(16)]
+    return float(sum(loss * size for loss, size in zip(losses, sizes)) / sum(sizes))

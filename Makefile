@@ -1,0 +1,14 @@
+# Shortcuts for the README's commands. `make setup` once, then `make train` or `make test`.
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+
+.PHONY: setup train test
+setup:  ## create the virtual environment and install the pinned requirements
+	python3 -m venv $(VENV)
+	$(PYTHON) -m pip install -r requirements.txt
+
+train: setup  ## the default job: one process, default model and corpus
+	$(VENV)/bin/accelerate launch train.py
+
+test: setup  ## the test suite: real 2-process CPU runs of every config
+	$(PYTHON) -m pytest
