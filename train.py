@@ -20,15 +20,16 @@ import datasets
 import torch
 import transformers
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data import build_lm_datasets, load_raw_datasets
+from data import build_lm_datasets, load_raw_datasets, make_collator
 from models import build_model, build_tokenizer, max_positions
 from training.arguments import ArgumentError, parse_args
 from training.checkpoint import (
+    ResumeError,
     TrainerState,
     export_final,
     load_checkpoint,
@@ -46,6 +47,7 @@ from training.distributed import (
     verify_strategy,
 )
 from training.evaluation import evaluate
+from training.loss import accumulation_windows, count_target_tokens, token_loss_sums
 from training.metrics import MetricsLogger, Throughput, to_float
 from training.optim import build_optimizer, build_scheduler
 
@@ -59,7 +61,11 @@ def main() -> None:
     # DeepSpeed 0.19 calls collectives that torch 2.13 deprecates, once per step: not actionable here.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     accelerator = build_accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # Synchronise by step count only: train.py reads a whole window ahead (see
+        # accumulation_windows), so the dataloader's end is seen before the window's last step.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
         # We step the scheduler once per optimizer step ourselves: accelerate would step it
         # once per process, making the schedule depend on the number of processes.
         step_scheduler_with_optimizer=False,
@@ -97,8 +103,9 @@ def main() -> None:
             args.seed,
         )
     train_set, eval_set = build_lm_datasets(
-        raw, tokenizer, data_args.text_column, block_size, accelerator.main_process_first()
+        raw, tokenizer, data_args.text_column, block_size, accelerator.main_process_first(), data_args.packing
     )
+    collator = make_collator(tokenizer, data_args.packing)
     # Every optimizer step sees one full global batch: a partial last batch would get a
     # smaller weight under accumulation, so it is dropped (the same samples each epoch).
     global_batch = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
@@ -110,9 +117,9 @@ def main() -> None:
         )
     train_set = train_set.select(range(steps_per_epoch * global_batch))
     train_loader = DataLoader(
-        train_set, batch_size=args.per_device_train_batch_size, shuffle=True, collate_fn=default_data_collator
+        train_set, batch_size=args.per_device_train_batch_size, shuffle=True, collate_fn=collator
     )
-    eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=default_data_collator)
+    eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
     max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
 
     optimizer = build_optimizer(model, args.learning_rate, args.weight_decay)
@@ -122,14 +129,15 @@ def main() -> None:
         model, optimizer, train_loader, eval_loader, scheduler
     )
     verify_strategy(accelerator, model)
-    check_deepspeed_engine(accelerator, model, args.max_grad_norm)
+    check_deepspeed_engine(accelerator, model, scheduler, args.max_grad_norm)
     logger.info(f"model wrapped as {type(model).__name__}", main_process_only=True)
     accelerator.init_trackers("train", config=vars(args) | vars(model_args) | vars(data_args))
 
-    state = TrainerState()
+    state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes)
     resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir)
     if resume_path:
-        state = load_checkpoint(accelerator, resume_path)
+        state = load_checkpoint(accelerator, resume_path, global_batch)
+        state.num_processes = accelerator.num_processes
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
     logger.info(
         f"{len(train_set)} blocks x {block_size} tokens, global batch {global_batch}, "
@@ -141,40 +149,47 @@ def main() -> None:
     metrics = MetricsLogger(accelerator, args.output_dir)
     if state.completed_steps == 0:
         metrics.log(0, **evaluate(model, eval_loader, accelerator))
-    tokens_per_step = global_batch * block_size
     clip_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf  # inf: measure, never clip
-    throughput, window_loss, window_micro_steps = Throughput(), torch.zeros((), device=accelerator.device), 0
+    throughput, interval_loss, interval_steps = Throughput(), torch.zeros((), device=accelerator.device), 0
     progress = tqdm(total=max_steps, initial=state.completed_steps, disable=not accelerator.is_main_process)
     run_start, first_step = time.perf_counter(), state.completed_steps
     eval_result: dict[str, float] = {}
     while state.completed_steps < max_steps:
         train_loader.set_epoch(state.epoch)  # before skipping, or a resume replays another order
-        batches = accelerator.skip_first_batches(train_loader, state.batches_seen_in_epoch)
-        for batch in batches:
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            state.batches_seen_in_epoch += 1
-            window_loss += loss.detach()  # stays on device: no host sync in the hot loop
-            window_micro_steps += 1
-            if not accelerator.sync_gradients:
-                continue
+        # Skipping by optimizer steps, not by this process's batches, keeps the position right
+        # when a checkpoint resumes on a different number of processes.
+        batches = accelerator.skip_first_batches(train_loader, state.steps_in_epoch * args.gradient_accumulation_steps)
+        for window in accumulation_windows(batches, args.gradient_accumulation_steps):
+            # The loss is the mean over every target token of the global batch (all micro-batches
+            # on all ranks), not a mean of per-batch means, so padded batches weigh by their tokens.
+            window_tokens = accelerator.reduce(sum(count_target_tokens(batch) for batch in window), "sum")
+            for batch in window:
+                with accelerator.accumulate(model):
+                    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+                    loss = token_loss_sums(logits, batch["labels"])[0].sum() / window_tokens
+                    # Every strategy averages gradients over micro-steps and processes; scale back up
+                    # so the update is the gradient of the global token mean.
+                    accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
+                    if accelerator.sync_gradients:
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                interval_loss += loss.detach()  # stays on device: no host sync in the hot loop
             scheduler.step()
             state.completed_steps += 1
-            throughput.add(tokens_per_step)
+            state.steps_in_epoch += 1
+            interval_steps += 1
+            throughput.add(sum(batch["input_ids"].numel() for batch in window))
             progress.update(1)
             step = state.completed_steps
 
             if step % args.logging_steps == 0 or step == max_steps:
-                train_loss = accelerator.reduce(window_loss, "mean").item() / window_micro_steps
-                window_loss.zero_()
-                window_micro_steps = 0
+                train_loss = accelerator.reduce(interval_loss, "sum").item() / interval_steps
+                tokens_per_sec = accelerator.reduce(torch.tensor(throughput.rate(), device=accelerator.device), "sum")
+                interval_loss.zero_()
+                interval_steps = 0
                 lr = scheduler.get_last_lr()[0]
-                metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), tokens_per_sec=throughput.rate())
+                metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), tokens_per_sec=tokens_per_sec.item())
                 progress.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}")
             if step % args.eval_steps == 0 or step == max_steps:
                 eval_result = evaluate(model, eval_loader, accelerator)
@@ -186,7 +201,7 @@ def main() -> None:
             if step >= max_steps:
                 break
         else:  # the epoch ran out before max_steps
-            state.epoch, state.batches_seen_in_epoch = state.epoch + 1, 0
+            state.epoch, state.steps_in_epoch = state.epoch + 1, 0
     progress.close()
     elapsed = time.perf_counter() - run_start
 
@@ -196,7 +211,7 @@ def main() -> None:
     release_model_construction_hooks()
     if accelerator.is_main_process:
         steps_run = state.completed_steps - first_step
-        print_summary(steps_run, steps_run * tokens_per_step / elapsed, eval_result, final_dir)
+        print_summary(steps_run, throughput.total_tokens * accelerator.num_processes / elapsed, eval_result, final_dir)
 
 
 def resolve_block_size(requested: int | None, model_max: int | None) -> int:
@@ -229,6 +244,6 @@ def print_summary(steps: int, tokens_per_sec: float, eval_result: dict[str, floa
 if __name__ == "__main__":
     try:
         main()
-    except (ArgumentError, StrategyError, FileNotFoundError) as error:
+    except (ArgumentError, StrategyError, ResumeError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

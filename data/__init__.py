@@ -6,9 +6,11 @@ Sources, in order of precedence:
 - `--train_file` / `--validation_file`: local txt, json/jsonl, csv or parquet files;
 - nothing: the embedded default corpus (`data/default_corpus.py`).
 
-Tokenization and packing run once, on the main process first, and are cached under
-`datasets`' cache directory (`HF_DATASETS_CACHE`); every other rank, and every later
-run with the same data, tokenizer and block size, reads the cache.
+Documents are packed into full `block_size` blocks (the default), or, with
+`--packing false`, kept one per sequence and padded per batch. Tokenization runs once,
+on the main process first, and is cached under `datasets`' cache directory
+(`HF_DATASETS_CACHE`); every other rank, and every later run with the same data,
+tokenizer and settings, reads the cache.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from pathlib import Path
 
 import datasets
 from datasets import Dataset, DatasetDict, load_dataset
-from transformers import PreTrainedTokenizerBase
+from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, default_data_collator
 
 from data.default_corpus import CORPUS_VERSION, default_splits
-from data.packing import tokenize_and_pack
+from data.packing import tokenize_and_pack, tokenize_documents
 
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-PACKING_VERSION = "1"  # bump when packing changes, so old caches are not reused
+PACKING_VERSION = "2"  # bump when packing changes, so old caches are not reused
 
 
 def _builder_for(path: str) -> str:
@@ -63,10 +65,12 @@ def load_raw_datasets(
     return raw
 
 
-def _cache_key(raw: Dataset, tokenizer: PreTrainedTokenizerBase, text_column: str, block_size: int) -> str:
-    """Identify a packed dataset by everything that changes its content."""
+def _cache_key(
+    raw: Dataset, tokenizer: PreTrainedTokenizerBase, text_column: str, block_size: int, packing: bool
+) -> str:
+    """Identify a tokenized dataset by everything that changes its content."""
     source = raw._fingerprint if raw.cache_files else f"default-corpus-{CORPUS_VERSION}-{len(raw)}"
-    parts = [source, tokenizer.backend_tokenizer.to_str(), text_column, str(block_size), PACKING_VERSION]
+    parts = [source, tokenizer.backend_tokenizer.to_str(), text_column, block_size, packing, PACKING_VERSION]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
@@ -76,8 +80,9 @@ def build_lm_datasets(
     text_column: str,
     block_size: int,
     main_process_first: AbstractContextManager | None = None,
+    packing: bool = True,
 ) -> tuple[Dataset, Dataset]:
-    """Tokenize and pack both splits into `block_size` blocks, cached on disk.
+    """Tokenize both splits into sequences of at most `block_size` tokens, cached on disk.
 
     `main_process_first` is `accelerator.main_process_first()`: the main process builds
     the cache while the other ranks wait, then they load it.
@@ -92,15 +97,22 @@ def build_lm_datasets(
     packed = {}
     with main_process_first or nullcontext():
         for name, split in raw.items():
-            key = _cache_key(split, tokenizer, text_column, block_size)
+            key = _cache_key(split, tokenizer, text_column, block_size, packing)
             packed[name] = split.map(
-                tokenize_and_pack,
+                tokenize_and_pack if packing else tokenize_documents,
                 batched=True,
                 batch_size=1000,
                 remove_columns=split.column_names,
                 fn_kwargs={"tokenizer": tokenizer, "text_column": text_column, "block_size": block_size},
                 cache_file_name=str(cache_dir / f"{key}.arrow"),
                 new_fingerprint=key,
-                desc=f"Tokenizing and packing {name}",
-            ).with_format("torch")
+                desc=f"Tokenizing {name}",
+            )
+            if packing:  # equal lengths: tensors straight from the dataset
+                packed[name] = packed[name].with_format("torch")
     return packed["train"], packed["validation"]
+
+
+def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool):
+    """Packed blocks stack as they are; documents are padded, with padding labelled -100."""
+    return default_data_collator if packing else DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)

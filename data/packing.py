@@ -1,4 +1,4 @@
-"""Tokenize documents and pack them into fixed-length blocks for causal LM training."""
+"""Tokenize documents into training sequences: packed into full blocks, or one per document."""
 
 from __future__ import annotations
 
@@ -30,3 +30,18 @@ def tokenize_and_pack(
     token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     blocks = pack_sequences([ids + [tokenizer.eos_token_id] for ids in token_ids], block_size)
     return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
+
+
+def tokenize_documents(
+    batch: dict[str, list[Any]], tokenizer: PreTrainedTokenizerBase, text_column: str, block_size: int
+) -> dict[str, list[list[int]]]:
+    """`datasets.map` function without packing: one sequence per document, cut at `block_size`.
+
+    Sequences keep their own lengths; the collator pads them per batch and masks the
+    padding out of the loss, which train.py averages over real tokens only.
+    """
+    texts = [text for text in batch[text_column] if text]
+    token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    sequences = [(ids + [tokenizer.eos_token_id])[:block_size] for ids in token_ids]
+    sequences = [ids for ids in sequences if len(ids) >= 2]  # one token predicts nothing
+    return {"input_ids": sequences, "labels": [list(ids) for ids in sequences]}

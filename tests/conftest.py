@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from data.default_corpus import generate_documents
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
@@ -18,21 +22,60 @@ TINY_RUN = ["--model_config", "llama-tiny", "--per_device_train_batch_size", "4"
             "--learning_rate", "3e-3", "--warmup_steps", "2"]
 
 
+# Splits of one global batch of 8: name -> (config, per-device batch, accumulation steps).
+SPLITS = {
+    "1x8x1": ("single", 8, 1),
+    "2x4x1": ("ddp", 4, 1),
+    "2x2x2": ("ddp", 2, 2),
+    "1x2x4": ("single", 2, 4),
+    "zero2-2x2x2": ("deepspeed_zero2", 2, 2),
+    "fsdp-2x2x2": ("fsdp", 2, 2),
+    "zero3-2x4x1": ("deepspeed_zero3", 4, 1),
+}
+MAX_STEPS = 10  # with 6 steps per epoch on `uneven_data`: crosses into the second epoch
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def launch(config: str, script: str | Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/<config>.yaml <script> <args>`, for real."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
+def config_path(config: str | Path) -> Path:
+    """A config name from accelerate_configs/, or a path to any accelerate yaml."""
+    return config if isinstance(config, Path) else CONFIGS / f"{config}.yaml"
+
+
+def with_clipping(config: str, max_grad_norm: float, directory: Path) -> Path:
+    """The config, with its DeepSpeed JSON (if any) rewritten to clip at `max_grad_norm`.
+
+    This is what a user does to change clipping under DeepSpeed: the JSON and
+    `--max_grad_norm` must agree, or train.py refuses to start.
+    """
+    launcher = yaml.safe_load(config_path(config).read_text())
+    ds_file = launcher.get("deepspeed_config", {}).get("deepspeed_config_file")
+    if ds_file is None:
+        return config_path(config)
+    ds_config = json.loads((REPO / ds_file).read_text())
+    if ds_config["gradient_clipping"] == max_grad_norm:
+        return config_path(config)
+    ds_config["gradient_clipping"] = max_grad_norm
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{config}.json").write_text(json.dumps(ds_config))
+    launcher["deepspeed_config"]["deepspeed_config_file"] = str(directory / f"{config}.json")
+    (directory / f"{config}.yaml").write_text(yaml.safe_dump(launcher))
+    return directory / f"{config}.yaml"
+
+
+def launch(config: str | Path, script: str | Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file <config> <script> <args>`, for real."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path(config)),
                "--main_process_port", str(free_port()), str(script), *args]
     env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def train(config: str, output_dir: Path, *args: str) -> subprocess.CompletedProcess:
+def train(config: str | Path, output_dir: Path, *args: str) -> subprocess.CompletedProcess:
     """Run train.py with the tiny model; fail the test with the run's output if it fails."""
     result = launch(config, "train.py", *TINY_RUN, "--output_dir", str(output_dir), *args)
     assert result.returncode == 0, f"train.py failed under {config}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
@@ -47,3 +90,73 @@ def read_metrics(output_dir: Path) -> list[dict]:
 def text_documents() -> list[str]:
     """Enough short documents for a few blocks of 32 tokens."""
     return [f"Document {i}: the quick brown fox jumps over the lazy dog {i} times." for i in range(200)]
+
+
+@pytest.fixture(scope="session")
+def cached_run(tmp_path_factory):
+    """`cached_run(config, *args)` trains once per distinct (config, args) in the session."""
+    outputs: dict[tuple, Path] = {}
+
+    def run(config: str | Path, *args: str) -> Path:
+        key = (str(config), args)
+        if key not in outputs:
+            output_dir = tmp_path_factory.mktemp("run")
+            result = train(config, output_dir, *args)
+            (output_dir / "launch.log").write_text(result.stdout + result.stderr)
+            outputs[key] = output_dir
+        return outputs[key]
+
+    return run
+
+
+def variable_length_documents(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words = [doc.split() for doc in generate_documents(count, seed)]
+    return [" ".join(doc[: rng.randint(3, 40)]) for doc in words]
+
+
+@pytest.fixture(scope="session")
+def uneven_data(tmp_path_factory) -> list[str]:
+    """Flags for 50 training and 13 validation documents of different lengths, unpacked and padded."""
+    directory = tmp_path_factory.mktemp("uneven_data")
+    for name, count, seed in (("train", 50, 1), ("validation", 13, 2)):
+        lines = [json.dumps({"text": text}) for text in variable_length_documents(count, seed)]
+        (directory / f"{name}.jsonl").write_text("\n".join(lines))
+    return ["--train_file", str(directory / "train.jsonl"), "--validation_file", str(directory / "validation.jsonl"),
+            "--packing", "false", "--block_size", "64"]
+
+
+def split_args(uneven_data: list[str], per_device: int, accumulation: int) -> tuple[str, ...]:
+    """A run over `uneven_data` with one global batch split as asked; checkpoints at steps 4 and 8."""
+    return (*uneven_data, "--max_steps", str(MAX_STEPS), "--logging_steps", "1", "--eval_steps", "5",
+            "--save_steps", "4", "--per_device_train_batch_size", str(per_device),
+            "--gradient_accumulation_steps", str(accumulation))
+
+
+@pytest.fixture(scope="session")
+def split_run(cached_run, uneven_data):
+    """`split_run(name)`: the run for one entry of SPLITS, trained once per session."""
+    def run(name: str):
+        config, per_device, accumulation = SPLITS[name]
+        return cached_run(config, *split_args(uneven_data, per_device, accumulation))
+
+    return run
+
+
+def parity_args(config: str, max_grad_norm: float) -> tuple[str, ...]:
+    """12 steps with a global batch of 8 on 1 or 2 processes; checkpoints at steps 6 and 12."""
+    per_device = "8" if config == "single" else "4"
+    return ("--max_steps", "12", "--logging_steps", "1", "--eval_steps", "6", "--save_steps", "6",
+            "--per_device_train_batch_size", per_device, "--max_grad_norm", str(max_grad_norm))
+
+
+@pytest.fixture(scope="session")
+def strategy_run(cached_run, tmp_path_factory):
+    """`strategy_run(config, max_grad_norm)`: the parity run of one config, trained once per session."""
+    configs_dir = tmp_path_factory.mktemp("configs")
+
+    def run(config: str, max_grad_norm: float = 1.0) -> Path:
+        launcher = with_clipping(config, max_grad_norm, configs_dir / str(max_grad_norm))
+        return cached_run(launcher, *parity_args(config, max_grad_norm))
+
+    return run

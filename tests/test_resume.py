@@ -1,33 +1,45 @@
-"""Checkpoints resume where they left off, rotate, and bad input stops train.py cleanly."""
+"""Checkpoints resume exactly where they left off, rotate, and bad input stops train.py cleanly."""
 
 from __future__ import annotations
 
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from tests.conftest import launch, read_metrics, train
+from tests.conftest import MAX_STEPS, launch, read_metrics, split_args, train
 
-RUN = ["--max_steps", "8", "--logging_steps", "1", "--eval_steps", "100", "--save_steps", "2"]
-
-
-def train_losses(output_dir) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in read_metrics(output_dir) if "loss" in m}
+RESUME_STEP = 8  # mid-epoch, in the second epoch (6 steps per epoch on `uneven_data`)
 
 
-def test_resume_latest_continues_the_same_run_and_rotation_keeps_the_newest(tmp_path) -> None:
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    train("ddp", full, *RUN, "--save_total_limit", "3")
-    kept = sorted(p.name for p in (full / "checkpoints").iterdir())
-    assert kept == ["step_4", "step_6", "step_8"]
+def logged(output_dir, first_step: int) -> dict[tuple[int, str], float]:
+    """Every logged loss, lr and eval_loss after `first_step`."""
+    return {(m["step"], key): m[key] for m in read_metrics(output_dir) if m["step"] > first_step
+            for key in ("loss", "lr", "eval_loss") if key in m}
 
-    shutil.copytree(full / "checkpoints" / "step_4", resumed / "checkpoints" / "step_4")
-    result = train("ddp", resumed, *RUN, "--resume_from_checkpoint", "latest")
-    assert "resumed from" in result.stderr and "at step 4" in result.stderr
-    expected, actual = train_losses(full), train_losses(resumed)
-    assert sorted(actual) == [5, 6, 7, 8]
-    for step in actual:
-        assert actual[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
+
+@pytest.mark.parametrize("config", ["single", "ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3"])
+def test_resume_latest_in_a_fresh_launch_continues_exactly(config, cached_run, uneven_data, tmp_path) -> None:
+    args = split_args(uneven_data, per_device=8 if config == "single" else 4, accumulation=1)
+    full = cached_run(config, *args)
+    shutil.copytree(full / "checkpoints" / f"step_{RESUME_STEP}", tmp_path / "checkpoints" / f"step_{RESUME_STEP}")
+
+    result = train(config, tmp_path, *args, "--resume_from_checkpoint", "latest")
+    assert f"at step {RESUME_STEP}" in result.stderr
+    expected, actual = logged(full, RESUME_STEP), logged(tmp_path, RESUME_STEP)
+    assert sorted(step for step, key in actual if key == "loss") == list(range(RESUME_STEP + 1, MAX_STEPS + 1))
+    assert actual.keys() == expected.keys()
+    for entry in expected:
+        assert actual[entry] == pytest.approx(expected[entry], rel=1e-6, abs=1e-7), entry
+    final_full, final_resumed = (load_file(d / "final" / "model.safetensors") for d in (full, tmp_path))
+    for name in final_full:
+        torch.testing.assert_close(final_resumed[name], final_full[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_rotation_keeps_the_newest_checkpoints(tmp_path) -> None:
+    train("single", tmp_path, "--max_steps", "8", "--eval_steps", "100", "--save_steps", "2", "--save_total_limit", "3")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_4", "step_6", "step_8"]
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import build_lm_datasets, load_raw_datasets
-from tests.conftest import read_metrics, train
+from tests.conftest import read_metrics
 
 # config -> (strategy line in the log, wrapper class around the model, a file only that strategy's checkpoint has)
 STRATEGIES = {
@@ -24,29 +24,28 @@ STRATEGIES = {
 
 
 @pytest.mark.parametrize("config", sorted(STRATEGIES))
-def test_config_trains_with_the_strategy_it_names(config: str, tmp_path) -> None:
+def test_config_trains_with_the_strategy_it_names(config: str, strategy_run) -> None:
     strategy_line, wrapper, checkpoint_marker = STRATEGIES[config]
-    result = train(config, tmp_path, "--max_steps", "12", "--logging_steps", "3", "--eval_steps", "6",
-                   "--save_steps", "6")
-    log = result.stdout + result.stderr
+    run = strategy_run(config)
+    log = (run / "launch.log").read_text()
     assert strategy_line in log
     assert f"model wrapped as {wrapper}" in log
 
-    metrics = read_metrics(tmp_path)
+    metrics = read_metrics(run)
     losses = [m["loss"] for m in metrics if "loss" in m]
     evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
-    assert [m["step"] for m in metrics if "loss" in m] == [3, 6, 9, 12]
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 13))
     assert losses[-1] < losses[0] - 0.5, losses
     assert evals[-1] < evals[0] - 0.5, evals
     assert all({"lr", "grad_norm", "tokens_per_sec"} <= m.keys() for m in metrics if "loss" in m)
     assert all("perplexity" in m for m in metrics if "eval_loss" in m)
 
     for step in (6, 12):
-        checkpoint = tmp_path / "checkpoints" / f"step_{step}"
+        checkpoint = run / "checkpoints" / f"step_{step}"
         assert (checkpoint / "trainer_state.json").is_file()
         assert (checkpoint / checkpoint_marker).exists(), sorted(p.name for p in checkpoint.iterdir())
 
-    final = tmp_path / "final"
+    final = run / "final"
     assert (final / "model.safetensors").is_file()
     model = AutoModelForCausalLM.from_pretrained(final)
     tokenizer = AutoTokenizer.from_pretrained(final)
@@ -56,7 +55,7 @@ def test_config_trains_with_the_strategy_it_names(config: str, tmp_path) -> None
     prompt = tokenizer("Once upon a time", return_tensors="pt")
     generated = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 8
-    assert "sample:" in result.stdout and "final eval loss" in result.stdout
+    assert "sample:" in log and "final eval loss" in log
 
 
 @torch.no_grad()

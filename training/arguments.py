@@ -42,6 +42,9 @@ class DataArguments:
     validation_split_percentage: int = field(
         default=5, metadata={"help": "Percent of train held out when there is no validation split."}
     )
+    packing: bool = field(
+        default=True, metadata={"help": "Pack documents into full blocks; false: one padded sequence per document."}
+    )
     block_size: int | None = field(
         default=None, metadata={"help": "Tokens per training sequence. Default: the model's maximum, at most 1024."}
     )

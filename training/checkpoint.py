@@ -17,16 +17,19 @@ from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
 TRAINER_STATE = "trainer_state.json"
+DEEPSPEED_DIR = "pytorch_model"  # what accelerate's save_state writes for a DeepSpeed engine
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 @dataclass
 class TrainerState:
-    """Where training stands; enough to continue exactly."""
+    """Where training stands; enough to continue exactly, on any number of processes."""
 
     completed_steps: int = 0
     epoch: int = 0
-    batches_seen_in_epoch: int = 0  # micro-batches per process consumed in `epoch`
+    steps_in_epoch: int = 0  # optimizer steps taken in `epoch`: the data position to skip to
+    global_batch: int = 0  # sequences per optimizer step; resuming needs the same
+    num_processes: int = 1  # that saved the checkpoint
 
 
 def checkpoints_root(output_dir: str) -> Path:
@@ -69,10 +72,30 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, state: TrainerSta
     return path
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path) -> TrainerState:
-    """Restore model, optimizer, scheduler and RNG state; return where training stood."""
+class ResumeError(RuntimeError):
+    """A checkpoint that cannot continue this run exactly; the message says what to do."""
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int) -> TrainerState:
+    """Restore model, optimizer, scheduler and RNG state; return where training stood.
+
+    Checks first, on every rank, that the checkpoint can continue this run exactly.
+    """
+    state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
+    if state.global_batch != global_batch:
+        raise ResumeError(
+            f"{path} was trained with a global batch of {state.global_batch}, this run has {global_batch}; "
+            "keep per_device_train_batch_size x processes x gradient_accumulation_steps the same to resume"
+        )
+    if (path / DEEPSPEED_DIR).is_dir() and state.num_processes != accelerator.num_processes:
+        raise ResumeError(
+            f"{path} is a DeepSpeed checkpoint of {state.num_processes} processes; DeepSpeed cannot resume it on "
+            f"{accelerator.num_processes}. Resume on {state.num_processes} processes, or convert it to full weights with "
+            f"`python {path}/zero_to_fp32.py {path} <out_dir> --safe_serialization` and start a new run from "
+            "--model_name_or_path <out_dir> (the optimizer state is not carried over)"
+        )
     accelerator.load_state(str(path))
-    return TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
+    return state
 
 
 def export_final(accelerator: Accelerator, model, tokenizer: PreTrainedTokenizerBase, output_dir: str) -> Path:

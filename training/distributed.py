@@ -164,10 +164,25 @@ def align_deepspeed_config(accelerator: Accelerator, max_grad_norm: float) -> No
         )
 
 
-def check_deepspeed_engine(accelerator: Accelerator, model: torch.nn.Module, max_grad_norm: float) -> None:
-    """After `prepare`: the engine accumulates and clips exactly as train.py was told."""
+def check_deepspeed_engine(
+    accelerator: Accelerator, model: torch.nn.Module, scheduler, max_grad_norm: float
+) -> None:
+    """After `prepare`: the engine accumulates, clips and optimizes exactly as train.py was told.
+
+    The optimizer check matters under CPU offload: accelerate 1.15 swaps the torch AdamW for
+    a DeepSpeedCPUAdam that keeps only lr and weight decay (betas and eps fall back to
+    DeepSpeed's defaults) and that the learning-rate schedule no longer drives.
+    `zero3_offload.json` sets `zero_force_ds_cpu_optimizer: false` so the same torch AdamW
+    runs there too; this check catches the swap if that setting is removed.
+    """
     if wrapped_strategy(model) is not Strategy.DEEPSPEED:
         return
+    stepped = model.optimizer.optimizer  # what DeepSpeed's ZeRO wrapper steps
+    if stepped is not scheduler.scheduler.optimizer:
+        raise StrategyError(
+            f"DeepSpeed replaced train.py's optimizer with {type(stepped).__name__} (different betas/eps, and the "
+            'schedule would not reach it); set "zero_force_ds_cpu_optimizer": false in the DeepSpeed JSON'
+        )
     if model.gradient_accumulation_steps() != accelerator.gradient_accumulation_steps:
         raise StrategyError(
             f"DeepSpeed accumulates {model.gradient_accumulation_steps()} micro-steps but train.py "

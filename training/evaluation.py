@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-IGNORE_INDEX = -100
+from training.loss import token_loss_sums
 
 
 @torch.no_grad()
@@ -24,14 +23,8 @@ def evaluate(model: torch.nn.Module, dataloader: DataLoader, accelerator: Accele
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     token_count = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in dataloader:
-        logits = model(input_ids=batch["input_ids"]).logits
-        labels = batch["labels"][:, 1:]
-        token_losses = F.cross_entropy(
-            logits[:, :-1].transpose(1, 2).float(), labels, ignore_index=IGNORE_INDEX, reduction="none"
-        )
-        sums, counts = accelerator.gather_for_metrics(
-            (token_losses.sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1))
-        )
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        sums, counts = accelerator.gather_for_metrics(token_loss_sums(logits, batch["labels"]))
         loss_sum += sums.double().sum()
         token_count += counts.double().sum()
     model.train()

@@ -34,13 +34,14 @@ class MetricsLogger:
 
 
 class Throughput:
-    """Tokens per second over the window since the last `rate()` call."""
+    """This process's tokens per second since the last `rate()` call, and its total."""
 
     def __init__(self) -> None:
-        self.start, self.tokens = time.perf_counter(), 0
+        self.start, self.tokens, self.total_tokens = time.perf_counter(), 0, 0
 
     def add(self, tokens: int) -> None:
         self.tokens += tokens
+        self.total_tokens += tokens
 
     def rate(self) -> float:
         now = time.perf_counter()

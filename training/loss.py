@@ -1,0 +1,38 @@
+"""The causal LM loss, counted in tokens so that every split of a global batch agrees."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # label of padding and of anything else that must not be learned
+
+
+def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence sum of next-token losses, and per-sequence count of target tokens."""
+    targets = labels[:, 1:]
+    losses = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
+    return losses.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1)
+
+
+def count_target_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Target tokens in a batch: what the loss is averaged over."""
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+
+def accumulation_windows(batches: Iterable[dict], size: int) -> Iterator[list[dict]]:
+    """Group micro-batches into the windows of one optimizer step each.
+
+    The whole window is read first because the loss divides by its token count. train.py
+    only ever sees full windows (it drops the incomplete last global batch of an epoch).
+    """
+    window = []
+    for batch in batches:
+        window.append(batch)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
