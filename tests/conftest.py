@@ -67,6 +67,15 @@ def with_clipping(config: str, max_grad_norm: float, directory: Path) -> Path:
     return directory / f"{config}.yaml"
 
 
+def with_processes(config: str, num_processes: int, directory: Path) -> Path:
+    """The config with another `num_processes` (what `--num_processes` on the command line does)."""
+    launcher = yaml.safe_load(config_path(config).read_text()) | {"num_processes": num_processes}
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{config}-{num_processes}.yaml"
+    path.write_text(yaml.safe_dump(launcher))
+    return path
+
+
 def launch(config: str | Path, script: str | Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file <config> <script> <args>`, for real."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path(config)),

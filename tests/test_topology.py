@@ -1,0 +1,55 @@
+"""Resuming a checkpoint on a different number of processes (same global batch of 8).
+
+FSDP2 sharded checkpoints (torch distributed checkpoint) reshard on load: 2 -> 1 and
+1 -> 2 continue the run. DeepSpeed ZeRO checkpoints are partitioned per rank and cannot
+be resumed on another count: train.py stops at once and names the conversion path.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import launch, read_metrics, split_args, train, with_processes
+
+RESUME_STEP = 8
+TOLERANCE = 1e-5  # a different process count sums gradients in a different order
+
+
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [(2, 1), (1, 2)])
+def test_fsdp_checkpoint_resumes_on_another_number_of_processes(
+    saved_on, resumed_on, cached_run, uneven_data, tmp_path
+) -> None:
+    configs = {n: with_processes("fsdp", n, tmp_path / "configs") for n in (saved_on, resumed_on)}
+    args = {n: split_args(uneven_data, per_device=8 // n, accumulation=1) for n in (saved_on, resumed_on)}
+    full = cached_run("fsdp", *args[2]) if saved_on == 2 else cached_run(configs[1], *args[1])
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoints" / f"step_{RESUME_STEP}", resumed / "checkpoints" / f"step_{RESUME_STEP}")
+
+    result = train(configs[resumed_on], resumed, *args[resumed_on], "--resume_from_checkpoint", "latest")
+    assert f"strategy=fsdp v2 processes={resumed_on}" in result.stderr
+    expected = {m["step"]: m["loss"] for m in read_metrics(full) if "loss" in m and m["step"] > RESUME_STEP}
+    actual = {m["step"]: m["loss"] for m in read_metrics(resumed) if "loss" in m}
+    assert actual.keys() == expected.keys()
+    for step in expected:
+        assert actual[step] == pytest.approx(expected[step], abs=TOLERANCE), step
+    final_full, final_resumed = (load_file(d / "final" / "model.safetensors") for d in (full, resumed))
+    for name in final_full:
+        torch.testing.assert_close(final_resumed[name], final_full[name], atol=TOLERANCE, rtol=0, msg=name)
+
+
+def test_deepspeed_checkpoint_on_another_number_of_processes_stops_with_the_conversion_path(
+    cached_run, uneven_data, tmp_path
+) -> None:
+    full = cached_run("deepspeed_zero2", *split_args(uneven_data, per_device=4, accumulation=1))
+    shutil.copytree(full / "checkpoints" / f"step_{RESUME_STEP}", tmp_path / "checkpoints" / f"step_{RESUME_STEP}")
+    single = with_processes("deepspeed_zero2", 1, tmp_path / "configs")
+    result = launch(single, "train.py", "--model_config", "llama-tiny", "--output_dir", str(tmp_path),
+                    *split_args(uneven_data, per_device=8, accumulation=1), "--resume_from_checkpoint", "latest")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and "DeepSpeed checkpoint of 2 processes" in errors[0] and "zero_to_fp32.py" in errors[0]
+    assert not (tmp_path / "metrics.jsonl").exists() or "loss" not in (tmp_path / "metrics.jsonl").read_text()
