@@ -40,11 +40,13 @@ from training.distributed import (
     StrategyError,
     align_deepspeed_config,
     build_accelerator,
-    check_deepspeed_engine,
     describe,
+    master_weight_dtypes,
     model_construction,
     release_model_construction_hooks,
+    verify_prepared,
     verify_strategy,
+    write_effective_deepspeed_config,
 )
 from training.evaluation import evaluate
 from training.loss import accumulation_windows, count_target_tokens, token_loss_sums
@@ -128,9 +130,13 @@ def main() -> None:
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
-    verify_strategy(accelerator, model)
-    check_deepspeed_engine(accelerator, model, scheduler, args.max_grad_norm)
-    logger.info(f"model wrapped as {type(model).__name__}", main_process_only=True)
+    verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
+    write_effective_deepspeed_config(accelerator, args.output_dir)
+    logger.info(
+        f"model wrapped as {type(model).__name__}; optimizer master weights "
+        f"{', '.join(str(d) for d in master_weight_dtypes(model, optimizer))}",
+        main_process_only=True,
+    )
     accelerator.init_trackers("train", config=vars(args) | vars(model_args) | vars(data_args))
 
     state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes)

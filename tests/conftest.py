@@ -76,17 +76,21 @@ def with_processes(config: str, num_processes: int, directory: Path) -> Path:
     return path
 
 
-def launch(config: str | Path, script: str | Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file <config> <script> <args>`, for real."""
+def launch(
+    config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file <config> <launcher_args> <script> <args>`, for real."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path(config)),
-               "--main_process_port", str(free_port()), str(script), *args]
+               "--main_process_port", str(free_port()), *launcher_args, str(script), *args]
     env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def train(config: str | Path, output_dir: Path, *args: str) -> subprocess.CompletedProcess:
+def train(
+    config: str | Path, output_dir: Path, *args: str, launcher_args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """Run train.py with the tiny model; fail the test with the run's output if it fails."""
-    result = launch(config, "train.py", *TINY_RUN, "--output_dir", str(output_dir), *args)
+    result = launch(config, "train.py", *TINY_RUN, "--output_dir", str(output_dir), *args, launcher_args=launcher_args)
     assert result.returncode == 0, f"train.py failed under {config}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result
 

@@ -19,10 +19,12 @@ On a GPU machine none of this applies: the same config files run unmodified over
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -164,32 +166,81 @@ def align_deepspeed_config(accelerator: Accelerator, max_grad_norm: float) -> No
         )
 
 
-def check_deepspeed_engine(
-    accelerator: Accelerator, model: torch.nn.Module, scheduler, max_grad_norm: float
-) -> None:
-    """After `prepare`: the engine accumulates, clips and optimizes exactly as train.py was told.
+def _auto_keys(config: dict, prefix: str = "") -> list[str]:
+    """Keys still set to "auto" anywhere in a DeepSpeed config."""
+    found = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            found += _auto_keys(value, f"{prefix}{key}.")
+        elif value == "auto":
+            found.append(prefix + key)
+    return found
 
-    The optimizer check matters under CPU offload: accelerate 1.15 swaps the torch AdamW for
-    a DeepSpeedCPUAdam that keeps only lr and weight decay (betas and eps fall back to
-    DeepSpeed's defaults) and that the learning-rate schedule no longer drives.
-    `zero3_offload.json` sets `zero_force_ds_cpu_optimizer: false` so the same torch AdamW
-    runs there too; this check catches the swap if that setting is removed.
+
+def master_weight_dtypes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> set[torch.dtype]:
+    """The dtypes of the weights the optimizer updates (DeepSpeed keeps its own flat copies)."""
+    if wrapped_strategy(model) is Strategy.DEEPSPEED:
+        zero = model.optimizer  # ZeRO-3 and ZeRO-1/2 name their fp32 partitions differently
+        partitions = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+        return {partition.dtype for partition in partitions}
+    return {param.dtype for group in optimizer.param_groups for param in group["params"]}
+
+
+def verify_prepared(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    per_device_batch: int,
+    max_grad_norm: float,
+) -> None:
+    """After `prepare`: what runs is what train.py asked for, on every strategy.
+
+    - the wrapper around the model is the configured strategy's;
+    - the optimizer updates fp32 master weights, also under bf16/fp16 (training bf16
+      weights directly learns worse, and differs between FSDP and DeepSpeed);
+    - DeepSpeed: no "auto" is left, and its micro-batch, accumulation, clipping and
+      precision equal train.py's. It also steps train.py's own optimizer: under CPU offload
+      accelerate 1.15 swaps the torch AdamW for a DeepSpeedCPUAdam that keeps only lr and
+      weight decay (betas and eps change, and the schedule no longer reaches it), which
+      `"zero_force_ds_cpu_optimizer": false` in zero3_offload.json prevents.
     """
+    verify_strategy(accelerator, model)
+    if master_weight_dtypes(model, optimizer) != {torch.float32}:
+        raise StrategyError(f"optimizer master weights are {master_weight_dtypes(model, optimizer)}, not float32")
     if wrapped_strategy(model) is not Strategy.DEEPSPEED:
         return
+    leftover = _auto_keys(accelerator.state.deepspeed_plugin.deepspeed_config)
+    if leftover:
+        raise StrategyError(f"DeepSpeed config values still 'auto' after prepare: {leftover}")
+    expected = {
+        "micro-batch": (model.train_micro_batch_size_per_gpu(), per_device_batch),
+        "gradient accumulation": (model.gradient_accumulation_steps(), accelerator.gradient_accumulation_steps),
+        "gradient clipping": (model.gradient_clipping(), max_grad_norm),
+        "bf16": (model.bfloat16_enabled(), accelerator.mixed_precision == "bf16"),
+        "fp16": (model.fp16_enabled(), accelerator.mixed_precision == "fp16"),
+    }
+    for name, (engine_value, ours) in expected.items():
+        if engine_value != ours:
+            raise StrategyError(
+                f"DeepSpeed runs with {name} {engine_value} but train.py asked for {ours}; "
+                'set that key to "auto" in the DeepSpeed JSON (clipping: to --max_grad_norm)'
+            )
     stepped = model.optimizer.optimizer  # what DeepSpeed's ZeRO wrapper steps
     if stepped is not scheduler.scheduler.optimizer:
         raise StrategyError(
             f"DeepSpeed replaced train.py's optimizer with {type(stepped).__name__} (different betas/eps, and the "
             'schedule would not reach it); set "zero_force_ds_cpu_optimizer": false in the DeepSpeed JSON'
         )
-    if model.gradient_accumulation_steps() != accelerator.gradient_accumulation_steps:
-        raise StrategyError(
-            f"DeepSpeed accumulates {model.gradient_accumulation_steps()} micro-steps but train.py "
-            f"{accelerator.gradient_accumulation_steps}; set \"gradient_accumulation_steps\": \"auto\" in the JSON"
-        )
-    if model.gradient_clipping() != max_grad_norm:
-        raise StrategyError(f"DeepSpeed clips at {model.gradient_clipping()} but --max_grad_norm is {max_grad_norm}")
+
+
+def write_effective_deepspeed_config(accelerator: Accelerator, output_dir: str) -> None:
+    """Save the DeepSpeed config as resolved by `prepare` (no "auto"), for the record."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and accelerator.is_main_process:
+        path = Path(output_dir) / "deepspeed_config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(plugin.deepspeed_config, indent=2, default=str))
 
 
 @contextmanager
