@@ -108,14 +108,14 @@ def main() -> None:
         raw, tokenizer, data_args.text_column, block_size, accelerator.main_process_first(), data_args.packing
     )
     collator = make_collator(tokenizer, data_args.packing)
-    # Every optimizer step sees one full global batch: a partial last batch would get a
-    # smaller weight under accumulation, so it is dropped (the same samples each epoch).
+    # Every optimizer step sees one full global batch: a partial last one would weigh less
+    # under accumulation, so the last len % global_batch sequences are left out every epoch.
     global_batch = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     steps_per_epoch = len(train_set) // global_batch
     if steps_per_epoch == 0 or len(eval_set) == 0:
         raise ArgumentError(
-            f"{len(train_set)} training and {len(eval_set)} validation blocks of {block_size} tokens: need at least one "
-            f"global batch of {global_batch} and one validation block; use more data or smaller batches"
+            f"{len(train_set)} training and {len(eval_set)} validation sequences of up to {block_size} tokens: need at "
+            f"least one global batch of {global_batch} and one validation sequence; use more data or smaller batches"
         )
     train_set = train_set.select(range(steps_per_epoch * global_batch))
     train_loader = DataLoader(
@@ -146,7 +146,7 @@ def main() -> None:
         state.num_processes = accelerator.num_processes
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
     logger.info(
-        f"{len(train_set)} blocks x {block_size} tokens, global batch {global_batch}, "
+        f"{len(train_set)} sequences of up to {block_size} tokens, global batch {global_batch}, "
         f"{steps_per_epoch} steps/epoch, training to step {max_steps}",
         main_process_only=True,
     )
