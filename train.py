@@ -49,12 +49,20 @@ from training.distributed import (
     write_effective_deepspeed_config,
 )
 from training.evaluation import evaluate
-from training.loss import accumulation_windows, count_target_tokens, token_loss_sums
+from training.loss import (
+    NonFiniteGuard,
+    NonFiniteLossError,
+    accumulation_windows,
+    count_target_tokens,
+    token_loss_sums,
+)
 from training.metrics import MetricsLogger, Throughput, to_float
 from training.optim import build_optimizer, build_scheduler
 
 logger = get_logger(__name__)
 SAMPLE_PROMPT = "Once upon a time"
+EXIT_BAD_INPUT = 2  # a flag, file, config or checkpoint that cannot work; the message says which
+EXIT_NONFINITE_LOSS = 3  # the loss became NaN/inf; nothing was saved from that point on
 
 
 def main() -> None:
@@ -157,6 +165,7 @@ def main() -> None:
         metrics.log(0, **evaluate(model, eval_loader, accelerator))
     clip_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf  # inf: measure, never clip
     throughput, interval_loss, interval_steps = Throughput(), torch.zeros((), device=accelerator.device), 0
+    nonfinite = NonFiniteGuard(accelerator.device)
     progress = tqdm(total=max_steps, initial=state.completed_steps, disable=not accelerator.is_main_process)
     run_start, first_step = time.perf_counter(), state.completed_steps
     eval_result: dict[str, float] = {}
@@ -169,6 +178,7 @@ def main() -> None:
             # The loss is the mean over every target token of the global batch (all micro-batches
             # on all ranks), not a mean of per-batch means, so padded batches weigh by their tokens.
             window_tokens = accelerator.reduce(sum(count_target_tokens(batch) for batch in window), "sum")
+            step_loss = torch.zeros((), device=accelerator.device)
             for batch in window:
                 with accelerator.accumulate(model):
                     logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
@@ -180,16 +190,23 @@ def main() -> None:
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm)
                     optimizer.step()
                     optimizer.zero_grad()
-                interval_loss += loss.detach()  # stays on device: no host sync in the hot loop
+                step_loss += loss.detach()  # stays on device: no host sync in the hot loop
             scheduler.step()
             state.completed_steps += 1
             state.steps_in_epoch += 1
+            interval_loss += step_loss
+            nonfinite.update(state.completed_steps, step_loss)
             interval_steps += 1
             throughput.add(sum(batch["input_ids"].numel() for batch in window))
             progress.update(1)
             step = state.completed_steps
+            log_now = step % args.logging_steps == 0 or step == max_steps
+            eval_now = step % args.eval_steps == 0 or step == max_steps
+            save_now = step % args.save_steps == 0
+            if log_now or eval_now or save_now:
+                nonfinite.check(accelerator)  # before anything is logged, saved or exported
 
-            if step % args.logging_steps == 0 or step == max_steps:
+            if log_now:
                 train_loss = accelerator.reduce(interval_loss, "sum").item() / interval_steps
                 tokens_per_sec = accelerator.reduce(torch.tensor(throughput.rate(), device=accelerator.device), "sum")
                 interval_loss.zero_()
@@ -197,12 +214,12 @@ def main() -> None:
                 lr = scheduler.get_last_lr()[0]
                 metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), tokens_per_sec=tokens_per_sec.item())
                 progress.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}")
-            if step % args.eval_steps == 0 or step == max_steps:
+            if eval_now:
                 eval_result = evaluate(model, eval_loader, accelerator)
                 metrics.log(step, **eval_result)
                 if accelerator.is_main_process:
                     progress.write(f"step {step}: eval_loss {eval_result['eval_loss']:.4f}")
-            if step % args.save_steps == 0:
+            if save_now:
                 save_checkpoint(accelerator, args.output_dir, state, args.save_total_limit)
             if step >= max_steps:
                 break
@@ -252,4 +269,7 @@ if __name__ == "__main__":
         main()
     except (ArgumentError, StrategyError, ResumeError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_BAD_INPUT)
+    except NonFiniteLossError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(EXIT_NONFINITE_LOSS)

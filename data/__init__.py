@@ -31,12 +31,15 @@ FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv
 PACKING_VERSION = "2"  # bump when packing changes, so old caches are not reused
 
 
-def _builder_for(path: str) -> str:
+def check_data_file(path: str) -> str:
+    """The `datasets` builder for a local data file; a clear error if it cannot be used."""
     suffix = Path(path).suffix.lower()
     if suffix not in FILE_BUILDERS:
         raise ValueError(f"unsupported data file type {suffix!r} ({path}); use one of {sorted(FILE_BUILDERS)}")
     if not Path(path).is_file():
         raise FileNotFoundError(f"data file not found: {path}; check --train_file/--validation_file")
+    if Path(path).stat().st_size == 0:
+        raise ValueError(f"data file is empty: {path}")
     return FILE_BUILDERS[suffix]
 
 
@@ -53,7 +56,7 @@ def load_raw_datasets(
         raw = load_dataset(dataset_name, dataset_config_name)
     elif train_file:
         files = {"train": train_file} | ({"validation": validation_file} if validation_file else {})
-        builders = {_builder_for(path) for path in files.values()}
+        builders = {check_data_file(path) for path in files.values()}
         if len(builders) > 1:
             raise ValueError("--train_file and --validation_file must have the same format")
         raw = load_dataset(builders.pop(), data_files=files)

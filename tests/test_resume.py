@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -48,11 +49,34 @@ def test_rotation_keeps_the_newest_checkpoints(tmp_path) -> None:
         (["--resume_from_checkpoint", "/nonexistent/step_3"], "no complete checkpoint at /nonexistent/step_3"),
         (["--block_size", "4096"], "--block_size 4096 exceeds the model's maximum of 128 positions"),
         (["--learnin_rate", "0.1"], "did you mean 'learning_rate'"),
+        (["--train_file", "/nonexistent/train.txt"], "data file not found: /nonexistent/train.txt"),
+        (["--train_file", "empty.txt"], "data file is empty"),
+        (["--train_file", "train.xml"], "unsupported data file type '.xml'"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_a_nonzero_exit(args, message, tmp_path) -> None:
+    for name, content in (("empty.txt", ""), ("train.xml", "<doc/>")):  # placeholders made here
+        if name in args:
+            (tmp_path / name).write_text(content)
+            args = [str(tmp_path / name) if arg == name else arg for arg in args]
     result = launch("ddp", "train.py", "--model_config", "llama-tiny", "--output_dir", str(tmp_path), *args)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors and message in errors[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr.split("error: ")[0]
+
+
+def test_a_non_finite_loss_stops_the_run_before_anything_is_saved(tmp_path) -> None:
+    """A learning rate of 1e4 without clipping drives the tiny model's loss to NaN at step 5."""
+    result = launch("ddp", "train.py", "--model_config", "llama-tiny", "--output_dir", str(tmp_path),
+                    "--max_steps", "12", "--logging_steps", "1", "--save_steps", "2", "--learning_rate", "1e4",
+                    "--max_grad_norm", "0", "--warmup_steps", "0", "--lr_scheduler_type", "constant")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and "non-finite (NaN or inf) at step" in errors[0], result.stderr[-3000:]
+    bad_step = int(errors[0].split("at step ")[1].split(";")[0])
+    logged = [m["loss"] for m in read_metrics(tmp_path) if "loss" in m]
+    assert len(logged) == bad_step - 1 and all(map(math.isfinite, logged))  # nothing logged from the bad step on
+    saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert saved and max(saved) < bad_step  # no checkpoint of poisoned weights
+    assert not (tmp_path / "final").exists()

@@ -40,6 +40,7 @@ def test_config_trains_with_the_strategy_it_names(config: str, strategy_run) -> 
     assert all({"lr", "grad_norm", "tokens_per_sec"} <= m.keys() for m in metrics if "loss" in m)
     assert all("perplexity" in m for m in metrics if "eval_loss" in m)
 
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_12", "step_6"]  # no .tmp left
     for step in (6, 12):
         checkpoint = run / "checkpoints" / f"step_{step}"
         assert (checkpoint / "trainer_state.json").is_file()

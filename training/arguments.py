@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser
 
+from data import check_data_file
 from models.configs import NAMED_CONFIGS
 
 
@@ -133,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
 
 
 def validate(data_args: DataArguments, train_args: TrainArguments) -> None:
-    """Reject settings that cannot train, before any process group starts."""
+    """Reject settings that cannot train, on every rank, before any process group starts."""
     positive = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                 "logging_steps", "eval_steps", "save_steps"]
     for name in positive:
@@ -147,3 +148,8 @@ def validate(data_args: DataArguments, train_args: TrainArguments) -> None:
         raise ArgumentError("--max_grad_norm must be >= 0 (0 disables clipping)")
     if data_args.validation_file and not data_args.train_file:
         raise ArgumentError("--validation_file needs --train_file")
+    for path in filter(None, (data_args.train_file, data_args.validation_file)):
+        try:
+            check_data_file(path)
+        except (ValueError, FileNotFoundError) as error:
+            raise ArgumentError(str(error)) from None

@@ -1,8 +1,11 @@
 """Resumable checkpoints (`output_dir/checkpoints/step_N`) and the final export (`output_dir/final`).
 
 A checkpoint is accelerate's `save_state` (model, optimizer, scheduler, RNG and sampler
-state, in each strategy's native sharded format) plus `trainer_state.json`, written last
-by the main process: a directory without it is incomplete and never resumed from.
+state, in each strategy's native sharded format) plus `trainer_state.json`. It is written
+to `step_N.tmp` and renamed to `step_N` only after every rank has finished and the state
+file is in place, so a save killed halfway never looks complete: `latest` and rotation
+only ever consider complete checkpoints. (Checkpoints of multi-node runs need a shared
+filesystem, as the main process renames them.)
 """
 
 from __future__ import annotations
@@ -59,12 +62,19 @@ def resolve_resume_path(resume_from_checkpoint: str | None, output_dir: str) -> 
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, state: TrainerState, save_total_limit: int | None) -> Path:
-    """Save on every rank (sharded strategies need all of them), then mark complete and rotate."""
+    """Save on every rank (sharded strategies need all of them), then complete it atomically and rotate."""
     path = checkpoints_root(output_dir) / f"step_{state.completed_steps}"
-    accelerator.save_state(str(path))
+    staging = path.with_name(path.name + ".tmp")
+    if accelerator.is_main_process and staging.exists():
+        shutil.rmtree(staging)  # left by a save that was killed
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (path / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
+        (staging / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
+        if path.exists():  # the same step saved before, e.g. by the run this one resumed
+            shutil.rmtree(path)
+        staging.rename(path)
         if save_total_limit:
             for old in complete_checkpoints(output_dir)[:-save_total_limit]:
                 shutil.rmtree(old)

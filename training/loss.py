@@ -36,3 +36,32 @@ def accumulation_windows(batches: Iterable[dict], size: int) -> Iterator[list[di
             window = []
     if window:
         yield window
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; nothing was saved from the poisoned weights."""
+
+
+class NonFiniteGuard:
+    """Remembers the first step whose loss was not finite, without a host sync per step.
+
+    `check` (a collective: call it on every rank) runs before anything is logged, saved or
+    exported, so poisoned weights never reach a checkpoint.
+    """
+
+    NONE = 2**62
+
+    def __init__(self, device: torch.device) -> None:
+        self.first_bad_step = torch.full((), self.NONE, dtype=torch.long, device=device)
+
+    def update(self, step: int, loss: torch.Tensor) -> None:
+        bad_now = ~torch.isfinite(loss.detach())
+        self.first_bad_step = torch.where(bad_now, torch.clamp(self.first_bad_step, max=step), self.first_bad_step)
+
+    def check(self, accelerator) -> None:
+        first = int(accelerator.gather(self.first_bad_step.reshape(1)).min())
+        if first != self.NONE:
+            raise NonFiniteLossError(
+                f"the loss became non-finite (NaN or inf) at step {first}; stopped without saving. "
+                "Lower --learning_rate, keep --max_grad_norm > 0, or resume from an earlier checkpoint"
+            )
