@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data import build_lm_datasets, load_raw_datasets, make_collator
+from data import DataError, build_lm_datasets, load_raw_datasets, make_collator
 from models import build_model, build_tokenizer, max_positions
 from training.arguments import ArgumentError, parse_args
 from training.checkpoint import (
@@ -103,7 +103,7 @@ def main() -> None:
             model_args.gradient_checkpointing,
         )
     block_size = resolve_block_size(data_args.block_size, max_positions(model))
-    with accelerator.main_process_first():  # download once per machine, not once per rank
+    with accelerator.main_process_first():  # the main process downloads; the others then read its cache
         raw = load_raw_datasets(
             data_args.dataset_name,
             data_args.dataset_config_name,
@@ -148,9 +148,9 @@ def main() -> None:
     accelerator.init_trackers("train", config=vars(args) | vars(model_args) | vars(data_args))
 
     state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes)
-    resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir)
+    resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir, accelerator)
     if resume_path:
-        state = load_checkpoint(accelerator, resume_path, global_batch)
+        state = load_checkpoint(accelerator, resume_path, global_batch, max_steps)
         state.num_processes = accelerator.num_processes
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
     logger.info(
@@ -160,12 +160,13 @@ def main() -> None:
     )
 
     # ---- train ----
-    metrics = MetricsLogger(accelerator, args.output_dir)
+    metrics = MetricsLogger(accelerator, args.output_dir, state.completed_steps if resume_path else None)
     if state.completed_steps == 0:
         metrics.log(0, **evaluate(model, eval_loader, accelerator))
     clip_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf  # inf: measure, never clip
     throughput, interval_loss, interval_steps = Throughput(), torch.zeros((), device=accelerator.device), 0
     nonfinite = NonFiniteGuard(accelerator.device)
+    grad_norm = math.nan  # set at every optimizer step
     progress = tqdm(total=max_steps, initial=state.completed_steps, disable=not accelerator.is_main_process)
     run_start, first_step = time.perf_counter(), state.completed_steps
     eval_result: dict[str, float] = {}
@@ -191,11 +192,12 @@ def main() -> None:
                     optimizer.step()
                     optimizer.zero_grad()
                 step_loss += loss.detach()  # stays on device: no host sync in the hot loop
+            lr = scheduler.get_last_lr()[0]  # the rate this step's update used
             scheduler.step()
             state.completed_steps += 1
             state.steps_in_epoch += 1
             interval_loss += step_loss
-            nonfinite.update(state.completed_steps, step_loss)
+            nonfinite.update(state.completed_steps, step_loss, grad_norm)
             interval_steps += 1
             throughput.add(sum(batch["input_ids"].numel() for batch in window))
             progress.update(1)
@@ -211,7 +213,6 @@ def main() -> None:
                 tokens_per_sec = accelerator.reduce(torch.tensor(throughput.rate(), device=accelerator.device), "sum")
                 interval_loss.zero_()
                 interval_steps = 0
-                lr = scheduler.get_last_lr()[0]
                 metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), tokens_per_sec=tokens_per_sec.item())
                 progress.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}")
             if eval_now:
@@ -267,9 +268,9 @@ def print_summary(steps: int, tokens_per_sec: float, eval_result: dict[str, floa
 if __name__ == "__main__":
     try:
         main()
-    except (ArgumentError, StrategyError, ResumeError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (ArgumentError, DataError, StrategyError, ResumeError, FileNotFoundError) as error:
+        print(f"\nerror: {error}", file=sys.stderr)  # on its own line, even after a progress bar
         sys.exit(EXIT_BAD_INPUT)
     except NonFiniteLossError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"\nerror: {error}", file=sys.stderr)
         sys.exit(EXIT_NONFINITE_LOSS)

@@ -27,6 +27,10 @@ from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, defaul
 from data.default_corpus import CORPUS_VERSION, default_splits
 from data.packing import tokenize_and_pack, tokenize_documents
 
+class DataError(ValueError):
+    """Data that cannot be used as given; the message says what to change."""
+
+
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 PACKING_VERSION = "2"  # bump when packing changes, so old caches are not reused
 
@@ -58,7 +62,7 @@ def load_raw_datasets(
         files = {"train": train_file} | ({"validation": validation_file} if validation_file else {})
         builders = {check_data_file(path) for path in files.values()}
         if len(builders) > 1:
-            raise ValueError("--train_file and --validation_file must have the same format")
+            raise DataError("--train_file and --validation_file must have the same format")
         raw = load_dataset(builders.pop(), data_files=files)
     else:
         raw = DatasetDict({split: Dataset.from_dict({"text": docs}) for split, docs in default_splits().items()})
@@ -92,7 +96,7 @@ def build_lm_datasets(
     """
     for split in raw.values():
         if text_column not in split.column_names:
-            raise ValueError(
+            raise DataError(
                 f"text column {text_column!r} not found (columns: {split.column_names}); set --text_column"
             )
     cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "packed"

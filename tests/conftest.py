@@ -139,10 +139,10 @@ def uneven_data(tmp_path_factory) -> list[str]:
             "--packing", "false", "--block_size", "64"]
 
 
-def split_args(uneven_data: list[str], per_device: int, accumulation: int) -> tuple[str, ...]:
-    """A run over `uneven_data` with one global batch split as asked; checkpoints at steps 4 and 8."""
+def split_args(uneven_data: list[str], per_device: int, accumulation: int, save_steps: int = 4) -> tuple[str, ...]:
+    """A run over `uneven_data` with one global batch split as asked; checkpoints every `save_steps`."""
     return (*uneven_data, "--max_steps", str(MAX_STEPS), "--logging_steps", "1", "--eval_steps", "5",
-            "--save_steps", "4", "--per_device_train_batch_size", str(per_device),
+            "--save_steps", str(save_steps), "--per_device_train_batch_size", str(per_device),
             "--gradient_accumulation_steps", str(accumulation))
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from training.arguments import ArgumentError, parse_args
 from training.checkpoint import TRAINER_STATE, complete_checkpoints, resolve_resume_path
 
 
@@ -34,3 +35,11 @@ def test_an_incomplete_checkpoint_path_is_refused(tmp_path) -> None:
     make_checkpoint(tmp_path, "step_14", complete=False)
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         resolve_resume_path(str(tmp_path / "checkpoints" / "step_14"), str(tmp_path))
+
+
+def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path) -> None:
+    """Nothing already saved is overwritten or rotated away by an unrelated run."""
+    make_checkpoint(tmp_path, "step_200", complete=True)
+    with pytest.raises(ArgumentError, match="already holds checkpoints"):
+        parse_args(["--output_dir", str(tmp_path)])
+    parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])  # continuing it is fine

@@ -67,9 +67,9 @@ def test_bad_input_is_one_clear_line_and_a_nonzero_exit(args, message, tmp_path)
 
 
 def test_a_non_finite_loss_stops_the_run_before_anything_is_saved(tmp_path) -> None:
-    """A learning rate of 1e4 without clipping drives the tiny model's loss to NaN at step 5."""
+    """A learning rate of 1e4 without clipping breaks the tiny model within a few steps."""
     result = launch("ddp", "train.py", "--model_config", "llama-tiny", "--output_dir", str(tmp_path),
-                    "--max_steps", "12", "--logging_steps", "1", "--save_steps", "2", "--learning_rate", "1e4",
+                    "--max_steps", "12", "--logging_steps", "1", "--save_steps", "1", "--learning_rate", "1e4",
                     "--max_grad_norm", "0", "--warmup_steps", "0", "--lr_scheduler_type", "constant")
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

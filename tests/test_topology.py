@@ -53,3 +53,17 @@ def test_deepspeed_checkpoint_on_another_number_of_processes_stops_with_the_conv
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors and "DeepSpeed checkpoint of 2 processes" in errors[0] and "zero_to_fp32.py" in errors[0]
     assert not (tmp_path / "metrics.jsonl").exists() or "loss" not in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_resume_with_different_accumulation_keeps_the_windows_aligned(cached_run, uneven_data, tmp_path) -> None:
+    """Saved at step 5 of 2x4x1, resumed at 2x2x2 (same global batch): accelerate's saved
+    micro-step counter (5, odd) must not shift the windows, or updates would mix two batches."""
+    full = cached_run("ddp", *split_args(uneven_data, per_device=4, accumulation=1, save_steps=5))
+    shutil.copytree(full / "checkpoints" / "step_5", tmp_path / "checkpoints" / "step_5")
+    train("ddp", tmp_path, *split_args(uneven_data, per_device=2, accumulation=2, save_steps=5),
+          "--resume_from_checkpoint", "latest")
+    expected = {m["step"]: m["loss"] for m in read_metrics(full) if "loss" in m and m["step"] > 5}
+    actual = {m["step"]: m["loss"] for m in read_metrics(tmp_path) if "loss" in m and m["step"] > 5}
+    assert actual.keys() == expected.keys()
+    for step in expected:
+        assert actual[step] == pytest.approx(expected[step], abs=TOLERANCE), step

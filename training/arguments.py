@@ -17,6 +17,7 @@ from transformers import HfArgumentParser
 
 from data import check_data_file
 from models.configs import NAMED_CONFIGS
+from training.checkpoint import TRAINER_STATE, complete_checkpoints
 
 
 @dataclass
@@ -129,11 +130,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     model_args, data_args, train_args = (
         cls(**{f.name: values[f.name] for f in fields(cls)}) for cls in ALL_ARGUMENT_CLASSES
     )
-    validate(data_args, train_args)
+    validate(model_args, data_args, train_args)
     return model_args, data_args, train_args
 
 
-def validate(data_args: DataArguments, train_args: TrainArguments) -> None:
+def validate(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
     """Reject settings that cannot train, on every rank, before any process group starts."""
     positive = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                 "logging_steps", "eval_steps", "save_steps"]
@@ -148,6 +149,16 @@ def validate(data_args: DataArguments, train_args: TrainArguments) -> None:
         raise ArgumentError("--max_grad_norm must be >= 0 (0 disables clipping)")
     if data_args.validation_file and not data_args.train_file:
         raise ArgumentError("--validation_file needs --train_file")
+    if not model_args.model_name_or_path and model_args.model_config not in NAMED_CONFIGS:
+        raise ArgumentError(f"unknown model_config {model_args.model_config!r}; choose one of {sorted(NAMED_CONFIGS)}")
+    resume = train_args.resume_from_checkpoint
+    if resume and resume != "latest" and not (Path(resume) / TRAINER_STATE).is_file():
+        raise ArgumentError(f"no complete checkpoint at {resume} (missing {TRAINER_STATE}); check --resume_from_checkpoint")
+    if not resume and complete_checkpoints(train_args.output_dir):
+        raise ArgumentError(
+            f"{train_args.output_dir} already holds checkpoints of a run; continue it with "
+            "--resume_from_checkpoint latest, or choose another --output_dir"
+        )
     for path in filter(None, (data_args.train_file, data_args.validation_file)):
         try:
             check_data_file(path)

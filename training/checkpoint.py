@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from transformers import PreTrainedTokenizerBase
 
 TRAINER_STATE = "trainer_state.json"
@@ -48,13 +49,22 @@ def complete_checkpoints(output_dir: str) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def resolve_resume_path(resume_from_checkpoint: str | None, output_dir: str) -> Path | None:
-    """`latest` means the newest complete checkpoint in output_dir (none yet: start fresh)."""
+def resolve_resume_path(
+    resume_from_checkpoint: str | None, output_dir: str, accelerator: Accelerator | None = None
+) -> Path | None:
+    """`latest` means the newest complete checkpoint in output_dir (none yet: start fresh).
+
+    With an accelerator, the main process decides and every rank gets its answer, so all
+    ranks take the same path (resume or fresh start) even while a save is being renamed.
+    """
     if not resume_from_checkpoint:
         return None
     if resume_from_checkpoint == "latest":
         found = complete_checkpoints(output_dir)
-        return found[-1] if found else None
+        choice = [str(found[-1]) if found else None]
+        if accelerator is not None:
+            broadcast_object_list(choice)
+        return Path(choice[0]) if choice[0] else None
     path = Path(resume_from_checkpoint)
     if not (path / TRAINER_STATE).is_file():
         raise FileNotFoundError(f"no complete checkpoint at {path} (missing {TRAINER_STATE}); check --resume_from_checkpoint")
@@ -86,12 +96,20 @@ class ResumeError(RuntimeError):
     """A checkpoint that cannot continue this run exactly; the message says what to do."""
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int) -> TrainerState:
+def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max_steps: int) -> TrainerState:
     """Restore model, optimizer, scheduler and RNG state; return where training stood.
 
     Checks first, on every rank, that the checkpoint can continue this run exactly.
     """
-    state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
+    try:
+        state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
+    except (TypeError, ValueError):
+        raise ResumeError(f"{path / TRAINER_STATE} was not written by this version of train.py; cannot resume it")
+    if state.completed_steps >= max_steps:
+        raise ResumeError(
+            f"{path} is at step {state.completed_steps} and --max_steps is {max_steps}: nothing left to train; "
+            "raise --max_steps (the learning-rate schedule then stretches to the new length)"
+        )
     if state.global_batch != global_batch:
         raise ResumeError(
             f"{path} was trained with a global batch of {state.global_batch}, this run has {global_batch}; "
@@ -101,10 +119,16 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int) -> 
         raise ResumeError(
             f"{path} is a DeepSpeed checkpoint of {state.num_processes} processes; DeepSpeed cannot resume it on "
             f"{accelerator.num_processes}. Resume on {state.num_processes} processes, or convert it to full weights with "
-            f"`python {path}/zero_to_fp32.py {path} <out_dir> --safe_serialization` and start a new run from "
-            "--model_name_or_path <out_dir> (the optimizer state is not carried over)"
+            f"`python {path}/zero_to_fp32.py {path} <out_dir> --safe_serialization`, copy config.json and the "
+            "tokenizer files from final/ into <out_dir>, and start a new run from --model_name_or_path <out_dir> "
+            "(the optimizer state is not carried over)"
         )
     accelerator.load_state(str(path))
+    # accelerate restores its micro-step counter, which decides when gradients sync. We always
+    # resume at an optimizer-step boundary, so it must restart at 0: the saved value is wrong
+    # when accumulation or the process count changed (a missing rank file leaves it at 0 on
+    # some ranks only, and mismatched syncs hang sharded strategies).
+    accelerator.step = 0
     return state
 
 

@@ -35,7 +35,7 @@ def accumulation_windows(batches: Iterable[dict], size: int) -> Iterator[list[di
             yield window
             window = []
     if window:
-        yield window
+        raise RuntimeError(f"an incomplete accumulation window of {len(window)} micro-batches: the data was not cut to full global batches")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -54,14 +54,19 @@ class NonFiniteGuard:
     def __init__(self, device: torch.device) -> None:
         self.first_bad_step = torch.full((), self.NONE, dtype=torch.long, device=device)
 
-    def update(self, step: int, loss: torch.Tensor) -> None:
-        bad_now = ~torch.isfinite(loss.detach())
+    def update(self, step: int, *values: torch.Tensor | float) -> None:
+        """Record `step` if any value (the loss, the gradient norm) is NaN or infinite."""
+        device = self.first_bad_step.device
+        # FSDP2 returns the norm as a replicated DTensor: its local value is the whole norm.
+        tensors = [torch.as_tensor(v.to_local() if hasattr(v, "to_local") else v, device=device) for v in values]
+        bad_now = torch.stack([~torch.isfinite(t.detach().float()) for t in tensors]).any()
         self.first_bad_step = torch.where(bad_now, torch.clamp(self.first_bad_step, max=step), self.first_bad_step)
 
     def check(self, accelerator) -> None:
         first = int(accelerator.gather(self.first_bad_step.reshape(1)).min())
         if first != self.NONE:
             raise NonFiniteLossError(
-                f"the loss became non-finite (NaN or inf) at step {first}; stopped without saving. "
-                "Lower --learning_rate, keep --max_grad_norm > 0, or resume from an earlier checkpoint"
+                f"the loss or gradient norm became non-finite (NaN or inf) at step {first}; stopped without saving "
+                "anything from that step on. Lower --learning_rate, keep --max_grad_norm > 0, or resume from an "
+                "earlier checkpoint"
             )

@@ -18,13 +18,21 @@ def to_float(value: torch.Tensor | float) -> float:
 
 
 class MetricsLogger:
-    """Appends metrics on the main process only; every rank may call it."""
+    """Appends metrics on the main process only; every rank may call it.
 
-    def __init__(self, accelerator: Accelerator, output_dir: str) -> None:
+    A run that resumes at step k keeps the records up to k and drops later ones (the run it
+    continues may have logged past its last checkpoint); a fresh run starts a new file.
+    """
+
+    def __init__(self, accelerator: Accelerator, output_dir: str, resumed_step: int | None) -> None:
         self.accelerator = accelerator
         self.path = Path(output_dir) / "metrics.jsonl"
         if accelerator.is_main_process:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            kept = []
+            if resumed_step is not None and self.path.exists():
+                kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resumed_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, **values: float) -> None:
         self.accelerator.log(values, step=step)
