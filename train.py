@@ -37,9 +37,11 @@ from training.checkpoint import (
     save_checkpoint,
 )
 from training.distributed import (
+    CollectiveTimeoutError,
     StrategyError,
     align_deepspeed_config,
     build_accelerator,
+    collective_timeouts_reported,
     describe,
     master_weight_dtypes,
     model_construction,
@@ -63,6 +65,7 @@ logger = get_logger(__name__)
 SAMPLE_PROMPT = "Once upon a time"
 EXIT_BAD_INPUT = 2  # a flag, file, config or checkpoint that cannot work; the message says which
 EXIT_NONFINITE_LOSS = 3  # the loss became NaN/inf; nothing was saved from that point on
+EXIT_COLLECTIVE_TIMEOUT = 4  # a collective waited longer than --ddp_timeout (a rank stalled or died)
 
 
 def main() -> None:
@@ -71,6 +74,7 @@ def main() -> None:
     # DeepSpeed 0.19 calls collectives that torch 2.13 deprecates, once per step: not actionable here.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     accelerator = build_accelerator(
+        args.ddp_timeout,
         # Synchronise by step count only: train.py reads a whole window ahead (see
         # accumulation_windows), so the dataloader's end is seen before the window's last step.
         gradient_accumulation_plugin=GradientAccumulationPlugin(
@@ -170,62 +174,63 @@ def main() -> None:
     progress = tqdm(total=max_steps, initial=state.completed_steps, disable=not accelerator.is_main_process)
     run_start, first_step = time.perf_counter(), state.completed_steps
     eval_result: dict[str, float] = {}
-    while state.completed_steps < max_steps:
-        train_loader.set_epoch(state.epoch)  # before skipping, or a resume replays another order
-        # Skipping by optimizer steps, not by this process's batches, keeps the position right
-        # when a checkpoint resumes on a different number of processes.
-        batches = accelerator.skip_first_batches(train_loader, state.steps_in_epoch * args.gradient_accumulation_steps)
-        for window in accumulation_windows(batches, args.gradient_accumulation_steps):
-            # The loss is the mean over every target token of the global batch (all micro-batches
-            # on all ranks), not a mean of per-batch means, so padded batches weigh by their tokens.
-            window_tokens = accelerator.reduce(sum(count_target_tokens(batch) for batch in window), "sum")
-            step_loss = torch.zeros((), device=accelerator.device)
-            for batch in window:
-                with accelerator.accumulate(model):
-                    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
-                    loss = token_loss_sums(logits, batch["labels"])[0].sum() / window_tokens
-                    # Every strategy averages gradients over micro-steps and processes; scale back up
-                    # so the update is the gradient of the global token mean.
-                    accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
-                    if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                step_loss += loss.detach()  # stays on device: no host sync in the hot loop
-            lr = scheduler.get_last_lr()[0]  # the rate this step's update used
-            scheduler.step()
-            state.completed_steps += 1
-            state.steps_in_epoch += 1
-            interval_loss += step_loss
-            nonfinite.update(state.completed_steps, step_loss, grad_norm)
-            interval_steps += 1
-            throughput.add(sum(batch["input_ids"].numel() for batch in window))
-            progress.update(1)
-            step = state.completed_steps
-            log_now = step % args.logging_steps == 0 or step == max_steps
-            eval_now = step % args.eval_steps == 0 or step == max_steps
-            save_now = step % args.save_steps == 0
-            if log_now or eval_now or save_now:
-                nonfinite.check(accelerator)  # before anything is logged, saved or exported
+    with collective_timeouts_reported(accelerator, args.ddp_timeout, lambda: state.completed_steps + 1):
+        while state.completed_steps < max_steps:
+            train_loader.set_epoch(state.epoch)  # before skipping, or a resume replays another order
+            # Skipping by optimizer steps, not by this process's batches, keeps the position right
+            # when a checkpoint resumes on a different number of processes.
+            batches = accelerator.skip_first_batches(train_loader, state.steps_in_epoch * args.gradient_accumulation_steps)
+            for window in accumulation_windows(batches, args.gradient_accumulation_steps):
+                # The loss is the mean over every target token of the global batch (all micro-batches
+                # on all ranks), not a mean of per-batch means, so padded batches weigh by their tokens.
+                window_tokens = accelerator.reduce(sum(count_target_tokens(batch) for batch in window), "sum")
+                step_loss = torch.zeros((), device=accelerator.device)
+                for batch in window:
+                    with accelerator.accumulate(model):
+                        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+                        loss = token_loss_sums(logits, batch["labels"])[0].sum() / window_tokens
+                        # Every strategy averages gradients over micro-steps and processes; scale back up
+                        # so the update is the gradient of the global token mean.
+                        accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
+                        if accelerator.sync_gradients:
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    step_loss += loss.detach()  # stays on device: no host sync in the hot loop
+                lr = scheduler.get_last_lr()[0]  # the rate this step's update used
+                scheduler.step()
+                state.completed_steps += 1
+                state.steps_in_epoch += 1
+                interval_loss += step_loss
+                nonfinite.update(state.completed_steps, step_loss, grad_norm)
+                interval_steps += 1
+                throughput.add(sum(batch["input_ids"].numel() for batch in window))
+                progress.update(1)
+                step = state.completed_steps
+                log_now = step % args.logging_steps == 0 or step == max_steps
+                eval_now = step % args.eval_steps == 0 or step == max_steps
+                save_now = step % args.save_steps == 0
+                if log_now or eval_now or save_now:
+                    nonfinite.check(accelerator)  # before anything is logged, saved or exported
 
-            if log_now:
-                train_loss = accelerator.reduce(interval_loss, "sum").item() / interval_steps
-                tokens_per_sec = accelerator.reduce(torch.tensor(throughput.rate(), device=accelerator.device), "sum")
-                interval_loss.zero_()
-                interval_steps = 0
-                metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), tokens_per_sec=tokens_per_sec.item())
-                progress.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}")
-            if eval_now:
-                eval_result = evaluate(model, eval_loader, accelerator)
-                metrics.log(step, **eval_result)
-                if accelerator.is_main_process:
-                    progress.write(f"step {step}: eval_loss {eval_result['eval_loss']:.4f}")
-            if save_now:
-                save_checkpoint(accelerator, args.output_dir, state, args.save_total_limit)
-            if step >= max_steps:
-                break
-        else:  # the epoch ran out before max_steps
-            state.epoch, state.steps_in_epoch = state.epoch + 1, 0
+                if log_now:
+                    train_loss = accelerator.reduce(interval_loss, "sum").item() / interval_steps
+                    tokens_per_sec = accelerator.reduce(torch.tensor(throughput.rate(), device=accelerator.device), "sum")
+                    interval_loss.zero_()
+                    interval_steps = 0
+                    metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), tokens_per_sec=tokens_per_sec.item())
+                    progress.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}")
+                if eval_now:
+                    eval_result = evaluate(model, eval_loader, accelerator)
+                    metrics.log(step, **eval_result)
+                    if accelerator.is_main_process:
+                        progress.write(f"step {step}: eval_loss {eval_result['eval_loss']:.4f}")
+                if save_now:
+                    save_checkpoint(accelerator, args.output_dir, state, args.save_total_limit)
+                if step >= max_steps:
+                    break
+            else:  # the epoch ran out before max_steps
+                state.epoch, state.steps_in_epoch = state.epoch + 1, 0
     progress.close()
     elapsed = time.perf_counter() - run_start
 
@@ -274,3 +279,6 @@ if __name__ == "__main__":
     except NonFiniteLossError as error:
         print(f"\nerror: {error}", file=sys.stderr)
         sys.exit(EXIT_NONFINITE_LOSS)
+    except CollectiveTimeoutError as error:
+        print(f"\nerror: {error}", file=sys.stderr)
+        sys.exit(EXIT_COLLECTIVE_TIMEOUT)

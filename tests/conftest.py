@@ -76,13 +76,21 @@ def with_processes(config: str, num_processes: int, directory: Path) -> Path:
     return path
 
 
-def launch(
-    config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), timeout: int = 300
-) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file <config> <launcher_args> <script> <args>`, for real."""
+def launch_command(
+    config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = ()
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of `accelerate launch --config_file <config> <launcher_args> <script> <args>`."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path(config)),
                "--main_process_port", str(free_port()), *launcher_args, str(script), *args]
     env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    return command, env
+
+
+def launch(
+    config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """Run `accelerate launch` for real and wait for it."""
+    command, env = launch_command(config, script, *args, launcher_args=launcher_args)
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -25,7 +25,7 @@ FSDP_ON_CPU = {
     "cpu_flag": ({"distributed_type": "MULTI_CPU", "num_processes": 2}, "refused: the config asked for fsdp"),
     # the template: real FSDP2 over gloo on device cpu.
     "template": ({"distributed_type": "FSDP", "num_processes": 2, "device": "cpu", "backend": "gloo",
-                  "wrapper": "FSDPSequential"}, "ok"),
+                  "wrapper": "FSDPSequential", "timeout_s": 123}, "ok"),
 }
 
 
@@ -46,11 +46,13 @@ def test_fsdp_on_cpu(scenario: str, tmp_path) -> None:
 @pytest.mark.parametrize(
     ("config", "expected"),
     [
-        ("ddp", {"distributed_type": "MULTI_CPU", "num_processes": 2, "wrapper": "DistributedDataParallel"}),
+        ("ddp", {"distributed_type": "MULTI_CPU", "num_processes": 2, "wrapper": "DistributedDataParallel",
+                 "timeout_s": 123}),
         ("deepspeed_zero2", {"distributed_type": "DEEPSPEED", "num_processes": 2, "backend": "gloo",
-                             "wrapper": "DeepSpeedEngine"}),
+                             "wrapper": "DeepSpeedEngine", "timeout_s": 123}),
     ],
 )
 def test_template_accelerator_on_cpu(config: str, expected: dict, tmp_path) -> None:
+    """The configured strategy, and --ddp_timeout reaching the process group (DeepSpeed included)."""
     for record in probe(config, "template", tmp_path):
         assert record.items() >= expected.items(), record

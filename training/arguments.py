@@ -77,6 +77,9 @@ class TrainArguments:
     resume_from_checkpoint: str | None = field(
         default=None, metadata={"help": "A checkpoint directory, or 'latest' for the newest in output_dir."}
     )
+    ddp_timeout: int = field(
+        default=1800, metadata={"help": "Seconds a collective may wait before every rank aborts (a stalled rank)."}
+    )
     report_to: str = field(
         default="none", metadata={"help": "Tracker for accelerate: tensorboard, wandb, mlflow, trackio, all or none."}
     )
@@ -137,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
 def validate(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
     """Reject settings that cannot train, on every rank, before any process group starts."""
     positive = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                "logging_steps", "eval_steps", "save_steps"]
+                "logging_steps", "eval_steps", "save_steps", "ddp_timeout"]
     for name in positive:
         if getattr(train_args, name) < 1:
             raise ArgumentError(f"--{name} must be at least 1, got {getattr(train_args, name)}")

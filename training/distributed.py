@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from enum import Enum
 from pathlib import Path
 
@@ -40,6 +41,10 @@ class Strategy(str, Enum):
 
 class StrategyError(RuntimeError):
     """The strategy in use differs from the one configured; training would silently be wrong."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within --ddp_timeout."""
 
 
 def _env_flag(name: str) -> bool:
@@ -61,21 +66,43 @@ def has_accelerator_device() -> bool:
     return torch.accelerator.is_available()
 
 
-def build_accelerator(**accelerator_kwargs) -> Accelerator:
-    """An `Accelerator` for the configured strategy, on GPUs or, for real, on CPU."""
+def build_accelerator(ddp_timeout: int, **accelerator_kwargs) -> Accelerator:
+    """An `Accelerator` for the configured strategy, on GPUs or, for real, on CPU.
+
+    `ddp_timeout` (seconds) bounds every collective of the process group, on every strategy.
+    """
     strategy = requested_strategy()
-    if has_accelerator_device():
-        return Accelerator(**accelerator_kwargs)
-    if strategy is Strategy.DEEPSPEED:
-        handlers = accelerator_kwargs.pop("kwargs_handlers", []) + [InitProcessGroupKwargs(backend="gloo")]
-        return Accelerator(kwargs_handlers=handlers, **accelerator_kwargs)
-    if strategy is Strategy.FSDP:
+    timeout = timedelta(seconds=ddp_timeout)
+    on_cpu = not has_accelerator_device()
+    if on_cpu and strategy is Strategy.FSDP:
         if os.environ.get("FSDP_VERSION", "1") != "2":
             raise StrategyError("FSDP1 cannot run on CPU; set `fsdp_version: 2` in the accelerate config")
-        state = PartialState(backend="gloo")  # a gloo process group on device cpu, type NO
+        state = PartialState(backend="gloo", timeout=timeout)  # a gloo process group on device cpu, type NO
         state.distributed_type = DistributedType.MULTI_GPU  # so AcceleratorState turns on the FSDP plugin
-        return Accelerator(**accelerator_kwargs)
-    return Accelerator(cpu=True, **accelerator_kwargs)
+    # InitProcessGroupKwargs passes on only what differs from its defaults: the backend only for DeepSpeed on CPU.
+    backend = "gloo" if on_cpu and strategy is Strategy.DEEPSPEED else InitProcessGroupKwargs.backend
+    handler = InitProcessGroupKwargs(backend=backend, timeout=timeout)
+    cpu = on_cpu and strategy in (Strategy.SINGLE, Strategy.DDP)
+    return Accelerator(cpu=cpu, kwargs_handlers=[handler], **accelerator_kwargs)
+
+
+@contextmanager
+def collective_timeouts_reported(accelerator: Accelerator, ddp_timeout: int, current_step: Callable[[], int]) -> Iterator[None]:
+    """Turn a collective that timed out into one `CollectiveTimeoutError` naming the step and rank.
+
+    gloo raises on every rank still waiting once `ddp_timeout` has passed; NCCL's watchdog
+    aborts the process itself with its own message.
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
+            raise
+        raise CollectiveTimeoutError(
+            f"rank {accelerator.process_index} waited more than --ddp_timeout {ddp_timeout}s for the other ranks "
+            f"at step {current_step()}: a rank stalled or died. Check the other ranks' logs; raise --ddp_timeout "
+            "if a step (or a save) legitimately takes that long"
+        ) from None
 
 
 def wrapped_strategy(model: torch.nn.Module) -> Strategy:

@@ -5,7 +5,7 @@ what `verify_strategy` concluded, as JSON in OUT_DIR/rank_<rank>.json.
   plain        Accelerator()                                  accelerate's own choice on CPU
   gloo_kwarg   Accelerator(kwargs_handlers=[gloo])            a common "fix" found online
   cpu_flag     Accelerator(cpu=True)                          the DDP-on-CPU switch
-  template     training.distributed.build_accelerator()       what train.py does
+  template     training.distributed.build_accelerator()       what train.py does (--ddp_timeout 123)
 """
 
 import json
@@ -24,7 +24,7 @@ builders = {
     "plain": lambda: Accelerator(),
     "gloo_kwarg": lambda: Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")]),
     "cpu_flag": lambda: Accelerator(cpu=True),
-    "template": build_accelerator,
+    "template": lambda: build_accelerator(ddp_timeout=123),  # not torch's 1800 s default, so it is visible
 }
 accelerator = builders[scenario]()
 record = {
@@ -41,6 +41,8 @@ try:
         model, _, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
         verify_strategy(accelerator, model)
         record["wrapper"] = type(model).__name__
+        group = torch.distributed.distributed_c10d._get_default_group()
+        record["timeout_s"] = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     record["verdict"] = "ok"
 except StrategyError as error:
     record["verdict"] = f"refused: {error}"
