@@ -17,7 +17,7 @@ from transformers import HfArgumentParser
 
 from data import check_data_file
 from models.configs import NAMED_CONFIGS
-from training.checkpoint import TRAINER_STATE, complete_checkpoints
+from training.checkpoint import complete_checkpoints, require_complete_checkpoint
 
 
 @dataclass
@@ -155,8 +155,11 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     if not model_args.model_name_or_path and model_args.model_config not in NAMED_CONFIGS:
         raise ArgumentError(f"unknown model_config {model_args.model_config!r}; choose one of {sorted(NAMED_CONFIGS)}")
     resume = train_args.resume_from_checkpoint
-    if resume and resume != "latest" and not (Path(resume) / TRAINER_STATE).is_file():
-        raise ArgumentError(f"no complete checkpoint at {resume} (missing {TRAINER_STATE}); check --resume_from_checkpoint")
+    if resume and resume != "latest":
+        try:
+            require_complete_checkpoint(Path(resume))
+        except FileNotFoundError as error:
+            raise ArgumentError(str(error)) from None
     if not resume and complete_checkpoints(train_args.output_dir):
         raise ArgumentError(
             f"{train_args.output_dir} already holds checkpoints of a run; continue it with "

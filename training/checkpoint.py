@@ -65,7 +65,11 @@ def resolve_resume_path(
         if accelerator is not None:
             broadcast_object_list(choice)
         return Path(choice[0]) if choice[0] else None
-    path = Path(resume_from_checkpoint)
+    return require_complete_checkpoint(Path(resume_from_checkpoint))
+
+
+def require_complete_checkpoint(path: Path) -> Path:
+    """`path` if it is a complete checkpoint; a clear error otherwise."""
     if not (path / TRAINER_STATE).is_file():
         raise FileNotFoundError(f"no complete checkpoint at {path} (missing {TRAINER_STATE}); check --resume_from_checkpoint")
     return path
