@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 import warnings
@@ -26,7 +27,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import DataError, build_lm_datasets, load_raw_datasets, make_collator
-from models import build_model, build_tokenizer, max_positions
+from models import ModelError, build_model, build_tokenizer, max_positions
 from training.arguments import ArgumentError, parse_args
 from training.checkpoint import (
     ResumeError,
@@ -45,6 +46,7 @@ from training.distributed import (
     describe,
     master_weight_dtypes,
     model_construction,
+    preflight,
     release_model_construction_hooks,
     verify_prepared,
     verify_strategy,
@@ -60,12 +62,14 @@ from training.loss import (
 )
 from training.metrics import MetricsLogger, Throughput, to_float
 from training.optim import build_optimizer, build_scheduler
+from training.preemption import Preempted, stop_on_signals
 
 logger = get_logger(__name__)
 SAMPLE_PROMPT = "Once upon a time"
 EXIT_BAD_INPUT = 2  # a flag, file, config or checkpoint that cannot work; the message says which
 EXIT_NONFINITE_LOSS = 3  # the loss became NaN/inf; nothing was saved from that point on
 EXIT_COLLECTIVE_TIMEOUT = 4  # a collective waited longer than --ddp_timeout (a rank stalled or died)
+EXIT_PREEMPTED = 75  # SIGTERM/SIGUSR1: saved a checkpoint; rerun with --resume_from_checkpoint latest (EX_TEMPFAIL)
 
 
 def main() -> None:
@@ -94,6 +98,7 @@ def main() -> None:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
     logger.info(describe(accelerator, strategy), main_process_only=True)
+    logger.info(preflight(accelerator, args.ddp_timeout), main_process_only=True)
     set_seed(args.seed)  # identical initial weights on every rank and strategy
 
     # ---- model and data ----
@@ -174,7 +179,10 @@ def main() -> None:
     progress = tqdm(total=max_steps, initial=state.completed_steps, disable=not accelerator.is_main_process)
     run_start, first_step = time.perf_counter(), state.completed_steps
     eval_result: dict[str, float] = {}
-    with collective_timeouts_reported(accelerator, args.ddp_timeout, lambda: state.completed_steps + 1):
+    with (
+        collective_timeouts_reported(accelerator, args.ddp_timeout, lambda: state.completed_steps + 1),
+        stop_on_signals(accelerator, args.ddp_timeout) as stop_requests,
+    ):
         while state.completed_steps < max_steps:
             train_loader.set_epoch(state.epoch)  # before skipping, or a resume replays another order
             # Skipping by optimizer steps, not by this process's batches, keeps the position right
@@ -207,9 +215,10 @@ def main() -> None:
                 throughput.add(sum(batch["input_ids"].numel() for batch in window))
                 progress.update(1)
                 step = state.completed_steps
+                stop_signal = stop_requests.agreed()  # every rank stops after the same step
                 log_now = step % args.logging_steps == 0 or step == max_steps
                 eval_now = step % args.eval_steps == 0 or step == max_steps
-                save_now = step % args.save_steps == 0
+                save_now = step % args.save_steps == 0 or stop_signal is not None
                 if log_now or eval_now or save_now:
                     nonfinite.check(accelerator)  # before anything is logged, saved or exported
 
@@ -226,9 +235,14 @@ def main() -> None:
                     if accelerator.is_main_process:
                         progress.write(f"step {step}: eval_loss {eval_result['eval_loss']:.4f}")
                 if save_now:
-                    save_checkpoint(accelerator, args.output_dir, state, args.save_total_limit)
+                    saved = save_checkpoint(accelerator, args.output_dir, state, args.save_total_limit)
                 if step >= max_steps:
                     break
+                if stop_signal:
+                    raise Preempted(
+                        f"{stop_signal} received: stopped after step {step} and saved {saved}; "
+                        "continue with --resume_from_checkpoint latest"
+                    )
             else:  # the epoch ran out before max_steps
                 state.epoch, state.steps_in_epoch = state.epoch + 1, 0
     progress.close()
@@ -273,7 +287,7 @@ def print_summary(steps: int, tokens_per_sec: float, eval_result: dict[str, floa
 if __name__ == "__main__":
     try:
         main()
-    except (ArgumentError, DataError, StrategyError, ResumeError, FileNotFoundError) as error:
+    except (ArgumentError, DataError, ModelError, StrategyError, ResumeError, FileNotFoundError) as error:
         print(f"\nerror: {error}", file=sys.stderr)  # on its own line, even after a progress bar
         sys.exit(EXIT_BAD_INPUT)
     except NonFiniteLossError as error:
@@ -282,3 +296,7 @@ if __name__ == "__main__":
     except CollectiveTimeoutError as error:
         print(f"\nerror: {error}", file=sys.stderr)
         sys.exit(EXIT_COLLECTIVE_TIMEOUT)
+    except Preempted as stop:
+        if os.environ.get("RANK", "0") == "0":  # every rank stopped at the same step: one report
+            print(f"\nstopped: {stop}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)

@@ -14,6 +14,8 @@ config class works), or save it as a directory with `save_pretrained` and pass i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,12 +26,32 @@ from models.configs import build_named_config
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer"
 
 
+class ModelError(ValueError):
+    """A model or tokenizer that cannot be loaded or used as asked; the message says how to fix it."""
+
+
+@contextmanager
+def loading(what: str, source: str) -> Iterator[None]:
+    """Turn `transformers` loading failures into one `ModelError` line."""
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        if "trust_remote_code" in str(error):
+            raise ModelError(
+                f"{what} {source} needs its own Python code to load; pass --trust_remote_code only if you trust "
+                "that code (it runs on every rank)"
+            ) from None
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelError(f"cannot load {what} {source}: {first_line}") from None
+
+
 def build_tokenizer(
     model_name_or_path: str | None, tokenizer_name: str | None, trust_remote_code: bool = False
 ) -> PreTrainedTokenizerBase:
     """The tokenizer named explicitly, else the pretrained model's own, else the shipped one."""
     source = tokenizer_name or model_name_or_path or str(SHIPPED_TOKENIZER)
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    with loading("tokenizer", source):
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -48,14 +70,19 @@ def build_model(
     fp32 master weights (loading bf16 weights and training them directly learns worse).
     """
     if model_name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_name_or_path, dtype=torch.float32, trust_remote_code=trust_remote_code
-        )
+        with loading("model", model_name_or_path):
+            model = AutoModelForCausalLM.from_pretrained(
+                model_name_or_path, dtype=torch.float32, trust_remote_code=trust_remote_code
+            )
     else:
         config = build_named_config(model_config, tokenizer)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:  # token ids past the embedding would crash, or train on garbage rows
+        raise ModelError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows} rows; use the model's own "
+            "tokenizer, or resize on purpose (model.resize_token_embeddings(len(tokenizer)), then save_pretrained)"
+        )
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

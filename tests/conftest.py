@@ -8,10 +8,14 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
 from data.default_corpus import generate_documents
 
@@ -105,6 +109,51 @@ def train(
 
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def logged_after(output_dir: Path, first_step: int) -> dict[tuple[int, str], float]:
+    """Every logged loss, lr and eval_loss after `first_step`."""
+    return {(m["step"], key): m[key] for m in read_metrics(output_dir) if m["step"] > first_step
+            for key in ("loss", "lr", "eval_loss") if key in m}
+
+
+def assert_continues_exactly(uninterrupted: Path, resumed: Path, from_step: int) -> None:
+    """The resumed run logged the same losses, lr and eval as the uninterrupted one, and ends with its weights."""
+    expected, actual = logged_after(uninterrupted, from_step), logged_after(resumed, from_step)
+    assert sorted(step for step, key in actual if key == "loss") == list(range(from_step + 1, MAX_STEPS + 1))
+    assert actual.keys() == expected.keys()
+    for entry in expected:
+        assert actual[entry] == pytest.approx(expected[entry], rel=1e-6, abs=1e-7), entry
+    final, final_resumed = (load_file(d / "final" / "model.safetensors") for d in (uninterrupted, resumed))
+    for name in final:
+        torch.testing.assert_close(final_resumed[name], final[name], atol=1e-6, rtol=0, msg=name)
+
+
+def start(config: str | Path, output_dir: Path, *args: str) -> subprocess.Popen:
+    """Start train.py with the tiny model in the background, in its own session; output to output_dir/launch.log."""
+    command, env = launch_command(config, "train.py", *TINY_RUN, "--output_dir", str(output_dir), *args)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with (output_dir / "launch.log").open("w") as log:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(condition, seconds: float, what: str, poll: float = 0.2) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+def rank_processes(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The train.py processes under a launcher, by global rank."""
+    found = {}
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if "train.py" in " ".join(child.cmdline()):
+                found[int(child.environ().get("RANK", "0"))] = child
+        except psutil.Error:
+            continue
+    return found
 
 
 @pytest.fixture

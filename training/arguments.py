@@ -7,6 +7,7 @@ know is an error, in the recipe as on the command line, with the nearest valid n
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -160,13 +161,27 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
             require_complete_checkpoint(Path(resume))
         except FileNotFoundError as error:
             raise ArgumentError(str(error)) from None
-    if not resume and complete_checkpoints(train_args.output_dir):
+    if not resume and (complete_checkpoints(train_args.output_dir) or (Path(train_args.output_dir) / "final").exists()):
         raise ArgumentError(
-            f"{train_args.output_dir} already holds checkpoints of a run; continue it with "
+            f"{train_args.output_dir} already holds a run (checkpoints or final/); continue it with "
             "--resume_from_checkpoint latest, or choose another --output_dir"
         )
+    check_writable(train_args.output_dir)
     for path in filter(None, (data_args.train_file, data_args.validation_file)):
         try:
             check_data_file(path)
         except (ValueError, FileNotFoundError) as error:
             raise ArgumentError(str(error)) from None
+
+
+def check_writable(directory: str) -> None:
+    """Create `directory` if needed and prove this process can write in it, before any training."""
+    probe = Path(directory) / f".write-test-{os.getpid()}"
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ArgumentError(
+            f"cannot write to --output_dir {directory} ({error.strerror}); choose a writable directory"
+        ) from None

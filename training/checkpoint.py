@@ -11,10 +11,16 @@ filesystem, as the main process renames them.)
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
@@ -23,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 TRAINER_STATE = "trainer_state.json"
 DEEPSPEED_DIR = "pytorch_model"  # what accelerate's save_state writes for a DeepSpeed engine
 STEP_DIR = re.compile(r"^step_(\d+)$")
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # read by torch.load at every call
 
 
 @dataclass
@@ -90,10 +97,19 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, state: TrainerSta
             shutil.rmtree(path)
         staging.rename(path)
         if save_total_limit:
-            for old in complete_checkpoints(output_dir)[:-save_total_limit]:
-                shutil.rmtree(old)
+            rotate_checkpoints(output_dir, path, save_total_limit)
     accelerator.wait_for_everyone()
     return path
+
+
+def rotate_checkpoints(output_dir: str, newest: Path, limit: int) -> None:
+    """Keep `newest` (the one just written) and the `limit - 1` highest-step others.
+
+    `newest` is kept even when a run resumed from an older checkpoint left higher steps behind.
+    """
+    others = [path for path in complete_checkpoints(output_dir) if path != newest]
+    for old in others[: max(len(others) - (limit - 1), 0)]:
+        shutil.rmtree(old)
 
 
 class ResumeError(RuntimeError):
@@ -127,13 +143,44 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
             "tokenizer files from final/ into <out_dir>, and start a new run from --model_name_or_path <out_dir> "
             "(the optimizer state is not carried over)"
         )
-    accelerator.load_state(str(path))
+    try:
+        with weights_only_loading():
+            accelerator.load_state(str(path))
+    except pickle.UnpicklingError as error:
+        raise ResumeError(
+            f"{path} holds pickled objects that are not plain tensors or data ({str(error).splitlines()[0]}); "
+            "refused to load them, as unpickling can run code. Resume only checkpoints this template wrote"
+        ) from None
     # accelerate restores its micro-step counter, which decides when gradients sync. We always
     # resume at an optimizer-step boundary, so it must restart at 0: the saved value is wrong
     # when accumulation or the process count changed (a missing rank file leaves it at 0 on
     # some ranks only, and mismatched syncs hang sharded strategies).
     accelerator.step = 0
     return state
+
+
+@contextmanager
+def weights_only_loading() -> Iterator[None]:
+    """Every `torch.load` inside runs with `weights_only=True`, even where a library asks for full unpickling.
+
+    accelerate already loads this way; DeepSpeed passes `weights_only=False`, so a tampered
+    checkpoint could run code on every rank. Its checkpoints hold three plain DeepSpeed data
+    types besides tensors, allowed here by name.
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    previous = os.environ.get(FORCE_WEIGHTS_ONLY)
+    os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    torch.serialization.add_safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address])
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[FORCE_WEIGHTS_ONLY]
+        else:
+            os.environ[FORCE_WEIGHTS_ONLY] = previous
 
 
 def export_final(accelerator: Accelerator, model, tokenizer: PreTrainedTokenizerBase, output_dir: str) -> Path:

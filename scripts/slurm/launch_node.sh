@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One node's share of a multi-node run: `accelerate launch` with c10d rendezvous.
+# train.sbatch runs it once per node through srun; by hand, run it on every node with
+#   NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node 0's address> scripts/slurm/launch_node.sh [train.py flags]
+#
+#   CONFIG          accelerate config (default accelerate_configs/fsdp.yaml)
+#   NNODES          number of nodes (SLURM_NNODES under SLURM)
+#   NODE_RANK       this node's index (SLURM_NODEID); c10d assigns the ranks itself (torchrun warns that it
+#                   ignores it), accelerate uses it to check the port only on node 0
+#   PROCS_PER_NODE  processes per node = GPUs per node (SLURM_GPUS_ON_NODE, else 8)
+#   MASTER_ADDR     an address of node 0 that every node can reach
+#   MASTER_PORT     a free TCP port on node 0 (default 29500)
+set -euo pipefail
+
+: "${CONFIG:=accelerate_configs/fsdp.yaml}"
+: "${NNODES:=${SLURM_NNODES:-1}}"
+: "${NODE_RANK:=${SLURM_NODEID:-0}}"
+: "${PROCS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"
+: "${MASTER_PORT:=29500}"
+: "${MASTER_ADDR:?set MASTER_ADDR to an address of node 0}"
+
+# torchrun (inside accelerate launch) forwards SIGTERM to the ranks; add SLURM's warning signal,
+# and give the ranks time to finish their step and save before it kills them.
+export PET_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-300}"
+
+exec accelerate launch --config_file "$CONFIG" \
+  --num_machines "$NNODES" --num_processes "$((NNODES * PROCS_PER_NODE))" --machine_rank "$NODE_RANK" \
+  --rdzv_backend c10d --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
+  train.py "$@"

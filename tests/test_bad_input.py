@@ -1,0 +1,152 @@
+"""Bad input, each case a real 2-process launch: one `error:` line naming the problem and the fix,
+a non-zero exit, no traceback from train.py, no rank left hanging, and the run already in
+`output_dir` (checkpoints, final model, metrics) left byte for byte as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from models import SHIPPED_TOKENIZER
+from models.configs import build_named_config
+from tests.conftest import CONFIGS, TINY_RUN, launch, split_args
+
+RESUME = ("--resume_from_checkpoint", "latest")  # so the previous run in output_dir is a legitimate target
+# case -> (accelerate config, train.py arguments, what the error line says). {name} is a file made by `inputs`.
+CASES = {
+    "missing train file": ("ddp", ["--train_file", "/nonexistent/train.txt", *RESUME], "data file not found"),
+    "empty train file": ("ddp", ["--train_file", "{empty.txt}", *RESUME], "data file is empty"),
+    "unsupported file type": ("ddp", ["--train_file", "{train.xml}", *RESUME], "unsupported data file type '.xml'"),
+    "text column not there": ("ddp", ["--train_file", "{body.jsonl}", *RESUME], "text column 'text' not found"),
+    "malformed recipe YAML": ("ddp", ["--config", "{broken.yaml}", *RESUME], "is not valid YAML"),
+    "unknown recipe key": ("ddp", ["--config", "{typo.yaml}", *RESUME], "did you mean 'learning_rate'"),
+    "unknown command-line key": ("ddp", ["--learnin_rate", "0.1", *RESUME], "did you mean 'learning_rate'"),
+    "malformed DeepSpeed JSON": ("{broken-json.yaml}", [*RESUME], "is not valid JSON"),
+    "accelerate yaml pointing at a missing DeepSpeed JSON": ("{missing-json.yaml}", [*RESUME], "not found from"),
+    "zero batch size": ("ddp", ["--per_device_train_batch_size", "0", *RESUME], "must be at least 1, got 0"),
+    "negative steps": ("ddp", ["--max_steps", "-2", "--num_train_epochs", "0", *RESUME], "nothing to train"),
+    "block size above the model's maximum": ("ddp", ["--block_size", "4096", *RESUME], "exceeds the model's maximum"),
+    "dataset too small for one batch per process": (
+        "ddp", ["--train_file", "{few.txt}", "--validation_file", "{few.txt}", *RESUME], "need at least one global batch"
+    ),
+    "tokenizer and model vocabulary mismatch": (
+        "ddp", ["--model_name_or_path", "{model}", "--tokenizer_name", "{big-tokenizer}", *RESUME],
+        "the tokenizer has 1017 tokens but the model's embedding has 960 rows",
+    ),
+    "model with custom code, no --trust_remote_code": (
+        "ddp", ["--model_name_or_path", "{custom-code-model}", *RESUME], "pass --trust_remote_code only if you trust"
+    ),
+    "resume path that does not exist": (
+        "ddp", ["--resume_from_checkpoint", "/nonexistent/step_3"], "no complete checkpoint at /nonexistent/step_3"
+    ),
+    "resume path holding an incomplete checkpoint": (
+        "ddp", ["--resume_from_checkpoint", "{previous}/checkpoints/step_9.tmp"], "no complete checkpoint at"
+    ),
+    "output directory that already holds a run": ("ddp", [], "already holds a run"),
+    "output directory that cannot be written": (
+        "ddp", ["--output_dir", "{empty.txt}/run"], "cannot write to --output_dir"
+    ),
+    "fp16 on a CPU-only machine": ("ddp --mixed_precision fp16", [*RESUME], "fp16 mixed precision needs a GPU"),
+    "a strategy that would degrade silently (FSDP1 on CPU)": ("{fsdp1.yaml}", [*RESUME], "FSDP1 cannot run on CPU"),
+    "DeepSpeed JSON clipping disagrees with --max_grad_norm": (
+        "deepspeed_zero2", ["--max_grad_norm", "0.5", *RESUME], "gradient_clipping is 1.0 in the DeepSpeed JSON"
+    ),
+}
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    """Every broken or mismatched file the cases point at."""
+    d = tmp_path_factory.mktemp("inputs")
+    (d / "empty.txt").write_text("")
+    (d / "train.xml").write_text("<doc>text</doc>")
+    (d / "body.jsonl").write_text("\n".join(json.dumps({"body": f"document {i}"}) for i in range(50)))
+    (d / "few.txt").write_text("one short line\nand another\n")
+    (d / "broken.yaml").write_text("max_steps: [1\n")
+    (d / "typo.yaml").write_text("learnin_rate: 0.1\n")
+    (d / "broken.json").write_text('{"zero_optimization": {')
+    for name, ds_file in (("broken-json.yaml", d / "broken.json"), ("missing-json.yaml", d / "missing.json")):
+        launcher = yaml.safe_load((CONFIGS / "deepspeed_zero2.yaml").read_text())
+        launcher["deepspeed_config"]["deepspeed_config_file"] = str(ds_file)
+        (d / name).write_text(yaml.safe_dump(launcher))
+    fsdp1 = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
+    fsdp1["fsdp_config"]["fsdp_version"] = 1
+    (d / "fsdp1.yaml").write_text(yaml.safe_dump(fsdp1))
+
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER)
+    AutoModelForCausalLM.from_config(build_named_config("llama-tiny", tokenizer)).save_pretrained(d / "model")
+    tokenizer.save_pretrained(d / "model")
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(100)])  # 1017 > the 960 rows (917 padded to 64)
+    tokenizer.save_pretrained(d / "big-tokenizer")
+    shutil.copytree(d / "model", d / "custom-code-model")
+    config = json.loads((d / "custom-code-model" / "config.json").read_text())
+    config |= {"model_type": "my_lm", "auto_map": {"AutoConfig": "my_lm.MyConfig", "AutoModelForCausalLM": "my_lm.MyLM"}}
+    (d / "custom-code-model" / "config.json").write_text(json.dumps(config))
+    (d / "custom-code-model" / "my_lm.py").write_text("raise SystemExit('remote code ran')\n")
+    return {p.name: p for p in d.iterdir()}
+
+
+@pytest.mark.parametrize(("config", "args", "message"), CASES.values(), ids=CASES.keys())
+def test_bad_input_is_one_clear_line_and_nothing_saved_is_touched(
+    config, args, message, inputs, cached_run, uneven_data, tmp_path
+) -> None:
+    previous = tmp_path / "previous"  # a finished run: checkpoints, final/, metrics.jsonl
+    shutil.copytree(cached_run("ddp", *split_args(uneven_data, per_device=4, accumulation=1)), previous)
+    (previous / "checkpoints" / "step_9.tmp").mkdir()  # a save that was killed
+    before = snapshot(previous)
+    files = {f"{{{name}}}": str(path) for name, path in inputs.items()} | {"{previous}": str(previous)}
+
+    def fill(text: str) -> str:
+        for placeholder, path in files.items():
+            text = text.replace(placeholder, path)
+        return text
+
+    config, *launcher_args = fill(config).split()
+    result = launch(Path(config) if config.endswith(".yaml") else config, "train.py", *TINY_RUN,
+                    "--output_dir", str(previous), *map(fill, args), launcher_args=tuple(launcher_args), timeout=180)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and message in errors[0], result.stderr[-4000:]
+    assert len(set(errors)) == 1  # every rank found the same problem
+    assert "Traceback" not in result.stderr.split("error: ")[0], result.stderr[-4000:]
+    assert "remote code ran" not in result.stderr + result.stdout
+    assert snapshot(previous) == before
+
+
+class CodeOnLoad:
+    """What a tampered checkpoint holds: unpickling it runs a shell command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_that_would_run_code_on_load_is_refused(cached_run, uneven_data, tmp_path) -> None:
+    """DeepSpeed asks torch.load for full unpickling; train.py forces weights_only loading anyway."""
+    args = split_args(uneven_data, per_device=4, accumulation=1)
+    checkpoint = tmp_path / "checkpoints" / "step_8"
+    shutil.copytree(cached_run("deepspeed_zero2", *args) / "checkpoints" / "step_8", checkpoint)
+    marker = tmp_path / "code-ran"
+    torch.save({"state": CodeOnLoad(marker)}, checkpoint / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+    result = launch("deepspeed_zero2", "train.py", *TINY_RUN, "--output_dir", str(tmp_path), *args,
+                    "--resume_from_checkpoint", "latest", timeout=180)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and "refused to load them, as unpickling can run code" in errors[0], result.stderr[-4000:]
+    assert not marker.exists()

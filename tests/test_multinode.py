@@ -1,0 +1,62 @@
+"""Two machines x one process on one host over loopback, launched as a real multi-node run would be."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, TINY_RUN, free_port, launch_command, logged_after, split_args, wait_for
+
+NODE_SCRIPT = REPO / "scripts" / "slurm" / "launch_node.sh"
+
+
+def machine_command(how: str, config: str, machine_rank: int, port: int, args: tuple[str, ...]):
+    """`accelerate launch` with accelerate's machine flags (static rendezvous), or the SLURM node script (c10d)."""
+    if how == "machine flags":
+        return launch_command(config, "train.py", *args, launcher_args=(
+            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine_rank),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)))
+    _, env = launch_command(config, "train.py")
+    env |= {"CONFIG": f"accelerate_configs/{config}.yaml", "NNODES": "2", "NODE_RANK": str(machine_rank),
+            "PROCS_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # this venv's `accelerate`
+    return [str(NODE_SCRIPT), *args], env
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize(("config", "how"), [("ddp", "machine flags"), ("fsdp", "scripts/slurm/launch_node.sh")])
+def test_two_machines_train_together(config, how, cached_run, uneven_data, tmp_path) -> None:
+    args = split_args(uneven_data, per_device=4, accumulation=1)
+    one_machine = cached_run(config, *args)  # the same 2 processes on one machine
+    port, machines = free_port(), []
+    try:
+        for machine_rank in (0, 1):
+            command, env = machine_command(how, config, machine_rank, port, (*TINY_RUN, "--output_dir", str(tmp_path), *args))
+            with (tmp_path / f"machine{machine_rank}.log").open("w") as log:
+                machines.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+            if machine_rank == 0:  # machine 0 hosts the rendezvous: let it claim the port first
+                wait_for(lambda: port_open(port), 120, "machine 0 to listen")
+        codes = [machine.wait(timeout=300) for machine in machines]
+    finally:
+        for machine in machines:
+            machine.kill()
+    logs = [(tmp_path / f"machine{rank}.log").read_text() for rank in (0, 1)]
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert f"strategy={config}" in logs[0] and "processes=2" in logs[0]
+    # the preflight map: one process on each machine, each its machine's local rank 0
+    assert "preflight: all-reduce over 2 processes OK" in logs[0]
+    assert re.search(r"rank +0 +local +0", logs[0]) and re.search(r"rank +1 +local +0", logs[0]), logs[0][-3000:]
+    expected, actual = logged_after(one_machine, 0), logged_after(tmp_path, 0)
+    assert actual.keys() == expected.keys()
+    for entry in expected:  # trained together: the same global batches, so the same losses
+        assert actual[entry] == pytest.approx(expected[entry], rel=1e-6, abs=1e-7), entry

@@ -1,0 +1,112 @@
+"""Preemption and crashes: a stop signal saves and resumes exactly; kill -9 mid-save loses only that save."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import psutil
+import pytest
+
+from tests.conftest import (
+    MAX_STEPS,
+    assert_continues_exactly,
+    rank_processes,
+    read_metrics,
+    split_args,
+    start,
+    train,
+    wait_for,
+)
+from training.checkpoint import complete_checkpoints
+
+CASES = {
+    # torchrun's agent forwards SIGTERM to every rank and waits for them
+    "SIGTERM to the launcher of 2 DDP ranks": ("ddp", "launcher", signal.SIGTERM, "SIGTERM"),
+    # one rank only: the other learns it from the per-step agreement and stops at the same step
+    "SIGUSR1 to FSDP2 rank 1 only": ("fsdp", "rank 1", signal.SIGUSR1, "SIGUSR1"),
+    # the launcher dies of SIGUSR1 without forwarding it: the kernel sends its rank SIGTERM
+    "SIGUSR1 to the launcher of one process": ("single", "launcher", signal.SIGUSR1, "SIGTERM"),
+}
+
+
+@pytest.mark.parametrize(("config", "target", "sig", "seen"), CASES.values(), ids=CASES.keys())
+def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
+    config, target, sig, seen, cached_run, uneven_data, tmp_path
+) -> None:
+    args = split_args(uneven_data, per_device=8 if config == "single" else 4, accumulation=1)
+    uninterrupted = cached_run(config, *args)
+    launcher = start(config, tmp_path, *args)
+    ranks = {}
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and '"loss"' in metrics.read_text(), 120, "the first step", poll=0.02)
+        ranks = rank_processes(launcher)
+        for rank in ranks.values():  # freeze the run, so the signal lands mid-training on any machine
+            rank.suspend()
+        (psutil.Process(launcher.pid) if target == "launcher" else ranks[1]).send_signal(sig)
+        for rank in ranks.values():
+            rank.resume()
+        assert launcher.wait(timeout=120) != 0
+        psutil.wait_procs(list(ranks.values()), timeout=120)  # a rank whose launcher died finishes its save
+    finally:  # nothing outlives a failed test
+        for rank in ranks.values():
+            if rank.is_running():
+                rank.kill()
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    log = (tmp_path / "launch.log").read_text()
+    stopped = [line for line in log.splitlines() if line.startswith("stopped: ")]
+    assert len(stopped) == 1, log[-3000:]  # one report, not one per rank
+    step = int(re.search(rf"{seen} received: stopped after step (\d+)", stopped[0]).group(1))
+    assert 1 <= step < MAX_STEPS and (tmp_path / "checkpoints" / f"step_{step}" / "trainer_state.json").is_file()
+    if target == "rank 1":  # the launcher's failure report shows the ranks' exit code
+        assert re.search(r"exitcode\s*:\s*75", log), log[-3000:]
+
+    result = train(config, tmp_path, *args, "--resume_from_checkpoint", "latest")
+    assert f"at step {step}" in result.stderr
+    assert_continues_exactly(uninterrupted, tmp_path, step)
+
+
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_to_resume_from(uneven_data, tmp_path) -> None:
+    args = (*split_args(uneven_data, per_device=4, accumulation=1), "--max_steps", "60", "--eval_steps", "1000",
+            "--save_steps", "1", "--save_total_limit", "1")  # a save every step: many chances to catch one
+    checkpoints = tmp_path / "checkpoints"
+    launcher = start("ddp", tmp_path, *args)
+    ranks = {}
+
+    def frozen_mid_save() -> bool:
+        """Freeze both ranks; keep them frozen only if a save is in progress."""
+        for rank in ranks.values():
+            rank.suspend()
+        if any(checkpoints.glob("*.tmp")):
+            return True
+        for rank in ranks.values():
+            rank.resume()
+        return False
+
+    try:
+        wait_for(lambda: complete_checkpoints(str(tmp_path)), 120, "a first checkpoint", poll=0.005)
+        ranks = rank_processes(launcher)
+        wait_for(frozen_mid_save, 60, "a save in progress", poll=0.003)
+        for process in [*ranks.values(), psutil.Process(launcher.pid)]:  # kill -9, mid-save
+            process.kill()
+        launcher.wait(timeout=60)
+    finally:
+        for rank in ranks.values():
+            if rank.is_running():
+                rank.kill()
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    (half_written,) = checkpoints.glob("*.tmp")
+    killed_at = int(half_written.name.removeprefix("step_").removesuffix(".tmp"))
+    # the previous checkpoint is complete and rotation (limit 1) did not remove it
+    assert [p.name for p in complete_checkpoints(str(tmp_path))] == [f"step_{killed_at - 1}"]
+    killed_loss = next(m["loss"] for m in read_metrics(tmp_path) if m["step"] == killed_at and "loss" in m)
+
+    result = train("ddp", tmp_path, *args, "--resume_from_checkpoint", "latest")
+    assert f"at step {killed_at - 1}" in result.stderr
+    resumed_loss = next(m["loss"] for m in read_metrics(tmp_path) if m["step"] == killed_at and "loss" in m)
+    assert resumed_loss == pytest.approx(killed_loss, rel=1e-6)  # the step redone from the checkpoint is the same step
+    assert [p.name for p in complete_checkpoints(str(tmp_path))] == ["step_60"]  # the half-written save was replaced

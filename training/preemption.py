@@ -1,0 +1,77 @@
+"""Stop cleanly when the cluster asks: SIGTERM or SIGUSR1 finishes the step, saves, and exits.
+
+Schedulers announce a kill with a signal: SLURM sends SIGTERM at preemption or the time
+limit (and SIGUSR1 with `--signal=USR1@<seconds>`), then SIGKILL after a grace period.
+The signal may reach the launcher, some ranks or all of them:
+- `accelerate launch` on several processes (torchrun's agent) forwards SIGTERM to every
+  rank, and the signals listed in `PET_SIGNALS_TO_HANDLE`, then waits
+  `PET_SHUTDOWN_TIMEOUT` seconds (default 30) before it kills them;
+- a launcher that dies without forwarding (one process, or a signal torchrun does not
+  handle) still reaches the ranks: each asks the kernel for SIGTERM when its parent dies.
+Ranks may see the signal at different steps, or only one rank may see it, so at the end of
+every optimizer step they agree with a one-number all-reduce on a CPU (gloo) group, which
+never waits for the GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+
+from training.distributed import cpu_group
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_PARENT_AT_START = os.getppid()
+
+
+class Preempted(Exception):
+    """Training stopped on a signal after saving a checkpoint; resuming continues exactly."""
+
+
+class StopRequests:
+    """Records stop signals; `agreed()` tells every rank whether any rank received one."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.received = 0  # the signal number, 0 for none
+
+    def handle(self, signum: int, _frame) -> None:
+        self.received = signum  # only a flag: the training loop decides when it is safe to stop
+
+    def agreed(self) -> str | None:
+        """The name of a stop signal any rank received, or None. A collective: call it on every rank."""
+        received = torch.tensor([self.received])
+        if self.group is not None:
+            dist.all_reduce(received, op=dist.ReduceOp.MAX, group=self.group)
+        return signal.Signals(int(received)).name if received else None
+
+
+@contextmanager
+def stop_on_signals(accelerator: Accelerator, timeout_s: int) -> Iterator[StopRequests]:
+    """Within the block, SIGTERM and SIGUSR1 only set a flag; the default handlers come back after it."""
+    requests = StopRequests(cpu_group(accelerator, timeout_s) if accelerator.num_processes > 1 else None)
+    previous = {sig: signal.signal(sig, requests.handle) for sig in STOP_SIGNALS}
+    _sigterm_when_parent_dies(requests)
+    try:
+        yield requests
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _sigterm_when_parent_dies(requests: StopRequests) -> None:
+    """Ask Linux to send SIGTERM if the launcher dies, so a killed launcher still means 'save and stop'."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != _PARENT_AT_START:  # the launcher was already gone before we asked
+        requests.received = signal.SIGTERM
