@@ -129,9 +129,27 @@ def assert_continues_exactly(uninterrupted: Path, resumed: Path, from_step: int)
         torch.testing.assert_close(final_resumed[name], final[name], atol=1e-6, rtol=0, msg=name)
 
 
-def start(config: str | Path, output_dir: Path, *args: str) -> subprocess.Popen:
+NODE_SCRIPT = REPO / "scripts" / "slurm" / "launch_node.sh"
+
+
+def node_script_command(
+    config: str, *args: str, nnodes: int = 1, node_rank: int = 0, procs_per_node: int = 2, port: int | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of `scripts/slurm/launch_node.sh <args>`: what train.sbatch runs on each node."""
+    _, env = launch_command(config, "train.py")
+    env |= {"CONFIG": str(config_path(config)), "NNODES": str(nnodes), "NODE_RANK": str(node_rank),
+            "PROCS_PER_NODE": str(procs_per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or free_port()),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # this venv's `accelerate`
+    return [str(NODE_SCRIPT), *args], env
+
+
+def start(config: str | Path, output_dir: Path, *args: str, via_node_script: bool = False) -> subprocess.Popen:
     """Start train.py with the tiny model in the background, in its own session; output to output_dir/launch.log."""
-    command, env = launch_command(config, "train.py", *TINY_RUN, "--output_dir", str(output_dir), *args)
+    run_args = (*TINY_RUN, "--output_dir", str(output_dir), *args)
+    if via_node_script:
+        command, env = node_script_command(config, *run_args)
+    else:
+        command, env = launch_command(config, "train.py", *run_args)
     output_dir.mkdir(parents=True, exist_ok=True)
     with (output_dir / "launch.log").open("w") as log:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

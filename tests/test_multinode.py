@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY_RUN, free_port, launch_command, logged_after, split_args, wait_for
-
-NODE_SCRIPT = REPO / "scripts" / "slurm" / "launch_node.sh"
-
+from tests.conftest import (
+    REPO,
+    TINY_RUN,
+    free_port,
+    launch_command,
+    logged_after,
+    node_script_command,
+    split_args,
+    wait_for,
+)
 
 def machine_command(how: str, config: str, machine_rank: int, port: int, args: tuple[str, ...]):
     """`accelerate launch` with accelerate's machine flags (static rendezvous), or the SLURM node script (c10d)."""
@@ -22,11 +25,7 @@ def machine_command(how: str, config: str, machine_rank: int, port: int, args: t
         return launch_command(config, "train.py", *args, launcher_args=(
             "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine_rank),
             "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)))
-    _, env = launch_command(config, "train.py")
-    env |= {"CONFIG": f"accelerate_configs/{config}.yaml", "NNODES": "2", "NODE_RANK": str(machine_rank),
-            "PROCS_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # this venv's `accelerate`
-    return [str(NODE_SCRIPT), *args], env
+    return node_script_command(config, *args, nnodes=2, node_rank=machine_rank, procs_per_node=1, port=port)
 
 
 def port_open(port: int) -> bool:
@@ -34,7 +33,7 @@ def port_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.mark.parametrize(("config", "how"), [("ddp", "machine flags"), ("fsdp", "scripts/slurm/launch_node.sh")])
+@pytest.mark.parametrize(("config", "how"), [("ddp", "machine flags"), ("fsdp", "SLURM node script")])
 def test_two_machines_train_together(config, how, cached_run, uneven_data, tmp_path) -> None:
     args = split_args(uneven_data, per_device=4, accumulation=1)
     one_machine = cached_run(config, *args)  # the same 2 processes on one machine

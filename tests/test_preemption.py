@@ -24,6 +24,8 @@ from training.checkpoint import complete_checkpoints
 CASES = {
     # torchrun's agent forwards SIGTERM to every rank and waits for them
     "SIGTERM to the launcher of 2 DDP ranks": ("ddp", "launcher", signal.SIGTERM, "SIGTERM"),
+    # what train.sbatch does at the time limit: the node script makes torchrun forward SIGUSR1 too
+    "SIGUSR1 to the SLURM node script's launcher": ("deepspeed_zero2", "node script", signal.SIGUSR1, "SIGUSR1"),
     # one rank only: the other learns it from the per-step agreement and stops at the same step
     "SIGUSR1 to FSDP2 rank 1 only": ("fsdp", "rank 1", signal.SIGUSR1, "SIGUSR1"),
     # the launcher dies of SIGUSR1 without forwarding it: the kernel sends its rank SIGTERM
@@ -37,7 +39,7 @@ def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
 ) -> None:
     args = split_args(uneven_data, per_device=8 if config == "single" else 4, accumulation=1)
     uninterrupted = cached_run(config, *args)
-    launcher = start(config, tmp_path, *args)
+    launcher = start(config, tmp_path, *args, via_node_script=target == "node script")
     ranks = {}
     try:
         metrics = tmp_path / "metrics.jsonl"
@@ -45,7 +47,7 @@ def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
         ranks = rank_processes(launcher)
         for rank in ranks.values():  # freeze the run, so the signal lands mid-training on any machine
             rank.suspend()
-        (psutil.Process(launcher.pid) if target == "launcher" else ranks[1]).send_signal(sig)
+        (ranks[1] if target == "rank 1" else psutil.Process(launcher.pid)).send_signal(sig)
         for rank in ranks.values():
             rank.resume()
         assert launcher.wait(timeout=120) != 0
