@@ -48,6 +48,7 @@ def test_config_trains_with_the_strategy_it_names(config: str, strategy_run) -> 
 
     final = run / "final"
     assert (final / "model.safetensors").is_file()
+    assert not [p.name for p in final.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]  # safetensors only
     model = AutoModelForCausalLM.from_pretrained(final)
     tokenizer = AutoTokenizer.from_pretrained(final)
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)  # full, not a shard
