@@ -37,16 +37,14 @@ from training.checkpoint import (
     resolve_resume_path,
     save_checkpoint,
 )
+from training.collectives import CollectiveTimeoutError, collective_timeouts_reported, preflight
 from training.distributed import (
-    CollectiveTimeoutError,
     StrategyError,
     align_deepspeed_config,
     build_accelerator,
-    collective_timeouts_reported,
     describe,
     master_weight_dtypes,
     model_construction,
-    preflight,
     release_model_construction_hooks,
     verify_prepared,
     verify_strategy,
@@ -62,7 +60,7 @@ from training.loss import (
 )
 from training.metrics import MetricsLogger, Throughput, to_float
 from training.optim import build_optimizer, build_scheduler
-from training.preemption import Preempted, stop_on_signals
+from training.preemption import Preempted, install_stop_handlers
 
 logger = get_logger(__name__)
 SAMPLE_PROMPT = "Once upon a time"
@@ -99,6 +97,7 @@ def main() -> None:
         transformers.utils.logging.set_verbosity_error()
     logger.info(describe(accelerator, strategy), main_process_only=True)
     logger.info(preflight(accelerator, args.ddp_timeout), main_process_only=True)
+    stop_requests = install_stop_handlers(accelerator, args.ddp_timeout)  # SIGTERM/SIGUSR1: save, then exit 75
     set_seed(args.seed)  # identical initial weights on every rank and strategy
 
     # ---- model and data ----
@@ -179,10 +178,7 @@ def main() -> None:
     progress = tqdm(total=max_steps, initial=state.completed_steps, disable=not accelerator.is_main_process)
     run_start, first_step = time.perf_counter(), state.completed_steps
     eval_result: dict[str, float] = {}
-    with (
-        collective_timeouts_reported(accelerator, args.ddp_timeout, lambda: state.completed_steps + 1),
-        stop_on_signals(accelerator, args.ddp_timeout) as stop_requests,
-    ):
+    with collective_timeouts_reported(accelerator, args.ddp_timeout, lambda: state.completed_steps + 1):
         while state.completed_steps < max_steps:
             train_loader.set_epoch(state.epoch)  # before skipping, or a resume replays another order
             # Skipping by optimizer steps, not by this process's batches, keeps the position right
@@ -239,6 +235,7 @@ def main() -> None:
                 if step >= max_steps:
                     break
                 if stop_signal:
+                    accelerator.end_training()  # flush the trackers
                     raise Preempted(
                         f"{stop_signal} received: stopped after step {step} and saved {saved}; "
                         "continue with --resume_from_checkpoint latest"

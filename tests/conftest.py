@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -150,12 +151,13 @@ def start(config: str | Path, output_dir: Path, *args: str, via_node_script: boo
         command, env = node_script_command(config, *run_args)
     else:
         command, env = launch_command(config, "train.py", *run_args)
+    env["PET_SHUTDOWN_TIMEOUT"] = "300"  # a loaded machine may need more than torchrun's 30 s to save after a signal
     output_dir.mkdir(parents=True, exist_ok=True)
     with (output_dir / "launch.log").open("w") as log:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_for(condition, seconds: float, what: str, poll: float = 0.2) -> None:
+def wait_for(condition: Callable[[], object], seconds: float, what: str, poll: float = 0.2) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

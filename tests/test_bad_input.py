@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -46,6 +47,9 @@ CASES = {
     ),
     "resume path that does not exist": (
         "ddp", ["--resume_from_checkpoint", "/nonexistent/step_3"], "no complete checkpoint at /nonexistent/step_3"
+    ),
+    "resume path older than checkpoints after it": (
+        "ddp", ["--resume_from_checkpoint", "{previous}/checkpoints/step_4"], "is older than ['step_8']"
     ),
     "resume path holding an incomplete checkpoint": (
         "ddp", ["--resume_from_checkpoint", "{previous}/checkpoints/step_9.tmp"], "no complete checkpoint at"
@@ -136,15 +140,23 @@ class CodeOnLoad:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_a_checkpoint_that_would_run_code_on_load_is_refused(cached_run, uneven_data, tmp_path) -> None:
-    """DeepSpeed asks torch.load for full unpickling; train.py forces weights_only loading anyway."""
+TAMPERED = {  # config -> a file its checkpoint loads with pickle, and how to write a payload there
+    "deepspeed_zero2": ("pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt", torch.save),  # torch.load
+    "fsdp": ("pytorch_model_fsdp_0/.metadata", lambda payload, path: path.write_bytes(pickle.dumps(payload))),  # pickle
+}
+
+
+@pytest.mark.parametrize("config", TAMPERED)
+def test_a_checkpoint_that_would_run_code_on_load_is_refused(config, cached_run, uneven_data, tmp_path) -> None:
+    """DeepSpeed asks torch.load for full unpickling and DCP reads metadata with pickle: neither runs code."""
     args = split_args(uneven_data, per_device=4, accumulation=1)
     checkpoint = tmp_path / "checkpoints" / "step_8"
-    shutil.copytree(cached_run("deepspeed_zero2", *args) / "checkpoints" / "step_8", checkpoint)
+    shutil.copytree(cached_run(config, *args) / "checkpoints" / "step_8", checkpoint)
     marker = tmp_path / "code-ran"
-    torch.save({"state": CodeOnLoad(marker)}, checkpoint / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    file, write = TAMPERED[config]
+    write({"state": CodeOnLoad(marker)}, checkpoint / file)
 
-    result = launch("deepspeed_zero2", "train.py", *TINY_RUN, "--output_dir", str(tmp_path), *args,
+    result = launch(config, "train.py", *TINY_RUN, "--output_dir", str(tmp_path), *args,
                     "--resume_from_checkpoint", "latest", timeout=180)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import socket
 import subprocess
 
@@ -18,6 +20,7 @@ from tests.conftest import (
     split_args,
     wait_for,
 )
+
 
 def machine_command(how: str, config: str, machine_rank: int, port: int, args: tuple[str, ...]):
     """`accelerate launch` with accelerate's machine flags (static rendezvous), or the SLURM node script (c10d)."""
@@ -42,13 +45,15 @@ def test_two_machines_train_together(config, how, cached_run, uneven_data, tmp_p
         for machine_rank in (0, 1):
             command, env = machine_command(how, config, machine_rank, port, (*TINY_RUN, "--output_dir", str(tmp_path), *args))
             with (tmp_path / f"machine{machine_rank}.log").open("w") as log:
-                machines.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+                machines.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                 start_new_session=True))
             if machine_rank == 0:  # machine 0 hosts the rendezvous: let it claim the port first
                 wait_for(lambda: port_open(port), 120, "machine 0 to listen")
         codes = [machine.wait(timeout=300) for machine in machines]
-    finally:
+    finally:  # each launcher and its ranks
         for machine in machines:
-            machine.kill()
+            if machine.poll() is None:
+                os.killpg(machine.pid, signal.SIGKILL)
     logs = [(tmp_path / f"machine{rank}.log").read_text() for rank in (0, 1)]
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert f"strategy={config}" in logs[0] and "processes=2" in logs[0]

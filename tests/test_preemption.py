@@ -42,10 +42,12 @@ def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
     launcher = start(config, tmp_path, *args, via_node_script=target == "node script")
     ranks = {}
     try:
-        metrics = tmp_path / "metrics.jsonl"
-        wait_for(lambda: metrics.exists() and '"loss"' in metrics.read_text(), 120, "the first step", poll=0.02)
+        processes = 1 if config == "single" else 2
+        wait_for(lambda: len(rank_processes(launcher)) == processes, 120, "the ranks to start")
         ranks = rank_processes(launcher)
-        for rank in ranks.values():  # freeze the run, so the signal lands mid-training on any machine
+        metrics = tmp_path / "metrics.jsonl"  # its first line, the step-0 evaluation, comes just before step 1
+        wait_for(lambda: metrics.exists() and "eval_loss" in metrics.read_text(), 120, "training to start", poll=0.01)
+        for rank in ranks.values():  # freeze the run, so the signal lands early in training on any machine
             rank.suspend()
         (ranks[1] if target == "rank 1" else psutil.Process(launcher.pid)).send_signal(sig)
         for rank in ranks.values():

@@ -7,8 +7,8 @@ know is an error, in the recipe as on the command line, with the nearest valid n
 from __future__ import annotations
 
 import difflib
-import os
 import sys
+import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from transformers import HfArgumentParser
 
 from data import check_data_file
 from models.configs import NAMED_CONFIGS
-from training.checkpoint import complete_checkpoints, require_complete_checkpoint
+from training.checkpoint import complete_checkpoints, newer_checkpoints, require_complete_checkpoint
 
 
 @dataclass
@@ -161,6 +161,11 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
             require_complete_checkpoint(Path(resume))
         except FileNotFoundError as error:
             raise ArgumentError(str(error)) from None
+        if newer := [p.name for p in newer_checkpoints(Path(resume), train_args.output_dir)]:
+            raise ArgumentError(
+                f"{resume} is older than {newer} in the same output_dir, which 'latest' would pick after a restart; "
+                "move those elsewhere first, or resume into another --output_dir"
+            )
     if not resume and (complete_checkpoints(train_args.output_dir) or (Path(train_args.output_dir) / "final").exists()):
         raise ArgumentError(
             f"{train_args.output_dir} already holds a run (checkpoints or final/); continue it with "
@@ -176,11 +181,10 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
 
 def check_writable(directory: str) -> None:
     """Create `directory` if needed and prove this process can write in it, before any training."""
-    probe = Path(directory) / f".write-test-{os.getpid()}"
     try:
-        probe.parent.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+            pass
     except OSError as error:
         raise ArgumentError(
             f"cannot write to --output_dir {directory} ({error.strerror}); choose a writable directory"

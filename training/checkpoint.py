@@ -11,25 +11,22 @@ filesystem, as the main process renames them.)
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from transformers import PreTrainedTokenizerBase
 
+from training.safe_loading import safe_unpickling
+
 TRAINER_STATE = "trainer_state.json"
 DEEPSPEED_DIR = "pytorch_model"  # what accelerate's save_state writes for a DeepSpeed engine
 STEP_DIR = re.compile(r"^step_(\d+)$")
-FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # read by torch.load at every call
 
 
 @dataclass
@@ -73,6 +70,14 @@ def resolve_resume_path(
             broadcast_object_list(choice)
         return Path(choice[0]) if choice[0] else None
     return require_complete_checkpoint(Path(resume_from_checkpoint))
+
+
+def newer_checkpoints(path: Path, output_dir: str) -> list[Path]:
+    """Complete checkpoints of `output_dir` past `path`, when `path` is one of its checkpoints."""
+    match = STEP_DIR.match(path.name)
+    if not match or path.resolve().parent != checkpoints_root(output_dir).resolve():
+        return []
+    return [p for p in complete_checkpoints(output_dir) if int(STEP_DIR.match(p.name).group(1)) > int(match.group(1))]
 
 
 def require_complete_checkpoint(path: Path) -> Path:
@@ -144,12 +149,12 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
             "(the optimizer state is not carried over)"
         )
     try:
-        with weights_only_loading():
+        with safe_unpickling(path, deepspeed=(path / DEEPSPEED_DIR).is_dir()):
             accelerator.load_state(str(path))
-    except pickle.UnpicklingError as error:
+    except pickle.UnpicklingError:
         raise ResumeError(
-            f"{path} holds pickled objects that are not plain tensors or data ({str(error).splitlines()[0]}); "
-            "refused to load them, as unpickling can run code. Resume only checkpoints this template wrote"
+            f"{path} holds pickled objects that are not plain tensors or data; refused to load them, as unpickling "
+            "can run code. Resume only checkpoints this template wrote"
         ) from None
     # accelerate restores its micro-step counter, which decides when gradients sync. We always
     # resume at an optimizer-step boundary, so it must restart at 0: the saved value is wrong
@@ -157,30 +162,6 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
     # some ranks only, and mismatched syncs hang sharded strategies).
     accelerator.step = 0
     return state
-
-
-@contextmanager
-def weights_only_loading() -> Iterator[None]:
-    """Every `torch.load` inside runs with `weights_only=True`, even where a library asks for full unpickling.
-
-    accelerate already loads this way; DeepSpeed passes `weights_only=False`, so a tampered
-    checkpoint could run code on every rank. Its checkpoints hold three plain DeepSpeed data
-    types besides tensors, allowed here by name.
-    """
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    previous = os.environ.get(FORCE_WEIGHTS_ONLY)
-    os.environ[FORCE_WEIGHTS_ONLY] = "1"
-    torch.serialization.add_safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address])
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[FORCE_WEIGHTS_ONLY]
-        else:
-            os.environ[FORCE_WEIGHTS_ONLY] = previous
 
 
 def export_final(accelerator: Accelerator, model, tokenizer: PreTrainedTokenizerBase, output_dir: str) -> Path:

@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from enum import Enum
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 
 class Strategy(str, Enum):
@@ -43,10 +41,6 @@ class Strategy(str, Enum):
 
 class StrategyError(RuntimeError):
     """The strategy in use differs from the one configured; training would silently be wrong."""
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective did not complete within --ddp_timeout."""
 
 
 def _env_flag(name: str) -> bool:
@@ -109,73 +103,6 @@ def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
             "fp16 mixed precision needs a GPU (loss scaling runs on the device) and this machine has none; "
             "use --mixed_precision bf16 or no"
         )
-
-
-@contextmanager
-def collective_timeouts_reported(accelerator: Accelerator, ddp_timeout: int, current_step: Callable[[], int]) -> Iterator[None]:
-    """Turn a collective that timed out into one `CollectiveTimeoutError` naming the step and rank.
-
-    gloo raises on every rank still waiting once `ddp_timeout` has passed; NCCL's watchdog
-    aborts the process itself with its own message.
-    """
-    try:
-        yield
-    except RuntimeError as error:
-        if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
-            raise
-        raise CollectiveTimeoutError(
-            f"rank {accelerator.process_index} waited more than --ddp_timeout {ddp_timeout}s for the other ranks "
-            f"at step {current_step()}: a rank stalled or died. Check the other ranks' logs; raise --ddp_timeout "
-            "if a step (or a save) legitimately takes that long"
-        ) from None
-
-
-PREFLIGHT_TIMEOUT_S = 120  # the first collective also sets up the transport (NCCL: its communicator)
-
-
-def cpu_group(accelerator: Accelerator, timeout_s: int) -> dist.ProcessGroup:
-    """A gloo group over all ranks, for small host-side agreements that must not wait on the GPU.
-
-    CPU runs already use gloo; on GPUs this makes one more group (a collective: call it on every rank).
-    """
-    global _cpu_group
-    if _cpu_group is None:
-        on_gloo = dist.get_backend() == "gloo"
-        _cpu_group = dist.group.WORLD if on_gloo else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    return _cpu_group
-
-
-_cpu_group: dist.ProcessGroup | None = None
-
-
-def preflight(accelerator: Accelerator, ddp_timeout: int) -> str:
-    """Prove every rank can talk to every other, under a short timeout; return the host/rank/device map.
-
-    gloo's monitored barrier names any rank that does not answer; then one all-reduce on the
-    training backend (NCCL on GPUs) proves the transport that training will use.
-    """
-    timeout = timedelta(seconds=min(PREFLIGHT_TIMEOUT_S, ddp_timeout))
-    me = (
-        f"  rank {accelerator.process_index:>3}  local {accelerator.local_process_index:>2}  "
-        f"host {socket.gethostname()}  device {accelerator.device}"
-    )
-    if accelerator.num_processes == 1:
-        return "preflight: 1 process\n" + me
-    try:
-        dist.monitored_barrier(group=cpu_group(accelerator, ddp_timeout), timeout=timeout, wait_all_ranks=True)
-        ones = torch.ones(1, device=accelerator.device)
-        dist.all_reduce(ones, async_op=True).wait(timeout=timeout)
-        total = int(ones.item())
-    except RuntimeError as error:
-        raise CollectiveTimeoutError(
-            f"preflight: rank {accelerator.process_index} could not complete a collective with the other ranks within "
-            f"{timeout.seconds}s ({str(error).splitlines()[0]}); check --main_process_ip/--main_process_port, that every "
-            "node started, firewalls, and NCCL_SOCKET_IFNAME on multi-node runs"
-        ) from None
-    if total != accelerator.num_processes:
-        raise StrategyError(f"preflight: an all-reduce of ones over {accelerator.num_processes} ranks gave {total}")
-    everyone = gather_object([me])
-    return f"preflight: all-reduce over {accelerator.num_processes} processes OK\n" + "\n".join(everyone)
 
 
 def wrapped_strategy(model: torch.nn.Module) -> Strategy:

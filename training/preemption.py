@@ -16,21 +16,22 @@ never waits for the GPU.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import FrameType
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 
-from training.distributed import cpu_group
+from training.collectives import cpu_group
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _PARENT_AT_START = os.getppid()
+logger = logging.getLogger(__name__)
 
 
 class Preempted(Exception):
@@ -44,7 +45,7 @@ class StopRequests:
         self.group = group
         self.received = 0  # the signal number, 0 for none
 
-    def handle(self, signum: int, _frame) -> None:
+    def handle(self, signum: int, _frame: FrameType | None) -> None:
         self.received = signum  # only a flag: the training loop decides when it is safe to stop
 
     def agreed(self) -> str | None:
@@ -55,23 +56,25 @@ class StopRequests:
         return signal.Signals(int(received)).name if received else None
 
 
-@contextmanager
-def stop_on_signals(accelerator: Accelerator, timeout_s: int) -> Iterator[StopRequests]:
-    """Within the block, SIGTERM and SIGUSR1 only set a flag; the default handlers come back after it."""
-    requests = StopRequests(cpu_group(accelerator, timeout_s) if accelerator.num_processes > 1 else None)
-    previous = {sig: signal.signal(sig, requests.handle) for sig in STOP_SIGNALS}
+def install_stop_handlers(accelerator: Accelerator, timeout_s: int) -> StopRequests:
+    """From now until the process exits, SIGTERM and SIGUSR1 only set a flag.
+
+    A signal during set-up stops the run after its first step; one during the final export
+    lets the export finish (within the scheduler's grace period). A second signal, as
+    torchrun and SLURM both send one, changes nothing.
+    """
+    requests = StopRequests(cpu_group(timeout_s) if accelerator.num_processes > 1 else None)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, requests.handle)
     _sigterm_when_parent_dies(requests)
-    try:
-        yield requests
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return requests
 
 
 def _sigterm_when_parent_dies(requests: StopRequests) -> None:
     """Ask Linux to send SIGTERM if the launcher dies, so a killed launcher still means 'save and stop'."""
     if not sys.platform.startswith("linux"):
         return
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        logger.warning("could not ask for SIGTERM on the launcher's death; kill the ranks directly to stop them")
     if os.getppid() != _PARENT_AT_START:  # the launcher was already gone before we asked
         requests.received = signal.SIGTERM

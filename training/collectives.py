@@ -1,0 +1,84 @@
+"""Talking to the other ranks safely: the start-up preflight, a CPU group for small host-side
+agreements, and a collective that timed out turned into one clear error."""
+
+from __future__ import annotations
+
+import functools
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+PREFLIGHT_TIMEOUT_S = 120
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within its timeout: a rank stalled, died or cannot be reached."""
+
+
+@functools.cache
+def cpu_group(timeout_s: int) -> dist.ProcessGroup:
+    """A gloo group over all ranks, for host-side agreements that must not wait on the GPU.
+
+    CPU runs already use gloo; on GPUs this makes one more group, once (a collective: the
+    first call must happen on every rank). Multi-node GPU runs: gloo picks its network
+    interface from the hostname; set GLOO_SOCKET_IFNAME as you set NCCL_SOCKET_IFNAME.
+    """
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def preflight(accelerator: Accelerator, ddp_timeout: int) -> str:
+    """Prove every rank reaches every other before training; return the host/rank/device map.
+
+    gloo's monitored barrier names any rank that does not answer within the preflight
+    timeout; then one all-reduce on the training backend proves the transport training
+    uses. (Setting up that transport, e.g. NCCL's communicator, is bounded by --ddp_timeout.)
+    """
+    timeout = timedelta(seconds=min(PREFLIGHT_TIMEOUT_S, ddp_timeout))
+    me = (
+        f"  rank {accelerator.process_index:>3}  local {accelerator.local_process_index:>2}  "
+        f"host {socket.gethostname()}  device {accelerator.device}"
+    )
+    if accelerator.num_processes == 1:
+        return "preflight: 1 process\n" + me
+    try:
+        dist.monitored_barrier(group=cpu_group(ddp_timeout), timeout=timeout, wait_all_ranks=True)
+        ones = torch.ones(1, device=accelerator.device)
+        dist.all_reduce(ones, async_op=True).wait(timeout=timeout)
+        total = int(ones.item())
+    except RuntimeError as error:
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise CollectiveTimeoutError(
+            f"preflight: rank {accelerator.process_index} could not complete a collective with the other ranks "
+            f"({detail}); check that every node started, --main_process_ip/--main_process_port, firewalls, and "
+            "NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME on multi-node runs"
+        ) from None
+    if total != accelerator.num_processes:
+        raise CollectiveTimeoutError(f"preflight: an all-reduce of ones over {accelerator.num_processes} ranks gave {total}")
+    return f"preflight: all-reduce over {accelerator.num_processes} processes OK\n" + "\n".join(gather_object([me]))
+
+
+@contextmanager
+def collective_timeouts_reported(accelerator: Accelerator, ddp_timeout: int, current_step: Callable[[], int]) -> Iterator[None]:
+    """Turn a collective that timed out into one `CollectiveTimeoutError` naming the step and rank.
+
+    gloo raises on every rank still waiting once `ddp_timeout` has passed; NCCL's watchdog
+    aborts the process itself with its own message.
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
+            raise
+        raise CollectiveTimeoutError(
+            f"rank {accelerator.process_index} waited more than --ddp_timeout {ddp_timeout}s for the other ranks "
+            f"at step {current_step()}: a rank stalled or died. Check the other ranks' logs; raise --ddp_timeout "
+            "if a step (or a save) legitimately takes that long"
+        ) from None
