@@ -18,10 +18,11 @@ import time
 import warnings
 
 import datasets
+import psutil
 import torch
 import transformers
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, TorchDynamoPlugin, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -43,6 +44,7 @@ from training.distributed import (
     align_deepspeed_config,
     build_accelerator,
     describe,
+    held_gradients,
     master_weight_dtypes,
     model_construction,
     release_model_construction_hooks,
@@ -58,8 +60,16 @@ from training.loss import (
     count_target_tokens,
     token_loss_sums,
 )
-from training.metrics import MetricsLogger, Throughput, to_float
+from training.metrics import MetricsLogger, to_float, write_summary
 from training.optim import build_optimizer, build_scheduler
+from training.performance import (
+    SpeedMeter,
+    compute_dtype,
+    flops_per_token,
+    model_state_probe,
+    parameter_count,
+    peak_flops,
+)
 from training.preemption import Preempted, install_stop_handlers
 
 logger = get_logger(__name__)
@@ -87,8 +97,11 @@ def main() -> None:
         step_scheduler_with_optimizer=False,
         # A seedable sampler makes the shuffled order depend only on seed and epoch, so a
         # resumed run sees the same samples as an uninterrupted one.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=args.seed, non_blocking=args.dataloader_pin_memory
+        ),
         log_with=None if args.report_to == "none" else args.report_to,
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor" if args.torch_compile else "no"),
         project_dir=args.output_dir,
     )
     strategy = verify_strategy(accelerator)
@@ -111,6 +124,7 @@ def main() -> None:
             model_args.gradient_checkpointing,
         )
     block_size = resolve_block_size(data_args.block_size, max_positions(model))
+    model_flops_per_token, num_parameters = flops_per_token(model, block_size), parameter_count(model)
     with accelerator.main_process_first():  # the main process downloads; the others then read its cache
         raw = load_raw_datasets(
             data_args.dataset_name,
@@ -134,18 +148,20 @@ def main() -> None:
             f"least one global batch of {global_batch} and one validation sequence; use more data or smaller batches"
         )
     train_set = train_set.select(range(steps_per_epoch * global_batch))
-    train_loader = DataLoader(
-        train_set, batch_size=args.per_device_train_batch_size, shuffle=True, collate_fn=collator
-    )
-    eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
+    # Pinned host memory lets batches copy to the GPU while it computes (non_blocking above).
+    loading = {"collate_fn": collator, "num_workers": args.dataloader_num_workers,
+               "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda"}
+    train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True, **loading)
+    eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, **loading)
     max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
 
-    optimizer = build_optimizer(model, args.learning_rate, args.weight_decay)
-    scheduler = build_scheduler(optimizer, args.lr_scheduler_type, args.warmup_steps, max_steps)
+    torch_optimizer = build_optimizer(model, args.learning_rate, args.weight_decay)
+    scheduler = build_scheduler(torch_optimizer, args.lr_scheduler_type, args.warmup_steps, max_steps)
     align_deepspeed_config(accelerator, args.max_grad_norm)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler
+        model, torch_optimizer, train_loader, eval_loader, scheduler
     )
+    model_state = model_state_probe(model, torch_optimizer, lambda: held_gradients(model))  # bytes per rank, at step 2
     verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
     write_effective_deepspeed_config(accelerator, args.output_dir)
     logger.info(
@@ -169,14 +185,15 @@ def main() -> None:
 
     # ---- train ----
     metrics = MetricsLogger(accelerator, args.output_dir, state.completed_steps if resume_path else None)
-    if state.completed_steps == 0:
+    if state.completed_steps == 0 and args.eval_on_start:
         metrics.log(0, **evaluate(model, eval_loader, accelerator))
     clip_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf  # inf: measure, never clip
-    throughput, interval_loss, interval_steps = Throughput(), torch.zeros((), device=accelerator.device), 0
+    speed = SpeedMeter(accelerator.device, model_flops_per_token, peak_flops(accelerator.device, compute_dtype(accelerator.mixed_precision)))
+    interval_loss, interval_steps = torch.zeros((), device=accelerator.device), 0
     nonfinite = NonFiniteGuard(accelerator.device)
     grad_norm = math.nan  # set at every optimizer step
     progress = tqdm(total=max_steps, initial=state.completed_steps, disable=not accelerator.is_main_process)
-    run_start, first_step = time.perf_counter(), state.completed_steps
+    first_step = state.completed_steps
     eval_result: dict[str, float] = {}
     with collective_timeouts_reported(accelerator, args.ddp_timeout, lambda: state.completed_steps + 1):
         while state.completed_steps < max_steps:
@@ -185,6 +202,7 @@ def main() -> None:
             # when a checkpoint resumes on a different number of processes.
             batches = accelerator.skip_first_batches(train_loader, state.steps_in_epoch * args.gradient_accumulation_steps)
             for window in accumulation_windows(batches, args.gradient_accumulation_steps):
+                speed.start_step()
                 # The loss is the mean over every target token of the global batch (all micro-batches
                 # on all ranks), not a mean of per-batch means, so padded batches weigh by their tokens.
                 window_tokens = accelerator.reduce(sum(count_target_tokens(batch) for batch in window), "sum")
@@ -193,6 +211,7 @@ def main() -> None:
                     with accelerator.accumulate(model):
                         logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
                         loss = token_loss_sums(logits, batch["labels"])[0].sum() / window_tokens
+                        del logits  # tokens x vocabulary floats: freed now, not after the optimizer step
                         # Every strategy averages gradients over micro-steps and processes; scale back up
                         # so the update is the gradient of the global token mean.
                         accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
@@ -208,7 +227,7 @@ def main() -> None:
                 interval_loss += step_loss
                 nonfinite.update(state.completed_steps, step_loss, grad_norm)
                 interval_steps += 1
-                throughput.add(sum(batch["input_ids"].numel() for batch in window))
+                speed.end_step(sum(batch["input_ids"].numel() for batch in window))
                 progress.update(1)
                 step = state.completed_steps
                 stop_signal = stop_requests.agreed()  # every rank stops after the same step
@@ -220,10 +239,9 @@ def main() -> None:
 
                 if log_now:
                     train_loss = accelerator.reduce(interval_loss, "sum").item() / interval_steps
-                    tokens_per_sec = accelerator.reduce(torch.tensor(throughput.rate(), device=accelerator.device), "sum")
                     interval_loss.zero_()
                     interval_steps = 0
-                    metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), tokens_per_sec=tokens_per_sec.item())
+                    metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), **speed.report(accelerator.gather))
                     progress.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}")
                 if eval_now:
                     eval_result = evaluate(model, eval_loader, accelerator)
@@ -243,15 +261,25 @@ def main() -> None:
             else:  # the epoch ran out before max_steps
                 state.epoch, state.steps_in_epoch = state.epoch + 1, 0
     progress.close()
-    elapsed = time.perf_counter() - run_start
 
     # ---- export and summary ----
     final_dir = export_final(accelerator, model, tokenizer, args.output_dir)
+    summary = {  # gathered from every rank: before end_training closes the process group
+        "strategy": strategy.value,
+        "processes": accelerator.num_processes,
+        "mixed_precision": accelerator.mixed_precision,
+        "parameters": num_parameters,
+        "steps": state.completed_steps - first_step,
+        "wall_time_s": time.time() - psutil.Process().create_time(),
+        **speed.run_report(accelerator.gather, state.completed_steps - first_step),
+        "model_state_bytes_per_rank": max_over_ranks(model_state, accelerator),
+        **eval_result,
+    }
     accelerator.end_training()
     release_model_construction_hooks()
     if accelerator.is_main_process:
-        steps_run = state.completed_steps - first_step
-        print_summary(steps_run, throughput.total_tokens * accelerator.num_processes / elapsed, eval_result, final_dir)
+        write_summary(args.output_dir, summary)
+        print_summary(summary, final_dir)
 
 
 def resolve_block_size(requested: int | None, model_max: int | None) -> int:
@@ -263,19 +291,29 @@ def resolve_block_size(requested: int | None, model_max: int | None) -> int:
     return requested
 
 
-def print_summary(steps: int, tokens_per_sec: float, eval_result: dict[str, float], final_dir) -> None:
+def max_over_ranks(values: dict[str, int], accelerator) -> dict[str, int]:
+    """Each value's largest over the ranks (a collective); empty if nothing was measured."""
+    keys = sorted(values)
+    mine = torch.tensor([[values[key] for key in keys]], dtype=torch.float64, device=accelerator.device)
+    return {key: int(value) for key, value in zip(keys, accelerator.gather(mine).max(dim=0).values.tolist())}
+
+
+def print_summary(summary: dict, final_dir) -> None:
     """Load the export with plain `transformers` (proving it loads) and show a sample."""
     model = AutoModelForCausalLM.from_pretrained(final_dir)
     tokenizer = AutoTokenizer.from_pretrained(final_dir)
     inputs = tokenizer(SAMPLE_PROMPT, return_tensors="pt")
     output = model.generate(**inputs, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     sample = tokenizer.decode(output[0], skip_special_tokens=True)
+    state = sum(summary["model_state_bytes_per_rank"].values()) / 2**20
+    mfu = f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (unknown device peak)"
     print(
         "\n===== training summary =====\n"
-        f"steps:           {steps}\n"
-        f"tokens/s:        {tokens_per_sec:,.0f}\n"
-        f"final eval loss: {eval_result.get('eval_loss', float('nan')):.4f} "
-        f"(perplexity {eval_result.get('perplexity', float('nan')):.2f})\n"
+        f"steps:           {summary['steps']}\n"
+        f"tokens/s:        {summary['tokens_per_sec']:,.0f} ({summary['step_time'] * 1000:,.0f} ms/step, MFU {mfu})\n"
+        f"memory/rank:     peak {summary['peak_memory_gb']:.2f} GiB, model state {state:,.1f} MiB\n"
+        f"final eval loss: {summary.get('eval_loss', float('nan')):.4f} "
+        f"(perplexity {summary.get('perplexity', float('nan')):.2f})\n"
         f"model:           {final_dir}\n"
         f"sample:          {sample!r}"
     )

@@ -72,7 +72,8 @@ class TrainArguments:
     )
     seed: int = field(default=42, metadata={"help": "Seeds model init, data order and dropout."})
     logging_steps: int = field(default=10, metadata={"help": "Log training metrics every N optimizer steps."})
-    eval_steps: int = field(default=100, metadata={"help": "Evaluate every N optimizer steps (and at start and end)."})
+    eval_steps: int = field(default=100, metadata={"help": "Evaluate every N optimizer steps (and at the end)."})
+    eval_on_start: bool = field(default=True, metadata={"help": "Evaluate before the first step (the step-0 baseline)."})
     save_steps: int = field(default=200, metadata={"help": "Save a resumable checkpoint every N optimizer steps."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
     resume_from_checkpoint: str | None = field(
@@ -81,6 +82,9 @@ class TrainArguments:
     ddp_timeout: int = field(
         default=1800, metadata={"help": "Seconds a collective may wait before every rank aborts (a stalled rank)."}
     )
+    torch_compile: bool = field(default=False, metadata={"help": "Compile the model with torch.compile (inductor)."})
+    dataloader_num_workers: int = field(default=0, metadata={"help": "Worker processes loading batches; 0: in the main process."})
+    dataloader_pin_memory: bool = field(default=True, metadata={"help": "Pin batches in page-locked memory (GPUs only)."})
     report_to: str = field(
         default="none", metadata={"help": "Tracker for accelerate: tensorboard, wandb, mlflow, trackio, all or none."}
     )
@@ -149,6 +153,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
         raise ArgumentError("nothing to train: set --max_steps > 0 or --num_train_epochs > 0")
     if data_args.block_size is not None and data_args.block_size < 2:
         raise ArgumentError(f"--block_size must be at least 2, got {data_args.block_size}")
+    if train_args.dataloader_num_workers < 0:
+        raise ArgumentError(f"--dataloader_num_workers must be >= 0, got {train_args.dataloader_num_workers}")
     if train_args.max_grad_norm < 0:
         raise ArgumentError("--max_grad_norm must be >= 0 (0 disables clipping)")
     if data_args.validation_file and not data_args.train_file:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 
 
 class Strategy(str, Enum):
@@ -79,8 +79,10 @@ def build_accelerator(ddp_timeout: int, **accelerator_kwargs) -> Accelerator:
     # InitProcessGroupKwargs passes on only what differs from its defaults: the backend only for DeepSpeed on CPU.
     backend = "gloo" if on_cpu and strategy is Strategy.DEEPSPEED else InitProcessGroupKwargs.backend
     handler = InitProcessGroupKwargs(backend=backend, timeout=timeout)
+    # DDP: gradients live in its communication buckets instead of beside them (one copy, not two).
+    ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
     cpu = on_cpu and strategy in (Strategy.SINGLE, Strategy.DDP)
-    return Accelerator(cpu=cpu, kwargs_handlers=[handler], **accelerator_kwargs)
+    return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
 
 
 def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
@@ -202,6 +204,17 @@ def _auto_keys(config: dict, prefix: str = "") -> list[str]:
         elif value == "auto":
             found.append(prefix + key)
     return found
+
+
+def held_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Gradients a strategy keeps outside `param.grad`: DeepSpeed ZeRO's partitions (for measuring memory)."""
+    if wrapped_strategy(model) is not Strategy.DEEPSPEED:
+        return []
+    zero = model.optimizer
+    found = [getattr(zero, "grad_partitions_flat_buffer", None)]  # ZeRO-3: one flat buffer
+    for grads in getattr(zero, "averaged_gradients", {}).values():  # ZeRO-1/2: per parameter group
+        found += [getattr(grads, "flat_partition", None), *(grads or [])]
+    return [tensor for tensor in found if isinstance(tensor, torch.Tensor)]
 
 
 def master_weight_dtypes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> set[torch.dtype]:

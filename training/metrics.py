@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import time
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -41,18 +41,7 @@ class MetricsLogger:
                 file.write(json.dumps({"step": step, **values}) + "\n")
 
 
-class Throughput:
-    """This process's tokens per second since the last `rate()` call, and its total."""
-
-    def __init__(self) -> None:
-        self.start, self.tokens, self.total_tokens = time.perf_counter(), 0, 0
-
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
-        self.total_tokens += tokens
-
-    def rate(self) -> float:
-        now = time.perf_counter()
-        rate = self.tokens / max(now - self.start, 1e-9)
-        self.start, self.tokens = now, 0
-        return rate
+def write_summary(output_dir: str, summary: dict) -> None:
+    """`output_dir/summary.json`: the run's final figures, settings and library versions."""
+    versions = {name: version(name) for name in ("torch", "accelerate", "deepspeed", "transformers", "datasets")}
+    (Path(output_dir) / "summary.json").write_text(json.dumps(summary | {"versions": versions}, indent=2) + "\n")

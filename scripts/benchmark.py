@@ -1,0 +1,168 @@
+"""Throughput, memory and start-up of every strategy, side by side, and train.py against raw PyTorch.
+
+    python scripts/benchmark.py                                  # llama-small, bf16, 2 processes, all configs
+    python scripts/benchmark.py --model_config llama-tiny --steps 8 --configs ddp fsdp --rounds 1
+
+Every config trains the same model on the same data for `--steps` optimizer steps with
+`accelerate launch train.py`. The table shows, per strategy: tokens/s and step time
+(medians after `--warmup` steps), time from launch to the first optimizer step, peak memory
+per rank, and the model state each rank holds (parameters, gradients, optimizer state,
+counted from its tensors just before the second optimizer step) next to the ZeRO paper's
+formula for that stage (Rajbhandari et al. 2020, mixed-precision Adam: 2 bytes per
+parameter and gradient, K = 12 bytes of fp32 master weights and Adam moments). Then
+train.py on DDP and `scripts/raw_ddp.py` run alternately, `--rounds` times each, and the
+data preparation rate (tokenize + pack of the default corpus) is measured in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # data/ and models/, for the data preparation rate
+CONFIGS = ["ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"]
+PSI_BYTES = 16  # 2 (bf16 parameter) + 2 (bf16 gradient) + 12 (fp32 master + Adam moments), per parameter
+
+
+def zero_formula_bytes(config: str, parameters: int, processes: int) -> float:
+    """Model-state bytes per rank the ZeRO paper gives for the stage `config` runs."""
+    psi, n = parameters, processes
+    return {
+        "ddp": PSI_BYTES * psi,  # stage 0: everything replicated
+        "deepspeed_zero1": (2 + 2) * psi + 12 * psi / n,  # optimizer states sharded
+        "deepspeed_zero2": 2 * psi + (2 + 12) * psi / n,  # ... and gradients
+    }.get(config, PSI_BYTES * psi / n)  # ZeRO-3, its offload, FSDP2: parameters too
+
+
+def environment(output_dir: Path) -> dict[str, str]:
+    return os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(REPO),
+                         "TOKENIZERS_PARALLELISM": "false"}
+
+
+def train_run(config: str, args: argparse.Namespace, output_dir: Path) -> dict:
+    """One train.py run; its summary.json, per-step medians, and the time from launch to step 1."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
+               "--num_processes", str(args.num_processes), "--mixed_precision", args.mixed_precision, "train.py",
+               "--model_config", args.model_config, "--per_device_train_batch_size", str(args.per_device_train_batch_size),
+               "--block_size", str(args.block_size), "--max_steps", str(args.steps), "--logging_steps", str(args.log_every),
+               "--eval_on_start", "false", "--eval_steps", str(10**9), "--save_steps", str(10**9),
+               "--output_dir", str(output_dir)]
+    metrics = output_dir / "metrics.jsonl"
+    launched = time.perf_counter()
+    with (output_dir.parent / f"{output_dir.name}.log").open("w") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=environment(output_dir), stdout=log, stderr=subprocess.STDOUT)
+        first_step = None
+        while process.poll() is None:
+            if first_step is None and metrics.exists() and '"loss"' in metrics.read_text():
+                first_step = time.perf_counter() - launched
+            time.sleep(0.05)
+    if process.returncode != 0:
+        tail = Path(log.name).read_text()[-3000:]
+        sys.exit(f"{tail}\nerror: train.py failed under {config} (exit {process.returncode}); its log ends above")
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steady = [m for m in steps if "tokens_per_sec" in m and m["step"] > args.warmup]
+    return json.loads((output_dir / "summary.json").read_text()) | {
+        "tokens_per_sec": statistics.median(m["tokens_per_sec"] for m in steady),
+        "step_time": statistics.median(m["step_time"] for m in steady),
+        "time_to_first_step": first_step,
+    }
+
+
+def raw_run(args: argparse.Namespace) -> float:
+    """Median tokens/s of scripts/raw_ddp.py on the same settings."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.num_processes),
+               "scripts/raw_ddp.py", "--model_config", args.model_config, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--per_device_train_batch_size", str(args.per_device_train_batch_size),
+               "--block_size", str(args.block_size), *(["--bf16"] if args.mixed_precision == "bf16" else [])]
+    result = subprocess.run(command, cwd=REPO, env=environment(REPO), capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"error: raw_ddp.py failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])["tokens_per_sec"]
+
+
+def data_preparation_rate(block_size: int) -> float:
+    """Tokens per second of tokenize + pack of the default corpus, into an empty cache."""
+    import datasets
+
+    from data import build_lm_datasets, load_raw_datasets
+    from models import build_tokenizer
+
+    with tempfile.TemporaryDirectory() as cache:
+        datasets.config.HF_DATASETS_CACHE = cache
+        datasets.disable_progress_bars()
+        raw, tokenizer = load_raw_datasets(None, None, None, None, 5, 42), build_tokenizer(None, None)
+        start = time.perf_counter()
+        train, validation = build_lm_datasets(raw, tokenizer, "text", block_size)
+        return (len(train) + len(validation)) * block_size / (time.perf_counter() - start)
+
+
+def mib(value: float) -> str:
+    return f"{value / 2**20:,.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model_config", default="llama-small")
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    parser.add_argument("--num_processes", type=int, default=2)
+    parser.add_argument("--mixed_precision", default="bf16", choices=["no", "bf16"])
+    parser.add_argument("--per_device_train_batch_size", type=int, default=8)
+    parser.add_argument("--block_size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="Steps left out of the medians.")
+    parser.add_argument("--log_every", type=int, default=5, help="train.py's --logging_steps: a median per interval.")
+    parser.add_argument("--rounds", type=int, default=3, help="train.py/raw DDP pairs for the overhead figure.")
+    parser.add_argument("--output", type=Path, help="Also write the tables to this markdown file.")
+    parser.add_argument("--json", type=Path, help="Also write every figure to this JSON file.")
+    args = parser.parse_args()
+
+    lines = [f"model {args.model_config}, {args.num_processes} processes, {args.mixed_precision}, "
+             f"{args.per_device_train_batch_size} x {args.block_size} tokens per rank per step, {args.steps} steps",
+             "", "| strategy | tokens/s | step time (ms) | launch to first step (s) | peak memory/rank (MiB) "
+             "| model state/rank (MiB): params + grads + optimizer | ZeRO formula (MiB) | measured / formula |",
+             "|---|---:|---:|---:|---:|---|---:|---:|"]
+    results = {"settings": vars(args) | {"output": None, "json": None}, "strategies": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        for config in args.configs:
+            run = train_run(config, args, Path(scratch) / config)
+            state = run["model_state_bytes_per_rank"]
+            measured = sum(state.values())
+            formula = zero_formula_bytes(config, run["parameters"], run["processes"])
+            results["strategies"][config] = run | {"model_state_bytes": measured, "zero_formula_bytes": formula}
+            lines.append(
+                f"| {config} | {run['tokens_per_sec']:,.0f} | {run['step_time'] * 1000:,.0f} | "
+                f"{run['time_to_first_step']:.1f} | {run['peak_memory_gb'] * 1024:,.0f} | {mib(measured)}: "
+                f"{mib(state['parameters'])} + {mib(state['gradients'])} + {mib(state['optimizer'])} | "
+                f"{mib(formula)} | {measured / formula:.3f} |"
+            )
+            print(lines[-1], flush=True)
+        ours, raw = [], []
+        for round_ in range(args.rounds):
+            ours.append(train_run("ddp", args, Path(scratch) / f"overhead{round_}")["tokens_per_sec"])
+            raw.append(raw_run(args))
+            print(f"round {round_ + 1}: train.py {ours[-1]:,.0f} tokens/s, raw DDP {raw[-1]:,.0f}", flush=True)
+    ratio = statistics.median(ours) / statistics.median(raw)
+    data_rate = data_preparation_rate(args.block_size)
+    results |= {"train_py_tokens_per_sec": ours, "raw_ddp_tokens_per_sec": raw, "train_py_over_raw": ratio,
+                "data_preparation_tokens_per_sec": data_rate}
+    lines += ["", "| DDP loop | tokens/s (median of rounds) |", "|---|---:|",
+              f"| train.py | {statistics.median(ours):,.0f} |", f"| raw PyTorch (scripts/raw_ddp.py) | "
+              f"{statistics.median(raw):,.0f} |", f"| train.py / raw | {ratio:.3f} |", "",
+              f"data preparation (tokenize + pack, default corpus): {data_rate:,.0f} tokens/s"]
+    print("\n".join(lines))
+    if args.output:
+        args.output.write_text("\n".join(lines) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

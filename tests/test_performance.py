@@ -1,0 +1,58 @@
+"""The figures train.py reports: FLOPs per token, device peaks, and model-state bytes per rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from models import build_tokenizer
+from models.configs import build_named_config
+from training.optim import build_optimizer
+from training.performance import flops_per_token, gpu_peak_flops, measured_matmul_flops, model_state_bytes
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return AutoModelForCausalLM.from_config(build_named_config("llama-tiny", build_tokenizer(None, None)))
+
+
+def test_flops_per_token_counts_matmul_parameters_and_attention(tiny_model) -> None:
+    # llama-tiny by hand: vocabulary 960 (917 padded to 64), hidden 64, 2 layers, MLP 176, untied head.
+    embedding = head = 960 * 64
+    layer = 4 * 64 * 64 + 3 * 64 * 176 + 2 * 64  # attention, MLP, two norms
+    total = embedding + 2 * layer + 64 + head
+    assert sum(p.numel() for p in tiny_model.parameters()) == total
+    # 6 x (all but the input embedding) + 12 x layers x width x sequence length
+    assert flops_per_token(tiny_model, seq_len=128) == 6 * (total - embedding) + 12 * 2 * 64 * 128
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4e12),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756.0e12),
+        ("NVIDIA H200", torch.float32, 66.9e12),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0e12),
+        ("Tesla T4", torch.bfloat16, None),  # not in the table: no MFU rather than a wrong one
+    ],
+)
+def test_gpu_peaks_come_from_the_datasheet_table(name, dtype, peak) -> None:
+    assert gpu_peak_flops(name, dtype) == peak
+
+
+def test_the_cpu_peak_is_measured() -> None:
+    assert 1e8 < measured_matmul_flops(torch.float32, seconds=0.1) < 1e14
+
+
+def test_model_state_bytes_are_counted_from_the_tensors(tiny_model) -> None:
+    """One process, fp32 AdamW: 4 bytes of weights, 4 of gradients, 8 of moments per parameter."""
+    optimizer = build_optimizer(tiny_model, learning_rate=1e-3, weight_decay=0.1)
+    ids = torch.randint(0, 900, (2, 16))
+    tiny_model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    tiny_model(input_ids=ids, labels=ids).loss.backward()
+    psi = sum(p.numel() for p in tiny_model.parameters())
+    measured = model_state_bytes(tiny_model, optimizer)
+    assert measured["parameters"] == 4 * psi and measured["gradients"] == 4 * psi
+    assert 8 * psi <= measured["optimizer"] <= 8 * psi + 4 * len(optimizer.state)  # + one step counter each

@@ -1,0 +1,198 @@
+"""How fast and how big: model FLOPs per token, the device's peak FLOP/s, MFU, peak memory, and
+the bytes of model state (parameters, gradients, optimizer state) each rank really holds."""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+# Dense peak FLOP/s (no sparsity) from NVIDIA's datasheets, by a fragment of
+# `torch.cuda.get_device_name()`; the first fragment found in the name wins. fp32 is true
+# fp32 (torch's default matmul precision), not TF32.
+GPU_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
+    "H200": {torch.bfloat16: 989.4e12, torch.float32: 66.9e12},
+    "H100 PCIe": {torch.bfloat16: 756.0e12, torch.float32: 51.2e12},
+    "H100": {torch.bfloat16: 989.4e12, torch.float32: 66.9e12},  # SXM
+    "A100": {torch.bfloat16: 312.0e12, torch.float32: 19.5e12},
+}
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B).
+
+    N counts the parameters used in matrix multiplies (all but the input embedding, unless
+    the output layer shares it); 12·L·d·T is attention's scores and weighted sum over a
+    sequence of T tokens, forward and backward. Call it before `prepare` (ZeRO-3 partitions
+    are counted by their full size).
+    """
+    def numel(param: torch.Tensor) -> int:
+        return getattr(param, "ds_numel", param.numel())
+
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding
+    matmul_params = sum(numel(p) for p in model.parameters()) - (0 if tied else numel(embedding))
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention_width = config.num_attention_heads * head_dim
+    return 6 * matmul_params + 12 * config.num_hidden_layers * attention_width * seq_len
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's peak FLOP/s for matmuls in `dtype`: the datasheet on known GPUs, a short probe on CPU."""
+    if device.type == "cuda":
+        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype)
+    if device.type == "cpu":
+        return measured_matmul_flops(dtype)
+    return None
+
+
+def gpu_peak_flops(name: str, dtype: torch.dtype) -> float | None:
+    """The datasheet peak for a GPU called `name`, or None if the table does not know it."""
+    return next((peaks.get(dtype) for fragment, peaks in GPU_PEAK_FLOPS.items() if fragment in name), None)
+
+
+def measured_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 0.3) -> float:
+    """The best FLOP/s of square matmuls on this process's CPU threads, over `seconds`."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b  # warm-up: thread pool and kernels
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start))
+    return best
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: allocated GPU memory on GPUs, resident memory (RSS) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of a tensor: a DTensor's shard (FSDP2), a ZeRO-3 partition, or the tensor."""
+    if hasattr(tensor, "to_local"):
+        return tensor.to_local()
+    return getattr(tensor, "ds_tensor", tensor)
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the distinct storages behind `tensors` not yet in `seen` (views share a storage)."""
+    total = 0
+    for tensor in tensors:
+        storage = _local(tensor).untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _stepping(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def model_state_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, held_gradients: Iterable[torch.Tensor] = ()
+) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds, counted from the tensors.
+
+    `optimizer` is the torch optimizer that steps (DeepSpeed steps it on its own fp32
+    partitions, the master weights, which count as optimizer state); `held_gradients` are
+    gradient buffers a strategy keeps outside `param.grad`. Measure between backward and the
+    optimizer step, when gradients exist.
+    """
+    seen: set[int] = set()
+    params = list(model.parameters())
+    # DeepSpeed steps one parameter group at a time (it narrows param_groups meanwhile): the
+    # optimizer state names every parameter that was ever stepped.
+    stepped = list({id(p): p for p in [*_stepping(optimizer), *optimizer.state]}.values())
+    parameters = _storage_bytes(params, seen)
+    grads = [p.grad for p in params + stepped if p.grad is not None]
+    gradients = _storage_bytes([*grads, *held_gradients], seen)
+    states = (t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
+    optimizer_state = _storage_bytes(stepped, seen) + _storage_bytes(states, seen)
+    return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer_state}
+
+
+class SpeedMeter:
+    """Tokens/s, step time, MFU and peak memory over the optimizer steps since the last report.
+
+    Only time inside `start_step`/`end_step` counts, so evaluation and checkpoints do not
+    lower the figures. On GPUs the steps are timed on the host: the sync at each report
+    (the loss leaves the device then) keeps the sum of step times equal to the wall time.
+    """
+
+    def __init__(self, device: torch.device, flops_per_token: float, peak_flops_per_device: float | None) -> None:
+        self.device, self.flops_per_token, self.peak = device, flops_per_token, peak_flops_per_device
+        self.tokens = self.steps = self.total_tokens = 0
+        self.seconds = self.total_seconds = 0.0
+        self._started = 0.0
+
+    def start_step(self) -> None:
+        self._started = time.perf_counter()
+
+    def end_step(self, tokens: int) -> None:
+        elapsed = time.perf_counter() - self._started
+        self.tokens, self.steps, self.seconds = self.tokens + tokens, self.steps + 1, self.seconds + elapsed
+        self.total_tokens, self.total_seconds = self.total_tokens + tokens, self.total_seconds + elapsed
+
+    def report(self, gather) -> dict[str, float]:
+        """Figures since the last report for all ranks together; a collective (`gather` is `accelerator.gather`)."""
+        figures = self._figures(gather, self.tokens, self.steps, self.seconds)
+        self.tokens = self.steps = 0
+        self.seconds = 0.0
+        return figures
+
+    def run_report(self, gather, steps: int) -> dict[str, float]:
+        """Figures over the whole run; a collective."""
+        return self._figures(gather, self.total_tokens, steps, self.total_seconds)
+
+    def _figures(self, gather, tokens: int, steps: int, seconds: float) -> dict[str, float]:
+        seconds = max(seconds, 1e-9)
+        mine = [tokens / seconds, seconds / max(steps, 1), self.peak or float("nan"), peak_memory_bytes(self.device)]
+        everyone = gather(torch.tensor([mine], dtype=torch.float64, device=self.device)).cpu()
+        tokens_per_sec = float(everyone[:, 0].sum())
+        report = {
+            "tokens_per_sec": tokens_per_sec,
+            "step_time": float(everyone[:, 1].max()),  # the slowest rank sets the pace
+            "peak_memory_gb": float(everyone[:, 3].max()) / 2**30,
+        }
+        if self.peak:  # unknown GPUs have no MFU
+            report["mfu"] = tokens_per_sec * self.flops_per_token / float(everyone[:, 2].sum())
+        return report
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Parameters of the whole model (ZeRO-3 partitions by their full size)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+def compute_dtype(mixed_precision: str) -> torch.dtype:
+    """The dtype matmuls run in under accelerate's `mixed_precision`."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
+
+
+def model_state_probe(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, held_gradients: Callable[[], list[torch.Tensor]]
+) -> dict[str, int]:
+    """A dict that `model_state_bytes` fills once, just before the first optimizer step whose
+    parameters all have optimizer state (the second), when gradients and optimizer state exist.
+
+    A hook on the torch optimizer, so the training loop stays as it is: every strategy,
+    DeepSpeed included, calls that optimizer's `step`.
+    """
+    measured: dict[str, int] = {}
+
+    def measure(stepping: torch.optim.Optimizer, _args, _kwargs) -> None:
+        if all(stepping.state.get(p) for p in _stepping(stepping)) and not measured:  # state: a defaultdict
+            measured.update(model_state_bytes(model, stepping, held_gradients()))
+            handle.remove()
+
+    handle = optimizer.register_step_pre_hook(measure)
+    return measured
