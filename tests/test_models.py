@@ -25,6 +25,7 @@ def test_named_configs_build_fp32_llama_models(name, tokenizer) -> None:
     assert model.config.vocab_size % 64 == 0 and model.config.vocab_size >= len(tokenizer)
     assert next(model.parameters()).dtype == torch.float32
     assert set(model._no_split_modules) == {"LlamaDecoderLayer"}  # what FSDP2 wraps, one unit per layer
+    assert model.config._attn_implementation == "sdpa"  # PyTorch scaled_dot_product_attention (flash kernels on GPU)
 
 
 def test_unknown_named_config_is_an_error(tokenizer) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from models import build_tokenizer
 from models.configs import build_named_config
+from tests.conftest import read_metrics
 from training.optim import build_optimizer
 from training.performance import flops_per_token, gpu_peak_flops, measured_matmul_flops, model_state_bytes
 
@@ -56,3 +59,25 @@ def test_model_state_bytes_are_counted_from_the_tensors(tiny_model) -> None:
     measured = model_state_bytes(tiny_model, optimizer)
     assert measured["parameters"] == 4 * psi and measured["gradients"] == 4 * psi
     assert 8 * psi <= measured["optimizer"] <= 8 * psi + 4 * len(optimizer.state)  # + one step counter each
+
+
+def test_torch_compile_trains_the_same_model_on_ddp(cached_run) -> None:
+    args = ("--max_steps", "4", "--logging_steps", "1", "--eval_steps", "100", "--per_device_train_batch_size", "4")
+    eager, compiled = cached_run("ddp", *args), cached_run("ddp", *args, "--torch_compile")
+    assert "model wrapped as OptimizedModule" in (compiled / "launch.log").read_text()  # compiled, around DDP
+    losses = [[m["loss"] for m in read_metrics(run) if "loss" in m] for run in (eager, compiled)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-3)  # inductor reorders float math, nothing more
+
+
+def test_every_run_reports_speed_and_memory(cached_run) -> None:
+    run = cached_run("ddp", "--max_steps", "4", "--logging_steps", "1", "--eval_steps", "100",
+                     "--per_device_train_batch_size", "4")
+    steps = [m for m in read_metrics(run) if "loss" in m]
+    assert all({"tokens_per_sec", "step_time", "mfu", "peak_memory_gb"} <= m.keys() for m in steps)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["strategy"] == "ddp" and summary["processes"] == 2 and summary["steps"] == 4
+    assert 0 < summary["mfu"] < 1 and summary["peak_memory_gb"] > 0.1
+    psi = summary["parameters"]  # fp32 DDP: 4 + 4 + 8 bytes per parameter, every rank
+    assert summary["model_state_bytes_per_rank"]["parameters"] == 4 * psi
+    assert summary["model_state_bytes_per_rank"]["gradients"] == 4 * psi
+    assert summary["versions"]["torch"].startswith("2.13.0")

@@ -112,6 +112,7 @@ def wrapped_strategy(model: torch.nn.Module) -> Strategy:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
+    model = getattr(model, "_orig_mod", model)  # --torch_compile wraps the strategy's wrapper
     if type(model).__name__ == "DeepSpeedEngine":
         return Strategy.DEEPSPEED
     if isinstance(model, (FSDPModule, FullyShardedDataParallel)):
