@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # data/ and models/, for the data preparation rate
 CONFIGS = ["ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"]
+RUN_TIMEOUT_S = 1800  # a run that takes longer is stuck: stop it rather than hang the benchmark
 PSI_BYTES = 16  # 2 (bf16 parameter) + 2 (bf16 gradient) + 12 (fp32 master + Adam moments), per parameter
 
 
@@ -44,6 +46,12 @@ def zero_formula_bytes(config: str, parameters: int, processes: int) -> float:
     }.get(config, PSI_BYTES * psi / n)  # ZeRO-3, its offload, FSDP2: parameters too
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def environment(output_dir: Path) -> dict[str, str]:
     return os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(REPO),
                          "TOKENIZERS_PARALLELISM": "false"}
@@ -52,7 +60,8 @@ def environment(output_dir: Path) -> dict[str, str]:
 def train_run(config: str, args: argparse.Namespace, output_dir: Path) -> dict:
     """One train.py run; its summary.json, per-step medians, and the time from launch to step 1."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
-               "--num_processes", str(args.num_processes), "--mixed_precision", args.mixed_precision, "train.py",
+               "--num_processes", str(args.num_processes), "--mixed_precision", args.mixed_precision,
+               "--main_process_port", str(free_port()), "train.py",
                "--model_config", args.model_config, "--per_device_train_batch_size", str(args.per_device_train_batch_size),
                "--block_size", str(args.block_size), "--max_steps", str(args.steps), "--logging_steps", str(args.log_every),
                "--eval_on_start", "false", "--eval_steps", str(10**9), "--save_steps", str(10**9),
@@ -65,6 +74,8 @@ def train_run(config: str, args: argparse.Namespace, output_dir: Path) -> dict:
         while process.poll() is None:
             if first_step is None and metrics.exists() and '"loss"' in metrics.read_text():
                 first_step = time.perf_counter() - launched
+            if time.perf_counter() - launched > RUN_TIMEOUT_S:
+                process.kill()
             time.sleep(0.05)
     if process.returncode != 0:
         tail = Path(log.name).read_text()[-3000:]
@@ -81,10 +92,11 @@ def train_run(config: str, args: argparse.Namespace, output_dir: Path) -> dict:
 def raw_run(args: argparse.Namespace) -> float:
     """Median tokens/s of scripts/raw_ddp.py on the same settings."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.num_processes),
-               "scripts/raw_ddp.py", "--model_config", args.model_config, "--steps", str(args.steps),
+               "--master_port", str(free_port()), "scripts/raw_ddp.py", "--model_config", args.model_config, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--per_device_train_batch_size", str(args.per_device_train_batch_size),
                "--block_size", str(args.block_size), *(["--bf16"] if args.mixed_precision == "bf16" else [])]
-    result = subprocess.run(command, cwd=REPO, env=environment(REPO), capture_output=True, text=True)
+    result = subprocess.run(command, cwd=REPO, env=environment(REPO), capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S)
     if result.returncode != 0:
         sys.exit(f"error: raw_ddp.py failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])["tokens_per_sec"]

@@ -14,6 +14,7 @@ import json
 import os
 import statistics
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
 
     on_gpu = torch.cuda.is_available()
-    dist.init_process_group("nccl" if on_gpu else "gloo")
+    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(minutes=10))  # never hang a benchmark
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
     torch.manual_seed(42)
@@ -70,6 +71,7 @@ def main() -> None:
             rates.append(rate.item())
     if rank == 0:
         print(json.dumps({"tokens_per_sec": statistics.median(rates), "steps": len(rates) + args.warmup}))
+    dist.barrier()  # gloo's destroy can wait forever for a peer that already exited
     dist.destroy_process_group()
 
 
