@@ -61,17 +61,20 @@ def test_model_state_bytes_are_counted_from_the_tensors(tiny_model) -> None:
     assert 8 * psi <= measured["optimizer"] <= 8 * psi + 4 * len(optimizer.state)  # + one step counter each
 
 
+# 4 steps on DDP, batches loaded by a worker process
+SHORT_RUN = ("--max_steps", "4", "--logging_steps", "1", "--eval_steps", "100", "--per_device_train_batch_size", "4",
+             "--dataloader_num_workers", "1")
+
+
 def test_torch_compile_trains_the_same_model_on_ddp(cached_run) -> None:
-    args = ("--max_steps", "4", "--logging_steps", "1", "--eval_steps", "100", "--per_device_train_batch_size", "4")
-    eager, compiled = cached_run("ddp", *args), cached_run("ddp", *args, "--torch_compile")
+    eager, compiled = cached_run("ddp", *SHORT_RUN), cached_run("ddp", *SHORT_RUN, "--torch_compile")
     assert "model wrapped as OptimizedModule" in (compiled / "launch.log").read_text()  # compiled, around DDP
     losses = [[m["loss"] for m in read_metrics(run) if "loss" in m] for run in (eager, compiled)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-3)  # inductor reorders float math, nothing more
 
 
 def test_every_run_reports_speed_and_memory(cached_run) -> None:
-    run = cached_run("ddp", "--max_steps", "4", "--logging_steps", "1", "--eval_steps", "100",
-                     "--per_device_train_batch_size", "4")
+    run = cached_run("ddp", *SHORT_RUN)
     steps = [m for m in read_metrics(run) if "loss" in m]
     assert all({"tokens_per_sec", "step_time", "mfu", "peak_memory_gb"} <= m.keys() for m in steps)
     summary = json.loads((run / "summary.json").read_text())
@@ -80,4 +83,5 @@ def test_every_run_reports_speed_and_memory(cached_run) -> None:
     psi = summary["parameters"]  # fp32 DDP: 4 + 4 + 8 bytes per parameter, every rank
     assert summary["model_state_bytes_per_rank"]["parameters"] == 4 * psi
     assert summary["model_state_bytes_per_rank"]["gradients"] == 4 * psi
+    assert sum(summary["model_state_bytes_per_rank"].values()) == pytest.approx(16 * psi, rel=1e-3)  # ZeRO stage 0
     assert summary["versions"]["torch"].startswith("2.13.0")

@@ -22,15 +22,17 @@ class CollectiveTimeoutError(RuntimeError):
 
 
 @functools.cache
-def cpu_group(timeout_s: int) -> dist.ProcessGroup:
+def cpu_group(timeout_s: int) -> dist.ProcessGroup | None:
     """A gloo group over all ranks, for host-side agreements that must not wait on the GPU.
 
-    CPU runs already use gloo; on GPUs this makes one more group, once (a collective: the
-    first call must happen on every rank). Multi-node GPU runs: gloo picks its network
-    interface from the hostname; set GLOO_SOCKET_IFNAME as you set NCCL_SOCKET_IFNAME.
+    CPU runs already use gloo: None, the default group (holding no reference to it, which
+    would keep it alive past `destroy_process_group` and abort the process at exit). On GPUs
+    this makes one more group, once (a collective: the first call must happen on every
+    rank). Multi-node GPU runs: gloo picks its network interface from the hostname; set
+    GLOO_SOCKET_IFNAME as you set NCCL_SOCKET_IFNAME.
     """
     if dist.get_backend() == "gloo":
-        return dist.group.WORLD
+        return None
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 

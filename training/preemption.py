@@ -41,8 +41,8 @@ class Preempted(Exception):
 class StopRequests:
     """Records stop signals; `agreed()` tells every rank whether any rank received one."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
+    def __init__(self, distributed: bool, timeout_s: int) -> None:
+        self.distributed, self.timeout_s = distributed, timeout_s
         self.received = 0  # the signal number, 0 for none
 
     def handle(self, signum: int, _frame: FrameType | None) -> None:
@@ -51,8 +51,8 @@ class StopRequests:
     def agreed(self) -> str | None:
         """The name of a stop signal any rank received, or None. A collective: call it on every rank."""
         received = torch.tensor([self.received])
-        if self.group is not None:
-            dist.all_reduce(received, op=dist.ReduceOp.MAX, group=self.group)
+        if self.distributed:
+            dist.all_reduce(received, op=dist.ReduceOp.MAX, group=cpu_group(self.timeout_s))
         return signal.Signals(int(received)).name if received else None
 
 
@@ -63,7 +63,10 @@ def install_stop_handlers(accelerator: Accelerator, timeout_s: int) -> StopReque
     lets the export finish (within the scheduler's grace period). A second signal, as
     torchrun and SLURM both send one, changes nothing.
     """
-    requests = StopRequests(cpu_group(timeout_s) if accelerator.num_processes > 1 else None)
+    distributed = accelerator.num_processes > 1
+    if distributed:
+        cpu_group(timeout_s)  # made now, on every rank, if this run needs a separate one
+    requests = StopRequests(distributed, timeout_s)
     for sig in STOP_SIGNALS:
         signal.signal(sig, requests.handle)
     _sigterm_when_parent_dies(requests)
