@@ -264,14 +264,15 @@ def main() -> None:
 
     # ---- export and summary ----
     final_dir = export_final(accelerator, model, tokenizer, args.output_dir)
+    steps_run = state.completed_steps - first_step
     summary = {  # gathered from every rank: before end_training closes the process group
         "strategy": strategy.value,
         "processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
         "parameters": num_parameters,
-        "steps": state.completed_steps - first_step,
+        "steps": steps_run,
         "wall_time_s": time.time() - psutil.Process().create_time(),
-        **speed.run_report(accelerator.gather, state.completed_steps - first_step),
+        **speed.run_report(accelerator.gather, steps_run),
         "model_state_bytes_per_rank": max_over_ranks(model_state, accelerator),
         **eval_result,
     }

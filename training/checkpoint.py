@@ -17,7 +17,6 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from transformers import PreTrainedTokenizerBase

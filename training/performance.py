@@ -28,13 +28,10 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     sequence of T tokens, forward and backward. Call it before `prepare` (ZeRO-3 partitions
     are counted by their full size).
     """
-    def numel(param: torch.Tensor) -> int:
-        return getattr(param, "ds_numel", param.numel())
-
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is embedding
-    matmul_params = sum(numel(p) for p in model.parameters()) - (0 if tied else numel(embedding))
+    matmul_params = parameter_count(model) - (0 if tied else _full_numel(embedding))
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention_width = config.num_attention_heads * head_dim
@@ -170,7 +167,11 @@ class SpeedMeter:
 
 def parameter_count(model: torch.nn.Module) -> int:
     """Parameters of the whole model (ZeRO-3 partitions by their full size)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return sum(_full_numel(p) for p in model.parameters())
+
+
+def _full_numel(param: torch.Tensor) -> int:
+    return getattr(param, "ds_numel", param.numel())  # a ZeRO-3 partition knows its full size
 
 
 def compute_dtype(mixed_precision: str) -> torch.dtype:
