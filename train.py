@@ -10,19 +10,21 @@ checks that what runs is what the config file asked for.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import sys
 import time
-import warnings
 
-import datasets
 import psutil
 import torch
-import transformers
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, TorchDynamoPlugin, set_seed
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+    set_seed,
+)
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -39,6 +41,7 @@ from training.checkpoint import (
     save_checkpoint,
 )
 from training.collectives import CollectiveTimeoutError, collective_timeouts_reported, preflight
+from training.console import one_voice, quiet_third_party_output
 from training.distributed import (
     StrategyError,
     align_deepspeed_config,
@@ -60,7 +63,7 @@ from training.loss import (
     count_target_tokens,
     token_loss_sums,
 )
-from training.metrics import MetricsLogger, to_float, write_summary
+from training.metrics import MetricsLogger, to_float, tracker_config, write_summary
 from training.optim import build_optimizer, build_scheduler
 from training.performance import (
     SpeedMeter,
@@ -71,6 +74,7 @@ from training.performance import (
     peak_flops,
 )
 from training.preemption import Preempted, install_stop_handlers
+from training.report import write_report
 
 logger = get_logger(__name__)
 SAMPLE_PROMPT = "Once upon a time"
@@ -82,9 +86,7 @@ EXIT_PREEMPTED = 75  # SIGTERM/SIGUSR1: saved a checkpoint; rerun with --resume_
 
 def main() -> None:
     model_args, data_args, args = parse_args()
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
-    # DeepSpeed 0.19 calls collectives that torch 2.13 deprecates, once per step: not actionable here.
-    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    quiet_third_party_output()
     accelerator = build_accelerator(
         args.ddp_timeout,
         # Synchronise by step count only: train.py reads a whole window ahead (see
@@ -100,14 +102,12 @@ def main() -> None:
         dataloader_config=DataLoaderConfiguration(
             use_seedable_sampler=True, data_seed=args.seed, non_blocking=args.dataloader_pin_memory
         ),
-        log_with=None if args.report_to == "none" else args.report_to,
+        log_with=args.report_to or None,  # TensorBoard writes to output_dir/runs/<run_name>
+        project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "runs")),
         dynamo_plugin=TorchDynamoPlugin(backend="inductor" if args.torch_compile else "no"),
-        project_dir=args.output_dir,
     )
     strategy = verify_strategy(accelerator)
-    if not accelerator.is_main_process:  # one voice in the logs: the other ranks report errors only
-        datasets.utils.logging.set_verbosity_error()
-        transformers.utils.logging.set_verbosity_error()
+    one_voice(accelerator.is_main_process)  # the other ranks report errors only
     logger.info(describe(accelerator, strategy), main_process_only=True)
     logger.info(preflight(accelerator, args.ddp_timeout), main_process_only=True)
     stop_requests = install_stop_handlers(accelerator, args.ddp_timeout)  # SIGTERM/SIGUSR1: save, then exit 75
@@ -169,7 +169,6 @@ def main() -> None:
         f"{', '.join(str(d) for d in master_weight_dtypes(model, optimizer))}",
         main_process_only=True,
     )
-    accelerator.init_trackers("train", config=vars(args) | vars(model_args) | vars(data_args))
 
     state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes)
     resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir, accelerator)
@@ -177,6 +176,16 @@ def main() -> None:
         state = load_checkpoint(accelerator, resume_path, global_batch, max_steps)
         state.num_processes = accelerator.num_processes
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
+    run_settings = {"strategy": strategy.value, "num_processes": accelerator.num_processes,
+                    "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch,
+                    "block_size": block_size, "total_steps": max_steps, "parameters": num_parameters}
+    accelerator.init_trackers(
+        args.run_name,
+        config=tracker_config(vars(model_args) | vars(data_args) | vars(args) | run_settings),
+        # A resumed run replaces what the run it continues logged after its checkpoint.
+        init_kwargs={"tensorboard": {"purge_step": state.completed_steps + 1 if resume_path else 0},
+                     "wandb": {"name": args.run_name}},
+    )
     logger.info(
         f"{len(train_set)} sequences of up to {block_size} tokens, global batch {global_batch}, "
         f"{steps_per_epoch} steps/epoch, training to step {max_steps}",
@@ -192,9 +201,13 @@ def main() -> None:
     interval_loss, interval_steps = torch.zeros((), device=accelerator.device), 0
     nonfinite = NonFiniteGuard(accelerator.device)
     grad_norm = math.nan  # set at every optimizer step
-    progress = tqdm(total=max_steps, initial=state.completed_steps, disable=not accelerator.is_main_process)
+    # One bar, on the main process: steps, ETA, and the last logged loss, lr and tokens/s.
+    progress = tqdm(total=max_steps, initial=state.completed_steps, desc="training", unit="step",
+                    disable=not accelerator.is_main_process)
     first_step = state.completed_steps
     eval_result: dict[str, float] = {}
+    train_loss = math.nan  # the last logged
+    report_title = f"{model_args.model_name_or_path or model_args.model_config}: {describe(accelerator, strategy)}"
     with collective_timeouts_reported(accelerator, args.ddp_timeout, lambda: state.completed_steps + 1):
         while state.completed_steps < max_steps:
             train_loader.set_epoch(state.epoch)  # before skipping, or a resume replays another order
@@ -241,8 +254,9 @@ def main() -> None:
                     train_loss = accelerator.reduce(interval_loss, "sum").item() / interval_steps
                     interval_loss.zero_()
                     interval_steps = 0
-                    metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), **speed.report(accelerator.gather))
-                    progress.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}")
+                    speed_now = speed.report(accelerator.gather)
+                    metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), **speed_now)
+                    progress.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tokens_per_s=f"{speed_now['tokens_per_sec']:,.0f}")
                 if eval_now:
                     eval_result = evaluate(model, eval_loader, accelerator)
                     metrics.log(step, **eval_result)
@@ -254,6 +268,8 @@ def main() -> None:
                     break
                 if stop_signal:
                     accelerator.end_training()  # flush the trackers
+                    if accelerator.is_main_process:
+                        write_report(args.output_dir, report_title)
                     raise Preempted(
                         f"{stop_signal} received: stopped after step {step} and saved {saved}; "
                         "continue with --resume_from_checkpoint latest"
@@ -270,16 +286,20 @@ def main() -> None:
         "processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
         "parameters": num_parameters,
+        "model": model_args.model_name_or_path or model_args.model_config,
         "steps": steps_run,
+        "total_steps": state.completed_steps,
         "wall_time_s": time.time() - psutil.Process().create_time(),
         **speed.run_report(accelerator.gather, steps_run),
         "model_state_bytes_per_rank": max_over_ranks(model_state, accelerator),
+        "train_loss": train_loss,
         **eval_result,
     }
     accelerator.end_training()
     release_model_construction_hooks()
     if accelerator.is_main_process:
         write_summary(args.output_dir, summary)
+        write_report(args.output_dir, report_title)
         print_summary(summary, final_dir)
 
 

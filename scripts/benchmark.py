@@ -7,9 +7,8 @@ Every config trains the same model on the same data for `--steps` optimizer step
 `accelerate launch train.py`. The table shows, per strategy: tokens/s and step time
 (medians after `--warmup` steps), time from launch to the first optimizer step, peak memory
 per rank, and the model state each rank holds (parameters, gradients, optimizer state,
-counted from its tensors just before the second optimizer step) next to the ZeRO paper's
-formula for that stage (Rajbhandari et al. 2020, mixed-precision Adam: 2 bytes per
-parameter and gradient, K = 12 bytes of fp32 master weights and Adam moments). Then
+counted from its tensors just before the second optimizer step) next to what
+scripts/plan_memory.py predicts for that config (training/memory_plan.py). Then
 train.py on DDP and `scripts/raw_ddp.py` run alternately, `--rounds` times each (the
 overhead figure is the median of the per-round ratios: back-to-back runs share the machine's
 state), and the data preparation rate (tokenize + pack of the default corpus) is measured
@@ -33,17 +32,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # data/ and models/, for the data preparation rate
 CONFIGS = ["ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"]
 RUN_TIMEOUT_S = 1800  # a run that takes longer is stuck: stop it rather than hang the benchmark
-PSI_BYTES = 16  # 2 (bf16 parameter) + 2 (bf16 gradient) + 12 (fp32 master + Adam moments), per parameter
 
 
-def zero_formula_bytes(config: str, parameters: int, processes: int) -> float:
-    """Model-state bytes per rank the ZeRO paper gives for the stage `config` runs."""
-    psi, n = parameters, processes
-    return {
-        "ddp": PSI_BYTES * psi,  # stage 0: everything replicated
-        "deepspeed_zero1": (2 + 2) * psi + 12 * psi / n,  # optimizer states sharded
-        "deepspeed_zero2": 2 * psi + (2 + 12) * psi / n,  # ... and gradients
-    }.get(config, PSI_BYTES * psi / n)  # ZeRO-3, its offload, FSDP2: parameters too
+def planned_model_state_bytes(config: str, args: argparse.Namespace, processes: int) -> float:
+    """What the memory planner predicts per rank for `config`: parameters + gradients + optimizer state."""
+    from models import build_tokenizer
+    from models.configs import build_named_config
+    from training.memory_plan import model_shape, model_state, read_layout
+    from training.performance import compute_dtype
+
+    dtype = compute_dtype(args.mixed_precision)
+    shape = model_shape(build_named_config(args.model_config, build_tokenizer(None, None)), dtype)
+    planned = model_state(read_layout(REPO / "accelerate_configs" / f"{config}.yaml"), shape, processes, dtype.itemsize)
+    return planned["parameters"] + planned["gradients"] + planned["optimizer"]
 
 
 def free_port() -> int:
@@ -141,8 +142,8 @@ def main() -> None:
     lines = [f"model {args.model_config}, {args.num_processes} processes, {args.mixed_precision}, "
              f"{args.per_device_train_batch_size} x {args.block_size} tokens per rank per step, {args.steps} steps",
              "", "| strategy | processes | tokens/s | step time (ms) | MFU | launch to first step (s) "
-             "| peak memory/rank (MiB) | model state/rank (MiB): params + grads + optimizer | ZeRO formula (MiB) "
-             "| measured / formula |",
+             "| peak memory/rank (MiB) | model state/rank (MiB): params + grads + optimizer | planner (MiB) "
+             "| measured / planner |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     results = {"settings": vars(args) | {"output": None, "json": None}, "strategies": {}}
     with tempfile.TemporaryDirectory() as scratch:
@@ -150,14 +151,14 @@ def main() -> None:
             run = train_run(config, args, Path(scratch) / config)
             state = run["model_state_bytes_per_rank"]
             measured = sum(state.values())
-            formula = zero_formula_bytes(config, run["parameters"], run["processes"])
-            results["strategies"][config] = run | {"model_state_bytes": measured, "zero_formula_bytes": formula}
+            planned = planned_model_state_bytes(config, args, run["processes"])
+            results["strategies"][config] = run | {"model_state_bytes": measured, "planned_bytes": planned}
             lines.append(
                 f"| {config} | {run['processes']} | {run['tokens_per_sec']:,.0f} | {run['step_time'] * 1000:,.0f} | "
                 f"{run.get('mfu', float('nan')):.1%} | {run['time_to_first_step']:.1f} | "
                 f"{run['peak_memory_gb'] * 1024:,.0f} | {mib(measured)}: "
                 f"{mib(state['parameters'])} + {mib(state['gradients'])} + {mib(state['optimizer'])} | "
-                f"{mib(formula)} | {measured / formula:.3f} |"
+                f"{mib(planned)} | {measured / planned:.3f} |"
             )
             print(lines[-1], flush=True)
         ours, raw = [], []

@@ -1,6 +1,12 @@
-"""Bad input, each case a real 2-process launch: one `error:` line naming the problem and the fix,
-a non-zero exit, no traceback from train.py, no rank left hanging, and the run already in
-`output_dir` (checkpoints, final model, metrics) left byte for byte as it was."""
+"""Bad input: one `error:` line naming the problem and the fix, a non-zero exit, no traceback
+from train.py, no rank left hanging, and the run already in `output_dir` (checkpoints, final
+model, metrics) left byte for byte as it was.
+
+LAUNCH_CASES are real 2-process launches, at least one for each stage that can refuse: flags
+and files (checked by every rank before any process group exists), the launcher config,
+and what is found after the process group (data, model, DeepSpeed's effective config).
+ARGUMENT_CASES are more of the first stage, run through the same `parse_args` in-process.
+"""
 
 from __future__ import annotations
 
@@ -19,21 +25,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from models import SHIPPED_TOKENIZER
 from models.configs import build_named_config
 from tests.conftest import CONFIGS, TINY_RUN, launch, split_args
+from training.arguments import ArgumentError, parse_args
 
 RESUME = ("--resume_from_checkpoint", "latest")  # so the previous run in output_dir is a legitimate target
 # case -> (accelerate config, train.py arguments, what the error line says). {name} is a file made by `inputs`.
-CASES = {
+LAUNCH_CASES = {
     "missing train file": ("ddp", ["--train_file", "/nonexistent/train.txt", *RESUME], "data file not found"),
-    "empty train file": ("ddp", ["--train_file", "{empty.txt}", *RESUME], "data file is empty"),
-    "unsupported file type": ("ddp", ["--train_file", "{train.xml}", *RESUME], "unsupported data file type '.xml'"),
     "text column not there": ("ddp", ["--train_file", "{body.jsonl}", *RESUME], "text column 'text' not found"),
-    "malformed recipe YAML": ("ddp", ["--config", "{broken.yaml}", *RESUME], "is not valid YAML"),
-    "unknown recipe key": ("ddp", ["--config", "{typo.yaml}", *RESUME], "did you mean 'learning_rate'"),
     "unknown command-line key": ("ddp", ["--learnin_rate", "0.1", *RESUME], "did you mean 'learning_rate'"),
     "malformed DeepSpeed JSON": ("{broken-json.yaml}", [*RESUME], "is not valid JSON"),
     "accelerate yaml pointing at a missing DeepSpeed JSON": ("{missing-json.yaml}", [*RESUME], "not found from"),
-    "zero batch size": ("ddp", ["--per_device_train_batch_size", "0", *RESUME], "must be at least 1, got 0"),
-    "negative steps": ("ddp", ["--max_steps", "-2", "--num_train_epochs", "0", *RESUME], "nothing to train"),
     "block size above the model's maximum": ("ddp", ["--block_size", "4096", *RESUME], "exceeds the model's maximum"),
     "dataset too small for one batch per process": (
         "ddp", ["--train_file", "{few.txt}", "--validation_file", "{few.txt}", *RESUME], "need at least one global batch"
@@ -45,24 +46,31 @@ CASES = {
     "model with custom code, no --trust_remote_code": (
         "ddp", ["--model_name_or_path", "{custom-code-model}", *RESUME], "pass --trust_remote_code only if you trust"
     ),
-    "resume path that does not exist": (
-        "ddp", ["--resume_from_checkpoint", "/nonexistent/step_3"], "no complete checkpoint at /nonexistent/step_3"
-    ),
     "resume path older than checkpoints after it": (
         "ddp", ["--resume_from_checkpoint", "{previous}/checkpoints/step_4"], "is older than ['step_8']"
     ),
-    "resume path holding an incomplete checkpoint": (
-        "ddp", ["--resume_from_checkpoint", "{previous}/checkpoints/step_9.tmp"], "no complete checkpoint at"
-    ),
     "output directory that already holds a run": ("ddp", [], "already holds a run"),
-    "output directory that cannot be written": (
-        "ddp", ["--output_dir", "{empty.txt}/run"], "cannot write to --output_dir"
-    ),
     "fp16 on a CPU-only machine": ("ddp --mixed_precision fp16", [*RESUME], "fp16 mixed precision needs a GPU"),
     "a strategy that would degrade silently (FSDP1 on CPU)": ("{fsdp1.yaml}", [*RESUME], "FSDP1 cannot run on CPU"),
     "DeepSpeed JSON clipping disagrees with --max_grad_norm": (
         "deepspeed_zero2", ["--max_grad_norm", "0.5", *RESUME], "gradient_clipping is 1.0 in the DeepSpeed JSON"
     ),
+}
+ARGUMENT_CASES = {
+    "empty train file": (["--train_file", "{empty.txt}", *RESUME], "data file is empty"),
+    "unsupported file type": (["--train_file", "{train.xml}", *RESUME], "unsupported data file type '.xml'"),
+    "malformed recipe YAML": (["--config", "{broken.yaml}", *RESUME], "is not valid YAML"),
+    "unknown recipe key": (["--config", "{typo.yaml}", *RESUME], "did you mean 'learning_rate'"),
+    "zero batch size": (["--per_device_train_batch_size", "0", *RESUME], "must be at least 1, got 0"),
+    "negative steps": (["--max_steps", "-2", "--num_train_epochs", "0", *RESUME], "nothing to train"),
+    "resume path that does not exist": (
+        ["--resume_from_checkpoint", "/nonexistent/step_3"], "no complete checkpoint at /nonexistent/step_3"
+    ),
+    "resume path holding an incomplete checkpoint": (
+        ["--resume_from_checkpoint", "{previous}/checkpoints/step_9.tmp"], "no complete checkpoint at"
+    ),
+    "output directory that cannot be written": (["--output_dir", "{empty.txt}/run"], "cannot write to --output_dir"),
+    "tracker name misspelled": (["--report_to", "tensorbord", *RESUME], "unknown --report_to ['tensorbord']"),
 }
 
 
@@ -103,14 +111,17 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     return {p.name: p for p in d.iterdir()}
 
 
-@pytest.mark.parametrize(("config", "args", "message"), CASES.values(), ids=CASES.keys())
-def test_bad_input_is_one_clear_line_and_nothing_saved_is_touched(
-    config, args, message, inputs, cached_run, uneven_data, tmp_path
-) -> None:
-    previous = tmp_path / "previous"  # a finished run: checkpoints, final/, metrics.jsonl
-    shutil.copytree(cached_run("ddp", *split_args(uneven_data, per_device=4, accumulation=1)), previous)
-    (previous / "checkpoints" / "step_9.tmp").mkdir()  # a save that was killed
-    before = snapshot(previous)
+@pytest.fixture
+def previous(cached_run, uneven_data, tmp_path) -> Path:
+    """A finished run to point the bad input at: checkpoints, final/, metrics.jsonl, and a killed save."""
+    run = tmp_path / "previous"
+    shutil.copytree(cached_run("ddp", *split_args(uneven_data, per_device=4, accumulation=1)), run)
+    (run / "checkpoints" / "step_9.tmp").mkdir()
+    return run
+
+
+def filler(inputs: dict[str, Path], previous: Path):
+    """Replace each {name} placeholder in a case with the file it names."""
     files = {f"{{{name}}}": str(path) for name, path in inputs.items()} | {"{previous}": str(previous)}
 
     def fill(text: str) -> str:
@@ -118,6 +129,12 @@ def test_bad_input_is_one_clear_line_and_nothing_saved_is_touched(
             text = text.replace(placeholder, path)
         return text
 
+    return fill
+
+
+@pytest.mark.parametrize(("config", "args", "message"), LAUNCH_CASES.values(), ids=LAUNCH_CASES.keys())
+def test_bad_input_is_one_clear_line_and_nothing_saved_is_touched(config, args, message, inputs, previous) -> None:
+    before, fill = snapshot(previous), filler(inputs, previous)
     config, *launcher_args = fill(config).split()
     result = launch(Path(config) if config.endswith(".yaml") else config, "train.py", *TINY_RUN,
                     "--output_dir", str(previous), *map(fill, args), launcher_args=tuple(launcher_args), timeout=180)
@@ -127,6 +144,15 @@ def test_bad_input_is_one_clear_line_and_nothing_saved_is_touched(
     assert len(set(errors)) == 1  # every rank found the same problem
     assert "Traceback" not in result.stderr.split("error: ")[0], result.stderr[-4000:]
     assert "remote code ran" not in result.stderr + result.stdout
+    assert snapshot(previous) == before
+
+
+@pytest.mark.parametrize(("args", "message"), ARGUMENT_CASES.values(), ids=ARGUMENT_CASES.keys())
+def test_bad_flags_and_files_are_refused_before_anything_starts(args, message, inputs, previous) -> None:
+    before, fill = snapshot(previous), filler(inputs, previous)
+    with pytest.raises(ArgumentError) as refused:
+        parse_args([*TINY_RUN, "--output_dir", str(previous), *map(fill, args)])
+    assert message in str(refused.value) and "\n" not in str(refused.value)  # one line
     assert snapshot(previous) == before
 
 

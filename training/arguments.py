@@ -19,6 +19,7 @@ from transformers import HfArgumentParser
 from data import check_data_file
 from models.configs import NAMED_CONFIGS
 from training.checkpoint import complete_checkpoints, newer_checkpoints, require_complete_checkpoint
+from training.metrics import TrackerError, resolve_trackers
 
 
 @dataclass
@@ -85,8 +86,12 @@ class TrainArguments:
     torch_compile: bool = field(default=False, metadata={"help": "Compile the model with torch.compile (inductor)."})
     dataloader_num_workers: int = field(default=0, metadata={"help": "Worker processes loading batches; 0: in the main process."})
     dataloader_pin_memory: bool = field(default=True, metadata={"help": "Pin batches in page-locked memory (GPUs only)."})
-    report_to: str = field(
-        default="none", metadata={"help": "Tracker for accelerate: tensorboard, wandb, mlflow, trackio, all or none."}
+    report_to: list[str] = field(
+        default_factory=lambda: ["none"],
+        metadata={"help": "Trackers: tensorboard, wandb, trackio, mlflow (one or more), all (every one installed) or none."},
+    )
+    run_name: str | None = field(
+        default=None, metadata={"help": "The run's name in the trackers (wandb project, ...). Default: output_dir's name."}
     )
 
 
@@ -178,6 +183,13 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
             "--resume_from_checkpoint latest, or choose another --output_dir"
         )
     check_writable(train_args.output_dir)
+    try:  # a recipe may give one name as a string
+        train_args.report_to = resolve_trackers(
+            [train_args.report_to] if isinstance(train_args.report_to, str) else train_args.report_to
+        )
+    except TrackerError as error:
+        raise ArgumentError(str(error)) from None
+    train_args.run_name = train_args.run_name or Path(train_args.output_dir).resolve().name
     for path in filter(None, (data_args.train_file, data_args.validation_file)):
         try:
             check_data_file(path)

@@ -2,12 +2,59 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from importlib.metadata import version
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+
+
+# --report_to name -> the package it needs. TensorBoard is pinned in requirements.txt; the
+# others are optional installs.
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
+
+
+class TrackerError(ValueError):
+    """A --report_to value that cannot work here; the message says how to fix it."""
+
+
+def _installed(package: str) -> bool:
+    try:  # importing, not just finding: a broken install must fail here, not mid-run
+        importlib.import_module(package)
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_trackers(names: list[str]) -> list[str]:
+    """The trackers to start for `--report_to`: `none` is none, `all` is every one installed.
+
+    accelerate skips a tracker whose package is missing with only a debug message; asking for
+    one by name must not silently log nowhere.
+    """
+    unknown = [name for name in names if name not in (*TRACKER_PACKAGES, "all", "none")]
+    if unknown:
+        raise TrackerError(f"unknown --report_to {unknown}; choose from {[*TRACKER_PACKAGES, 'all', 'none']}")
+    if "none" in names:
+        if len(names) > 1:
+            raise TrackerError("--report_to none cannot be combined with other trackers")
+        return []
+    if "all" in names:
+        return [name for name, package in TRACKER_PACKAGES.items() if _installed(package)]
+    for name in names:
+        if not _installed(TRACKER_PACKAGES[name]):
+            raise TrackerError(
+                f"--report_to {name} needs the {TRACKER_PACKAGES[name]} package, which is not installed: "
+                f"pip install {TRACKER_PACKAGES[name]} (tensorboard is installed and works offline)"
+            )
+    return list(dict.fromkeys(names))
+
+
+def tracker_config(settings: dict) -> dict[str, bool | int | float | str]:
+    """The run's settings as trackers take them: scalars and strings only (None and lists as text)."""
+    return {key: value if isinstance(value, (bool, int, float, str)) else str(value) for key, value in settings.items()}
 
 
 def to_float(value: torch.Tensor | float) -> float:

@@ -72,18 +72,21 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank stores of a tensor: a DTensor's shard (FSDP2), a ZeRO-3 partition, or the tensor."""
+def _held(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """What this rank stores of a tensor: a DTensor's shard (FSDP2); a ZeRO-3 partition, plus the
+    full tensor while it is gathered (always, for parameters under DeepSpeed's persistence
+    threshold); or the tensor."""
     if hasattr(tensor, "to_local"):
-        return tensor.to_local()
-    return getattr(tensor, "ds_tensor", tensor)
+        return [tensor.to_local()]
+    if getattr(tensor, "ds_tensor", None) is not None:
+        return [tensor.ds_tensor, tensor]  # a released ZeRO-3 parameter's own storage is empty
+    return [tensor]
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     """Bytes of the distinct storages behind `tensors` not yet in `seen` (views share a storage)."""
     total = 0
-    for tensor in tensors:
-        storage = _local(tensor).untyped_storage()
+    for storage in (held.untyped_storage() for tensor in tensors for held in _held(tensor)):
         if storage.nbytes() and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             total += storage.nbytes()

@@ -1,0 +1,93 @@
+"""scripts/plan_memory.py: model state that agrees with measured runs, the pick it makes, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CONFIGS, REPO
+from training.memory_plan import pick
+
+EVERY_CONFIG = sorted(path.stem for path in CONFIGS.glob("*.yaml"))
+ORDER = ["ddp", "deepspeed_zero1", "deepspeed_zero2", "fsdp", "deepspeed_zero3", "deepspeed_zero3_offload"]
+
+
+def plan(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """Run the planner as a user does; its printed report and its JSON figures."""
+    figures = tmp_path / f"plan{len(list(tmp_path.glob('plan*.json')))}.json"
+    result = subprocess.run([sys.executable, "scripts/plan_memory.py", *args, "--json", str(figures)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    return result, json.loads(figures.read_text()) if figures.exists() else None
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory) -> dict:
+    """The planner's figures for the tiny model the strategy runs train: fp32, 2 processes."""
+    result, figures = plan(tmp_path_factory.mktemp("plan"), "--model_config", "llama-tiny", "--num_gpus", "2",
+                           "--mixed_precision", "no")
+    assert result.returncode == 0, result.stderr
+    return figures
+
+
+@pytest.mark.parametrize("config", EVERY_CONFIG)
+def test_model_state_agrees_with_the_measured_run_within_10_percent(config, tiny_plan, strategy_run) -> None:
+    """Each config's parameters, gradients and optimizer state per rank, as counted from the
+    tensors of a real 2-process run (1 for single), against the planner (bf16: test_benchmark.py)."""
+    measured = json.loads((strategy_run(config) / "summary.json").read_text())
+    planned = tiny_plan["configs"][config]
+    assert planned["processes"] == measured["processes"]
+    assert tiny_plan["parameters"] == measured["parameters"]
+    for part, value in measured["model_state_bytes_per_rank"].items():
+        assert planned[part] == pytest.approx(value, rel=0.10), part
+
+
+def test_the_pick_is_the_first_config_that_fits_in_the_documented_order(tmp_path) -> None:
+    """Shrinking GPUs move the pick along DDP, ZeRO-1, ZeRO-2, FSDP2, ZeRO-3, offload; if none fits, exit 1."""
+    common = ("--model_config", "llama-125m", "--num_gpus", "8", "--per_device_train_batch_size", "2",
+              "--block_size", "512")
+    result, figures = plan(tmp_path, *common)
+    assert figures["recommended"] == "ddp" and "recommended: accelerate_configs/ddp.yaml" in result.stdout
+    rows = figures["configs"]
+    picks = []
+    for need in sorted({rows[name]["gpu_total"] for name in ORDER}, reverse=True):  # memory just enough for each
+        first_that_fits = next(name for name in ORDER if rows[name]["gpu_total"] <= need)
+        picks.append(pick(rows, 8, need))
+        assert picks[-1] == first_that_fits
+    assert len(set(picks)) >= 3  # the sizes really step through the order
+    assert pick(rows, 8, min(row["gpu_total"] for row in rows.values()) * 0.99) is None
+    assert pick(rows, 1, rows["single"]["gpu_total"]) == "single"  # one GPU: one process, no DDP wrapper
+
+    too_small = min(row["gpu_total"] for row in rows.values()) / 2**30 / 0.9 * 0.99
+    result, figures = plan(tmp_path, *common, "--gpu_memory_gb", f"{too_small:.6f}")
+    assert result.returncode == 1 and figures["recommended"] is None and "nothing fits" in result.stdout
+
+
+def test_a_local_model_directory_is_read_like_a_hub_id(tmp_path, strategy_run) -> None:
+    exported = strategy_run("ddp") / "final"  # what train.py exports, or any save_pretrained directory
+    result, figures = plan(tmp_path, "--model_name_or_path", str(exported), "--num_gpus", "2")
+    assert result.returncode == 0, result.stderr
+    assert figures["parameters"] == json.loads((strategy_run("ddp") / "summary.json").read_text())["parameters"]
+    assert f"train.py --model_name_or_path {exported}" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda d: (d / "broken.yaml").write_text("distributed_type: [DEEPSPEED\n"), "is not valid YAML"),
+        (lambda d: (d / "zero.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                                "  deepspeed_config_file: missing.json\n"), "which does not exist"),
+        (lambda d: None, "no accelerate configs"),
+    ],
+    ids=["malformed yaml", "missing DeepSpeed JSON", "empty configs directory"],
+)
+def test_bad_configs_are_one_clear_line(setup, message, tmp_path) -> None:
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    setup(configs)
+    result, _ = plan(tmp_path, "--model_config", "llama-tiny", "--configs_dir", str(configs))
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,100 @@
+"""What a run shows and leaves behind: TensorBoard events, report.png, summary.json, one voice on the console."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from matplotlib.image import imread
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import read_metrics, split_args, train
+from training.metrics import TrackerError, resolve_trackers
+
+RUN_NAME = "tracked"
+
+
+@pytest.fixture(scope="module")
+def tracked_args(uneven_data) -> tuple[str, ...]:
+    """2-process DDP, 10 steps, eval every 5, checkpoints every 4, TensorBoard on."""
+    return (*split_args(uneven_data, per_device=4, accumulation=1), "--report_to", "tensorboard", "--run_name", RUN_NAME)
+
+
+@pytest.fixture(scope="module")
+def tracked(cached_run, tracked_args) -> Path:
+    return cached_run("ddp", *tracked_args)
+
+
+def scalars(output_dir: Path, tag: str) -> list[tuple[int, float]]:
+    events = EventAccumulator(str(output_dir / "runs" / RUN_NAME))
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars(tag)]
+
+
+def test_tensorboard_holds_the_loss_and_the_run_config(tracked) -> None:
+    logged = read_metrics(tracked)
+    for tag in ("loss", "eval_loss", "lr", "tokens_per_sec"):
+        expected = [(m["step"], m[tag]) for m in logged if tag in m]
+        assert [step for step, _ in scalars(tracked, tag)] == [step for step, _ in expected]
+        assert [value for _, value in scalars(tracked, tag)] == pytest.approx([v for _, v in expected], rel=1e-6)
+    (config_file,) = (tracked / "runs" / RUN_NAME).glob("*/hparams.yml")
+    config = yaml.safe_load(config_file.read_text())
+    assert (config["strategy"], config["num_processes"], config["global_batch"]) == ("ddp", 2, 8)
+    assert (config["learning_rate"], config["model_config"], config["report_to"]) == (3e-3, "llama-tiny", "['tensorboard']")
+
+
+def test_a_resumed_run_replaces_what_tensorboard_had_after_its_checkpoint(tracked, tracked_args, tmp_path) -> None:
+    """The run being resumed logged steps 9 and 10 after its last checkpoint (step 8): they appear once."""
+    shutil.copytree(tracked / "runs", tmp_path / "runs")
+    shutil.copytree(tracked / "checkpoints" / "step_8", tmp_path / "checkpoints" / "step_8")
+    train("ddp", tmp_path, *tracked_args, "--resume_from_checkpoint", "latest")
+    losses = scalars(tmp_path, "loss")
+    assert [step for step, _ in losses] == list(range(1, 11))
+    assert losses == [(step, pytest.approx(value, rel=1e-6)) for step, value in scalars(tracked, "loss")]
+
+
+def test_every_run_ends_with_a_report_picture_and_a_summary(tracked) -> None:
+    picture = imread(tracked / "report.png")
+    assert picture.shape == (800, 1200, 4)  # 12 x 8 inches at 100 dpi: four panels
+    assert len({tuple(pixel) for pixel in picture.reshape(-1, 4)[::97]}) > 20  # curves drawn, not a blank page
+    summary = json.loads((tracked / "summary.json").read_text())
+    assert (summary["strategy"], summary["processes"], summary["steps"], summary["total_steps"]) == ("ddp", 2, 10, 10)
+    assert summary["wall_time_s"] > 0 and summary["tokens_per_sec"] > 0
+    assert summary["train_loss"] == pytest.approx([m["loss"] for m in read_metrics(tracked) if "loss" in m][-1])
+    assert summary["eval_loss"] == pytest.approx(read_metrics(tracked)[-1]["eval_loss"])
+    assert set(summary["versions"]) == {"torch", "accelerate", "deepspeed", "transformers", "datasets"}
+
+
+def test_the_console_has_one_progress_bar_and_one_voice(tracked) -> None:
+    log = (tracked / "launch.log").read_text()
+    assert "[RANK 0]" in log and "[RANK 1]" not in log  # logs from the main process only
+    bars = {line.split(":")[0] for chunk in log.split("\r") for line in chunk.splitlines() if "it/s]" in line or "step/s]" in line}
+    assert bars == {"training"}  # one bar: no weight loading/saving or per-rank bars
+    assert "loss=" in log and "lr=" in log and "tokens_per_s=" in log and "<00:" in log  # metrics and ETA
+    assert "warning" not in log.lower()
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "trackio", "mlflow"])
+def test_an_optional_tracker_that_is_not_installed_is_named_with_its_install_command(tracker, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, tracker, None)  # import fails, as when the package is missing
+    with pytest.raises(TrackerError, match=f"--report_to {tracker} needs the {tracker} package.*pip install {tracker}"):
+        resolve_trackers(["tensorboard", tracker])
+    everything_installed = resolve_trackers(["all"])
+    assert "tensorboard" in everything_installed and tracker not in everything_installed
+
+
+@pytest.mark.parametrize(
+    ("names", "result"),
+    [(["none"], []), (["tensorboard", "tensorboard"], ["tensorboard"]),
+     (["tensorbord"], "unknown --report_to"), (["none", "tensorboard"], "cannot be combined")],
+)
+def test_report_to_values(names, result) -> None:
+    if isinstance(result, str):
+        with pytest.raises(TrackerError, match=result):
+            resolve_trackers(names)
+    else:
+        assert resolve_trackers(names) == result

@@ -1,0 +1,229 @@
+"""Memory per GPU under each config in `accelerate_configs/`, before anything is launched.
+
+Model state, per rank, as each strategy really lays it out with train.py's torch AdamW
+(Ψ parameters, N processes, c bytes per value in the compute dtype: 2 for bf16, 4 for fp32):
+
+| strategy      | parameters       | gradients        | optimizer state (Adam m, v; masters) |
+|---------------|------------------|------------------|--------------------------------------|
+| single, DDP   | 4Ψ               | 4Ψ               | 8Ψ                                   |
+| FSDP2         | 4Ψ/N             | 4Ψ/N             | 8Ψ/N                                 |
+| ZeRO-1, -2    | cΨ               | cΨ/N + 4Ψ/N      | 4Ψ/N + 8Ψ/N                          |
+| ZeRO-3        | cΨ/N             | cΨ/N + 4Ψ/N      | 4Ψ/N + 8Ψ/N                          |
+
+- accelerate's mixed precision autocasts, so DDP and FSDP2 keep fp32 weights and gradients
+  (FSDP2 gathers compute-dtype copies one layer at a time).
+- DeepSpeed keeps compute-dtype weights and fp32 master partitions. While it steps, it casts
+  its gradient partition to fp32 next to the compute-dtype one (the 4Ψ/N in gradients).
+- Parameters that a sharded strategy gathers whole count as working memory, not model state:
+  FSDP2's current and next layer, and ZeRO-3's prefetch bucket and its persistent parameters
+  (at most `stage3_param_persistence_threshold` elements each), which stay whole on every rank
+  between steps.
+- Offload moves the optimizer state and the fp32 gradients (`offload_optimizer`) and the
+  parameter partitions (`offload_param`) to CPU memory: the same bytes, counted there.
+
+`scripts/benchmark.py` measures the same quantities from the tensors of real runs; the
+tests hold the two within 10%. Activations and working buffers are estimates (see
+`activation_bytes` and `working_bytes`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from training.loss import token_loss_sums
+
+# The order to prefer configs in: the first that fits is the fastest that fits.
+PREFERENCE = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload")
+# Default sizes DeepSpeed uses for keys a JSON leaves out (deepspeed/runtime/zero/config.py).
+DS_DEFAULT_REDUCE_BUCKET = 500_000_000
+DS_DEFAULT_PREFETCH_BUCKET = 50_000_000
+DS_DEFAULT_PERSISTENCE = 100_000
+
+
+class PlanError(ValueError):
+    """A config or model the planner cannot read; the message says which and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one accelerate config file lays out model state."""
+
+    config: str  # the file's stem, e.g. "deepspeed_zero2"
+    strategy: str  # one of PREFERENCE
+    sharded_parameters: bool = False
+    deepspeed: bool = False
+    offload_optimizer: bool = False
+    offload_parameters: bool = False
+    persistence_threshold: int = 0  # ZeRO-3: parameters this small stay whole on every rank
+    reduce_bucket: int = 0  # DeepSpeed gradient reduction bucket, elements
+    prefetch_bucket: int = 0  # ZeRO-3 parameter prefetch bucket, elements
+    overlap_comm: bool = False
+
+
+@dataclass
+class ModelShape:
+    """What memory depends on: every parameter's size, the layers, and an empty model to trace."""
+
+    numels: list[int]
+    layer_parameters: int  # the largest layer (the unit FSDP2 and ZeRO-3 gather)
+    hidden_size: int
+    meta_model: torch.nn.Module = field(repr=False)
+
+    @property
+    def parameters(self) -> int:
+        return sum(self.numels)
+
+
+def read_layout(path: Path) -> Layout:
+    """The layout an accelerate config (and the DeepSpeed JSON it names) asks for."""
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise PlanError(f"accelerate config {path} not found") from None
+    except yaml.YAMLError as error:
+        raise PlanError(f"accelerate config {path} is not valid YAML: {error}".replace("\n", " ")) from None
+    kind = str(config.get("distributed_type", "NO"))
+    if kind == "NO":
+        return Layout(path.stem, "single")
+    if kind in ("MULTI_GPU", "MULTI_CPU"):
+        return Layout(path.stem, "ddp")
+    if kind == "FSDP":
+        offload = bool(config.get("fsdp_config", {}).get("fsdp_offload_params", False))
+        return Layout(path.stem, "fsdp", sharded_parameters=True, offload_optimizer=offload, offload_parameters=offload)
+    if kind == "DEEPSPEED":
+        return _deepspeed_layout(path, config.get("deepspeed_config", {}))
+    raise PlanError(f"{path}: distributed_type {kind} is not one the planner knows (NO, MULTI_GPU, FSDP, DEEPSPEED)")
+
+
+def _deepspeed_layout(path: Path, accelerate_ds: dict) -> Layout:
+    json_path = accelerate_ds.get("deepspeed_config_file")
+    if json_path:
+        json_file = Path(json_path) if Path(json_path).is_absolute() else path.parents[1] / json_path
+        try:
+            zero = json.loads(json_file.read_text()).get("zero_optimization", {})
+        except FileNotFoundError:
+            raise PlanError(f"{path} names DeepSpeed config {json_file}, which does not exist") from None
+        except json.JSONDecodeError as error:
+            raise PlanError(f"DeepSpeed config {json_file} is not valid JSON ({error})") from None
+        offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") != "none"
+        offload_parameters = zero.get("offload_param", {}).get("device", "none") != "none"
+    else:  # the settings written inline in the accelerate yaml
+        zero = {"stage": accelerate_ds.get("zero_stage", 2)}
+        offload_optimizer = accelerate_ds.get("offload_optimizer_device", "none") != "none"
+        offload_parameters = accelerate_ds.get("offload_param_device", "none") != "none"
+    stage = int(zero.get("stage", 0))
+    strategy = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3_offload" if offload_optimizer else "zero3"}[stage]
+    return Layout(
+        path.stem,
+        strategy,
+        sharded_parameters=stage == 3,
+        deepspeed=True,
+        offload_optimizer=offload_optimizer,
+        offload_parameters=offload_parameters,
+        persistence_threshold=_size(zero.get("stage3_param_persistence_threshold"), DS_DEFAULT_PERSISTENCE) if stage == 3 else 0,
+        reduce_bucket=_size(zero.get("reduce_bucket_size"), DS_DEFAULT_REDUCE_BUCKET),
+        prefetch_bucket=_size(zero.get("stage3_prefetch_bucket_size"), DS_DEFAULT_PREFETCH_BUCKET) if stage == 3 else 0,
+        overlap_comm=bool(zero.get("overlap_comm", False)),
+    )
+
+
+def _size(value, default: int) -> int:
+    # "auto" sizes are set from the hidden size at prepare time; the defaults are of the same order.
+    return default if value in (None, "auto") else int(float(value))
+
+
+def model_shape(config: PretrainedConfig, compute_dtype: torch.dtype) -> ModelShape:
+    """Build `config`'s model on the meta device (no memory, any architecture) and measure it."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+    layers = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or ())]
+    layer_parameters = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
+    numels = [p.numel() for p in model.parameters()]  # tied weights once
+    return ModelShape(numels, layer_parameters, config.hidden_size, model)
+
+
+def model_state(layout: Layout, shape: ModelShape, processes: int, compute_bytes: int) -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer state per rank (the table above), and how
+    many of them live in CPU memory under offload."""
+    psi, n, c = shape.parameters, processes, compute_bytes
+    if not layout.deepspeed:
+        shards = n if layout.sharded_parameters else 1
+        state = {"parameters": 4 * psi / shards, "gradients": 4 * psi / shards, "optimizer": 8 * psi / shards}
+        offloaded = sum(state.values()) if layout.offload_optimizer else 0.0
+        return state | {"offloaded": offloaded}
+    parameters = c * psi / n if layout.sharded_parameters else c * psi
+    state = {"parameters": parameters, "gradients": (c + 4) * psi / n, "optimizer": 12 * psi / n}
+    offloaded = (state["optimizer"] + 4 * psi / n if layout.offload_optimizer else 0.0) + (
+        c * psi / n if layout.offload_parameters else 0.0
+    )
+    return state | {"offloaded": offloaded}
+
+
+def working_bytes(layout: Layout, shape: ModelShape, compute_bytes: int) -> float:
+    """Buffers on the GPU besides model state and activations (an estimate): parameters a
+    sharded strategy holds gathered, and DeepSpeed's communication buckets. DDP's gradients are
+    its buckets (gradient_as_bucket_view)."""
+    psi, c = shape.parameters, compute_bytes
+    if layout.strategy == "fsdp":  # this layer and the prefetched next, plus this layer's unsharded fp32 grads
+        return (2 * c + 4) * shape.layer_parameters
+    if not layout.deepspeed:
+        return 0.0
+    reduce = min(layout.reduce_bucket, psi) * c * (2 if layout.overlap_comm else 1)
+    persistent = sum(numel for numel in shape.numels if numel <= layout.persistence_threshold)
+    return reduce + min(layout.prefetch_bucket, psi) * c + persistent * c
+
+
+def pick(rows: dict[str, dict], num_gpus: int, usable_bytes: float) -> str | None:
+    """The config to launch: the first in PREFERENCE order whose `gpu_total` fits in
+    `usable_bytes`. single.yaml only on one GPU: on more it would leave the others idle."""
+    fitting = [name for name, row in rows.items() if row["gpu_total"] <= usable_bytes
+               and (row["strategy"] != "single" or num_gpus == 1)]
+    return min(fitting, key=lambda name: PREFERENCE.index(rows[name]["strategy"]), default=None)
+
+
+def activation_bytes(shape: ModelShape, batch: int, seq_len: int, gradient_checkpointing: bool) -> float:
+    """What autograd keeps for backward from one micro-batch's forward and loss: an estimate.
+
+    The forward runs on the meta device in the compute dtype and the saved tensors are
+    counted. Attention score matrices (... x seq_len x seq_len) are left out: the fused
+    attention kernels GPUs use do not store them. Autocast keeps norms and the residual
+    stream in fp32, which this counts in the compute dtype. With gradient checkpointing, each
+    layer keeps only its input, and one layer at a time is recomputed.
+    """
+    model = shape.meta_model
+    layer_names = set(model._no_split_modules or ())
+    inside_layer: list[bool] = [False]
+    saved = {False: {}, True: {}}  # by storage, so views count once
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not (tensor.dim() >= 2 and tensor.shape[-1] == tensor.shape[-2] == seq_len):
+            saved[inside_layer[0]][tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    def enter(*_):
+        inside_layer[0] = True
+
+    def leave(*_):
+        inside_layer[0] = False
+
+    hooks = [h for m in model.modules() if type(m).__name__ in layer_names
+             for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            token_loss_sums(model(input_ids=ids).logits, ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    outside, inside = sum(saved[False].values()), sum(saved[True].values())
+    if not gradient_checkpointing:
+        return outside + inside
+    layers = sum(1 for m in model.modules() if type(m).__name__ in layer_names)
+    dtype_bytes = next(model.parameters()).element_size()
+    return outside + layers * batch * seq_len * shape.hidden_size * dtype_bytes + inside / max(layers, 1)

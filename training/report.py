@@ -1,0 +1,51 @@
+"""`output_dir/report.png`: training and eval loss, learning rate, tokens/s and gradient norm
+against step, drawn from `output_dir/metrics.jsonl` at the end of every run.
+
+    python -m training.report outputs/default      # redraw it for any run directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from matplotlib.figure import Figure  # the object API: no pyplot, no display needed
+
+PANELS = (  # (title, [(metrics key, label, style)], log scale)
+    ("loss", [("loss", "train", "-"), ("eval_loss", "eval", "o-")], True),
+    ("learning rate", [("lr", "lr", "-")], False),
+    ("tokens/s (all ranks)", [("tokens_per_sec", "tokens/s", "-")], False),
+    ("gradient norm (before clipping)", [("grad_norm", "grad norm", "-")], True),
+)
+
+
+def write_report(output_dir: str | Path, title: str = "") -> Path:
+    """Draw the report from the run's metrics.jsonl; returns the PNG's path."""
+    output_dir = Path(output_dir)
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
+    figure = Figure(figsize=(12, 8), layout="constrained")
+    figure.suptitle(title or str(output_dir))
+    for axes, (panel, series, log_scale) in zip(figure.subplots(2, 2).flat, PANELS):
+        for key, label, style in series:
+            points = [(r["step"], r[key]) for r in records if key in r]
+            if points:
+                axes.plot(*zip(*points), style, label=label, markersize=4)
+        axes.set(title=panel, xlabel="optimizer step")
+        axes.grid(alpha=0.3)
+        if log_scale and axes.has_data():
+            axes.set_yscale("log")
+        if len(series) > 1 and axes.has_data():
+            axes.legend()
+    path = output_dir / "report.png"
+    partial = path.with_name(".report.png.tmp")  # a reader never sees half a file
+    figure.savefig(partial, dpi=100, format="png")
+    os.replace(partial, path)
+    return path
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output_dir", type=Path)
+    print(write_report(parser.parse_args().output_dir))
