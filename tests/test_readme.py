@@ -47,7 +47,9 @@ def test_the_first_hour_plan_train_with_a_tracker_and_open_the_report(tmp_path) 
     events.Reload()
     assert "loss" in events.Tags()["scalars"]
     assert imread(tmp_path / "run" / "report.png").shape == (800, 1200, 4)
-    assert "report.png" in README.split("## Your first hour")[1].split("## ")[0]
+    first_hour = README.split("## Your first hour")[1].split("\n## ")[0]
+    picture = re.search(r"!\[[^]]*\]\(([^)]+)\)", first_hour).group(1)  # the example report shown there
+    assert imread(REPO / picture).shape == (800, 1200, 4)
 
 
 def test_the_new_architecture_example_builds_and_runs(monkeypatch) -> None:
