@@ -41,7 +41,7 @@ from training.checkpoint import (
     save_checkpoint,
 )
 from training.collectives import CollectiveTimeoutError, collective_timeouts_reported, preflight
-from training.console import one_voice, quiet_third_party_output
+from training.console import one_voice, only_the_training_bar, quiet_third_party_output
 from training.distributed import (
     StrategyError,
     align_deepspeed_config,
@@ -202,6 +202,7 @@ def main() -> None:
     nonfinite = NonFiniteGuard(accelerator.device)
     grad_norm = math.nan  # set at every optimizer step
     # One bar, on the main process: steps, ETA, and the last logged loss, lr and tokens/s.
+    only_the_training_bar()
     progress = tqdm(total=max_steps, initial=state.completed_steps, desc="training", unit="step",
                     disable=not accelerator.is_main_process)
     first_step = state.completed_steps

@@ -74,7 +74,7 @@ def plan(args: argparse.Namespace) -> dict:
     """Every config's figures (bytes) and the recommended config."""
     config = load_config(args)
     dtype = compute_dtype(args.mixed_precision)
-    shape = model_shape(config, dtype)
+    shape = model_shape(config, dtype, args.trust_remote_code)
     block_size = args.block_size or min(getattr(config, "max_position_embeddings", None) or 1024, 1024)
     compute_bytes = dtype.itemsize
     activations = activation_bytes(shape, args.per_device_train_batch_size, block_size, args.gradient_checkpointing)
@@ -136,7 +136,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
     lines += ["", f"recommended: accelerate_configs/{pick}.yaml ({gib(result['configs'][pick]['gpu_total'])} of "
                   f"{result['usable_gb']:.1f} usable GiB per GPU)",
               "  " + " ".join(["accelerate launch --config_file", f"accelerate_configs/{pick}.yaml", *launcher,
-                               *precision, "train.py", *flags])]
+                               *precision, "train.py", *flags]),
+              "  (on several nodes, add --num_machines and the machine flags: README, \"Multi-node\")"]
     return "\n".join(lines)
 
 

@@ -5,7 +5,9 @@ model, metrics) left byte for byte as it was.
 LAUNCH_CASES are real 2-process launches, at least one for each stage that can refuse: flags
 and files (checked by every rank before any process group exists), the launcher config,
 and what is found after the process group (data, model, DeepSpeed's effective config).
-ARGUMENT_CASES are more of the first stage, run through the same `parse_args` in-process.
+ARGUMENT_CASES are more of the first stage, run through the same `parse_args` in-process, and
+LAUNCHER_CASES more of the second, through `check_launch_config` with the environment
+`accelerate launch` sets. (A missing text column: tests/test_data.py.)
 """
 
 from __future__ import annotations
@@ -26,15 +28,14 @@ from models import SHIPPED_TOKENIZER
 from models.configs import build_named_config
 from tests.conftest import CONFIGS, TINY_RUN, launch, split_args
 from training.arguments import ArgumentError, parse_args
+from training.distributed import Strategy, StrategyError, check_launch_config
 
 RESUME = ("--resume_from_checkpoint", "latest")  # so the previous run in output_dir is a legitimate target
 # case -> (accelerate config, train.py arguments, what the error line says). {name} is a file made by `inputs`.
 LAUNCH_CASES = {
     "missing train file": ("ddp", ["--train_file", "/nonexistent/train.txt", *RESUME], "data file not found"),
-    "text column not there": ("ddp", ["--train_file", "{body.jsonl}", *RESUME], "text column 'text' not found"),
     "unknown command-line key": ("ddp", ["--learnin_rate", "0.1", *RESUME], "did you mean 'learning_rate'"),
     "malformed DeepSpeed JSON": ("{broken-json.yaml}", [*RESUME], "is not valid JSON"),
-    "accelerate yaml pointing at a missing DeepSpeed JSON": ("{missing-json.yaml}", [*RESUME], "not found from"),
     "block size above the model's maximum": ("ddp", ["--block_size", "4096", *RESUME], "exceeds the model's maximum"),
     "dataset too small for one batch per process": (
         "ddp", ["--train_file", "{few.txt}", "--validation_file", "{few.txt}", *RESUME], "need at least one global batch"
@@ -50,7 +51,6 @@ LAUNCH_CASES = {
         "ddp", ["--resume_from_checkpoint", "{previous}/checkpoints/step_4"], "is older than ['step_8']"
     ),
     "output directory that already holds a run": ("ddp", [], "already holds a run"),
-    "fp16 on a CPU-only machine": ("ddp --mixed_precision fp16", [*RESUME], "fp16 mixed precision needs a GPU"),
     "a strategy that would degrade silently (FSDP1 on CPU)": ("{fsdp1.yaml}", [*RESUME], "FSDP1 cannot run on CPU"),
     "DeepSpeed JSON clipping disagrees with --max_grad_norm": (
         "deepspeed_zero2", ["--max_grad_norm", "0.5", *RESUME], "gradient_clipping is 1.0 in the DeepSpeed JSON"
@@ -72,6 +72,13 @@ ARGUMENT_CASES = {
     "output directory that cannot be written": (["--output_dir", "{empty.txt}/run"], "cannot write to --output_dir"),
     "tracker name misspelled": (["--report_to", "tensorbord", *RESUME], "unknown --report_to ['tensorbord']"),
 }
+LAUNCHER_CASES = {  # case -> (environment from accelerate launch, what the error line says)
+    "accelerate yaml pointing at a missing DeepSpeed JSON": (
+        {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/missing.json"},
+        "not found from",
+    ),
+    "fp16 on a CPU-only machine": ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "fp16 mixed precision needs a GPU"),
+}
 
 
 def snapshot(directory: Path) -> dict[str, str]:
@@ -85,15 +92,13 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("inputs")
     (d / "empty.txt").write_text("")
     (d / "train.xml").write_text("<doc>text</doc>")
-    (d / "body.jsonl").write_text("\n".join(json.dumps({"body": f"document {i}"}) for i in range(50)))
     (d / "few.txt").write_text("one short line\nand another\n")
     (d / "broken.yaml").write_text("max_steps: [1\n")
     (d / "typo.yaml").write_text("learnin_rate: 0.1\n")
     (d / "broken.json").write_text('{"zero_optimization": {')
-    for name, ds_file in (("broken-json.yaml", d / "broken.json"), ("missing-json.yaml", d / "missing.json")):
-        launcher = yaml.safe_load((CONFIGS / "deepspeed_zero2.yaml").read_text())
-        launcher["deepspeed_config"]["deepspeed_config_file"] = str(ds_file)
-        (d / name).write_text(yaml.safe_dump(launcher))
+    launcher = yaml.safe_load((CONFIGS / "deepspeed_zero2.yaml").read_text())
+    launcher["deepspeed_config"]["deepspeed_config_file"] = str(d / "broken.json")
+    (d / "broken-json.yaml").write_text(yaml.safe_dump(launcher))
     fsdp1 = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
     fsdp1["fsdp_config"]["fsdp_version"] = 1
     (d / "fsdp1.yaml").write_text(yaml.safe_dump(fsdp1))
@@ -154,6 +159,17 @@ def test_bad_flags_and_files_are_refused_before_anything_starts(args, message, i
         parse_args([*TINY_RUN, "--output_dir", str(previous), *map(fill, args)])
     assert message in str(refused.value) and "\n" not in str(refused.value)  # one line
     assert snapshot(previous) == before
+
+
+@pytest.mark.parametrize(("environment", "message"), LAUNCHER_CASES.values(), ids=LAUNCHER_CASES.keys())
+def test_launcher_settings_that_cannot_work_are_refused_before_any_process_group(
+    environment, message, monkeypatch
+) -> None:
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    strategy = Strategy.DEEPSPEED if "ACCELERATE_USE_DEEPSPEED" in environment else Strategy.DDP
+    with pytest.raises(StrategyError, match=message):
+        check_launch_config(strategy, on_cpu=True)
 
 
 class CodeOnLoad:

@@ -91,3 +91,13 @@ def test_bad_configs_are_one_clear_line(setup, message, tmp_path) -> None:
     result, _ = plan(tmp_path, "--model_config", "llama-tiny", "--configs_dir", str(configs))
     assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_model_that_needs_its_own_code_is_one_clear_line(tmp_path) -> None:
+    model = tmp_path / "custom"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "my_lm", "auto_map": {"AutoConfig": "my_lm.MyConfig"}}))
+    (model / "my_lm.py").write_text("raise SystemExit('remote code ran')\n")
+    result, _ = plan(tmp_path, "--model_name_or_path", str(model))
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "--trust_remote_code" in result.stderr
+    assert "Traceback" not in result.stderr and "remote code ran" not in result.stderr + result.stdout

@@ -5,8 +5,10 @@ Tolerances, and why:
   (two 4-sample halves all-reduced, instead of one 8-sample batch), i.e. float rounding
   in the last bits, compounded over a few Adam steps: losses agree to 1e-5 and weights to
   1e-5 here. Between themselves, DDP and ZeRO agree to the same bound.
-- Clipping is checked both where it triggers (max_grad_norm 1.0, below the gradient norms
-  of these steps) and where it never does (1e6).
+- Clipping is checked where it triggers (max_grad_norm 1.0, below the gradient norms of
+  these steps) on every config, and where it never does (1e6) on the DeepSpeed ones: their
+  clipping is configured apart from train.py (the JSON), while DDP and FSDP2 run the same
+  torch clipping call either way.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ PARITY_CONFIGS = ["ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspee
 LOSS_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 1e-5
 CLIPPING = {"triggers": 1.0, "never": 1e6}
+CASES = [(config, "triggers") for config in PARITY_CONFIGS] + [
+    (config, "never") for config in PARITY_CONFIGS if config.startswith("deepspeed")
+]
 
 
-@pytest.mark.parametrize("clipping", sorted(CLIPPING))
-@pytest.mark.parametrize("config", PARITY_CONFIGS)
+@pytest.mark.parametrize(("config", "clipping"), CASES)
 def test_strategy_matches_one_process(config: str, clipping: str, strategy_run) -> None:
     reference, run = strategy_run("single", CLIPPING[clipping]), strategy_run(config, CLIPPING[clipping])
     differences = compare(reference, run, keys=("loss", "lr", "eval_loss"))

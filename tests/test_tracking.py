@@ -13,6 +13,7 @@ from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import read_metrics, split_args, train
+from training.arguments import parse_args
 from training.metrics import TrackerError, resolve_trackers
 
 RUN_NAME = "tracked"
@@ -98,3 +99,11 @@ def test_report_to_values(names, result) -> None:
             resolve_trackers(names)
     else:
         assert resolve_trackers(names) == result
+
+
+@pytest.mark.parametrize(("recipe", "trackers"), [("report_to: tensorboard", ["tensorboard"]),
+                                                  ("report_to: [tensorboard]", ["tensorboard"]), ("report_to:", [])])
+def test_a_recipe_names_trackers_as_a_string_a_list_or_nothing(recipe, trackers, tmp_path) -> None:
+    (tmp_path / "recipe.yaml").write_text(recipe + "\n")
+    _, _, args = parse_args(["--config", str(tmp_path / "recipe.yaml"), "--output_dir", str(tmp_path / "out")])
+    assert args.report_to == trackers and args.run_name == "out"

@@ -183,10 +183,9 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
             "--resume_from_checkpoint latest, or choose another --output_dir"
         )
     check_writable(train_args.output_dir)
-    try:  # a recipe may give one name as a string
-        train_args.report_to = resolve_trackers(
-            [train_args.report_to] if isinstance(train_args.report_to, str) else train_args.report_to
-        )
+    report_to = train_args.report_to
+    try:  # a recipe may give one name as a string, or leave the key empty
+        train_args.report_to = resolve_trackers([report_to] if isinstance(report_to, str) else report_to or ["none"])
     except TrackerError as error:
         raise ArgumentError(str(error)) from None
     train_args.run_name = train_args.run_name or Path(train_args.output_dir).resolve().name

@@ -17,15 +17,23 @@ def quiet_third_party_output() -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     # DeepSpeed 0.19 calls collectives that torch 2.13 deprecates, once per step: not actionable here.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    if not torch.cuda.is_available():  # else DeepSpeed warns on every rank that it fell back to the CPU
+    if not torch.accelerator.is_available():  # else DeepSpeed warns on every rank that it uses the CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     logging.getLogger("accelerate.accelerator").setLevel(logging.WARNING)  # notes on how it filled DeepSpeed's "auto"s
-    transformers.utils.logging.disable_progress_bar()  # weight loading and saving: instant here, bars add nothing
 
 
 def one_voice(is_main_process: bool) -> None:
-    """Once the ranks are known: only the main process reports progress and information."""
+    """Once the ranks are known: only the main process reports progress (downloads, data
+    preparation) and information."""
     if not is_main_process:
         datasets.utils.logging.set_verbosity_error()
         datasets.disable_progress_bars()
         transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+
+
+def only_the_training_bar() -> None:
+    """From the first step on, the training bar is the only one: no bars for loading or saving
+    weights at the export (instant next to training; they would interleave with it)."""
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()

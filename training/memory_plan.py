@@ -72,6 +72,7 @@ class ModelShape:
 
     numels: list[int]
     layer_parameters: int  # the largest layer (the unit FSDP2 and ZeRO-3 gather)
+    root_parameters: int  # outside the layers: embeddings, final norm, output layer (FSDP2's root unit)
     hidden_size: int
     meta_model: torch.nn.Module = field(repr=False)
 
@@ -104,11 +105,12 @@ def read_layout(path: Path) -> Layout:
 def _deepspeed_layout(path: Path, accelerate_ds: dict) -> Layout:
     json_path = accelerate_ds.get("deepspeed_config_file")
     if json_path:
-        json_file = Path(json_path) if Path(json_path).is_absolute() else path.parents[1] / json_path
+        # Relative to where you launch, as for accelerate; else to the repository the yaml sits in.
+        json_file = next((f for f in (Path(json_path), path.parents[1] / json_path) if f.is_file()), Path(json_path))
         try:
             zero = json.loads(json_file.read_text()).get("zero_optimization", {})
         except FileNotFoundError:
-            raise PlanError(f"{path} names DeepSpeed config {json_file}, which does not exist") from None
+            raise PlanError(f"{path} names DeepSpeed config {json_path}, which does not exist") from None
         except json.JSONDecodeError as error:
             raise PlanError(f"DeepSpeed config {json_file} is not valid JSON ({error})") from None
         offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") != "none"
@@ -138,14 +140,17 @@ def _size(value, default: int) -> int:
     return default if value in (None, "auto") else int(float(value))
 
 
-def model_shape(config: PretrainedConfig, compute_dtype: torch.dtype) -> ModelShape:
+def model_shape(config: PretrainedConfig, compute_dtype: torch.dtype, trust_remote_code: bool = False) -> ModelShape:
     """Build `config`'s model on the meta device (no memory, any architecture) and measure it."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype, trust_remote_code=trust_remote_code)
+    except ValueError as error:  # not a causal LM, or its code needs --trust_remote_code
+        raise PlanError(f"cannot build a causal LM from this config: {str(error).strip().splitlines()[0]}") from None
     layers = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or ())]
-    layer_parameters = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     numels = [p.numel() for p in model.parameters()]  # tied weights once
-    return ModelShape(numels, layer_parameters, config.hidden_size, model)
+    return ModelShape(numels, max(per_layer, default=0), sum(numels) - sum(per_layer), config.hidden_size, model)
 
 
 def model_state(layout: Layout, shape: ModelShape, processes: int, compute_bytes: int) -> dict[str, float]:
@@ -170,8 +175,8 @@ def working_bytes(layout: Layout, shape: ModelShape, compute_bytes: int) -> floa
     sharded strategy holds gathered, and DeepSpeed's communication buckets. DDP's gradients are
     its buckets (gradient_as_bucket_view)."""
     psi, c = shape.parameters, compute_bytes
-    if layout.strategy == "fsdp":  # this layer and the prefetched next, plus this layer's unsharded fp32 grads
-        return (2 * c + 4) * shape.layer_parameters
+    if layout.strategy == "fsdp":  # this layer and the prefetched next, its unsharded fp32 grads, and the root unit
+        return (2 * c + 4) * shape.layer_parameters + c * shape.root_parameters
     if not layout.deepspeed:
         return 0.0
     reduce = min(layout.reduce_bucket, psi) * c * (2 if layout.overlap_comm else 1)

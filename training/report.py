@@ -11,8 +11,6 @@ import json
 import os
 from pathlib import Path
 
-from matplotlib.figure import Figure  # the object API: no pyplot, no display needed
-
 PANELS = (  # (title, [(metrics key, label, style)], log scale)
     ("loss", [("loss", "train", "-"), ("eval_loss", "eval", "o-")], True),
     ("learning rate", [("lr", "lr", "-")], False),
@@ -23,9 +21,11 @@ PANELS = (  # (title, [(metrics key, label, style)], log scale)
 
 def write_report(output_dir: str | Path, title: str = "") -> Path:
     """Draw the report from the run's metrics.jsonl; returns the PNG's path."""
+    from matplotlib.figure import Figure  # here, not at the top: only the main process draws, at the end
+
     output_dir = Path(output_dir)
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
-    figure = Figure(figsize=(12, 8), layout="constrained")
+    figure = Figure(figsize=(12, 8), layout="constrained")  # the object API: no pyplot, no display
     figure.suptitle(title or str(output_dir))
     for axes, (panel, series, log_scale) in zip(figure.subplots(2, 2).flat, PANELS):
         for key, label, style in series:
