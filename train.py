@@ -265,6 +265,8 @@ def main() -> None:
                         progress.write(f"step {step}: eval_loss {eval_result['eval_loss']:.4f}")
                 if save_now:
                     saved = save_checkpoint(accelerator, args.output_dir, state, args.save_total_limit)
+                    if accelerator.is_main_process:
+                        progress.write(f"step {step}: saved {saved}")
                 if step >= max_steps:
                     break
                 if stop_signal:

@@ -77,6 +77,7 @@ def test_the_console_has_one_progress_bar_and_one_voice(tracked) -> None:
     assert bars == {"training"}  # one bar: no weight loading/saving or per-rank bars
     assert "loss=" in log and "lr=" in log and "tokens_per_s=" in log and "<00:" in log  # metrics and ETA
     assert "warning" not in log.lower()
+    assert "step 4: saved" in log and "state saved in" not in log  # one line per checkpoint, not one per file
 
 
 @pytest.mark.parametrize("tracker", ["wandb", "trackio", "mlflow"])

@@ -20,6 +20,7 @@ def quiet_third_party_output() -> None:
     if not torch.accelerator.is_available():  # else DeepSpeed warns on every rank that it uses the CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     logging.getLogger("accelerate.accelerator").setLevel(logging.WARNING)  # notes on how it filled DeepSpeed's "auto"s
+    logging.getLogger("accelerate.checkpointing").setLevel(logging.WARNING)  # a line per file saved; train.py says one
 
 
 def one_voice(is_main_process: bool) -> None:

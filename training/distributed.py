@@ -19,6 +19,7 @@ On a GPU machine none of this applies: the same config files run unmodified over
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Iterator
@@ -76,6 +77,8 @@ def build_accelerator(ddp_timeout: int, **accelerator_kwargs) -> Accelerator:
             raise StrategyError("FSDP1 cannot run on CPU; set `fsdp_version: 2` in the accelerate config")
         state = PartialState(backend="gloo", timeout=timeout)  # a gloo process group on device cpu, type NO
         state.distributed_type = DistributedType.MULTI_GPU  # so AcceleratorState turns on the FSDP plugin
+    if on_cpu and strategy is Strategy.DEEPSPEED:
+        skip_deepspeed_inference_kernel()
     # InitProcessGroupKwargs passes on only what differs from its defaults: the backend only for DeepSpeed on CPU.
     backend = "gloo" if on_cpu and strategy is Strategy.DEEPSPEED else InitProcessGroupKwargs.backend
     handler = InitProcessGroupKwargs(backend=backend, timeout=timeout)
@@ -83,6 +86,14 @@ def build_accelerator(ddp_timeout: int, **accelerator_kwargs) -> Accelerator:
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
     cpu = on_cpu and strategy in (Strategy.SINGLE, Strategy.DDP)
     return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
+
+
+def skip_deepspeed_inference_kernel() -> None:
+    """On CPU, DeepSpeed compiles a shared-memory all-reduce as it starts (45 to 60 s on the first
+    launch in each environment, and a line per rank), which only its inference engine uses
+    (`inference_all_reduce`); training collectives go through torch.distributed either way."""
+    backend = importlib.import_module("deepspeed.comm.torch")  # not `deepspeed.comm.torch`: that name is torch itself
+    backend.build_shm_op = lambda: None
 
 
 def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
