@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import DataError, build_lm_datasets, load_raw_datasets, make_collator
-from models import ModelError, build_model, build_tokenizer, max_positions
+from models import ModelError, build_model, build_tokenizer, resolve_block_size
 from training.arguments import ArgumentError, parse_args
 from training.checkpoint import (
     ResumeError,
@@ -108,7 +108,8 @@ def main() -> None:
     )
     strategy = verify_strategy(accelerator)
     one_voice(accelerator.is_main_process)  # the other ranks report errors only
-    logger.info(describe(accelerator, strategy), main_process_only=True)
+    run_description = describe(accelerator, strategy)
+    logger.info(run_description, main_process_only=True)
     logger.info(preflight(accelerator, args.ddp_timeout), main_process_only=True)
     stop_requests = install_stop_handlers(accelerator, args.ddp_timeout)  # SIGTERM/SIGUSR1: save, then exit 75
     set_seed(args.seed)  # identical initial weights on every rank and strategy
@@ -123,7 +124,8 @@ def main() -> None:
             model_args.trust_remote_code,
             model_args.gradient_checkpointing,
         )
-    block_size = resolve_block_size(data_args.block_size, max_positions(model))
+    model_name = model_args.model_name_or_path or model_args.model_config
+    block_size = resolve_block_size(data_args.block_size, model.config)
     model_flops_per_token, num_parameters = flops_per_token(model, block_size), parameter_count(model)
     with accelerator.main_process_first():  # the main process downloads; the others then read its cache
         raw = load_raw_datasets(
@@ -208,7 +210,7 @@ def main() -> None:
     first_step = state.completed_steps
     eval_result: dict[str, float] = {}
     train_loss = math.nan  # the last logged
-    report_title = f"{model_args.model_name_or_path or model_args.model_config}: {describe(accelerator, strategy)}"
+    report_title = f"{model_name}: {run_description}"
     with collective_timeouts_reported(accelerator, args.ddp_timeout, lambda: state.completed_steps + 1):
         while state.completed_steps < max_steps:
             train_loader.set_epoch(state.epoch)  # before skipping, or a resume replays another order
@@ -289,7 +291,7 @@ def main() -> None:
         "processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
         "parameters": num_parameters,
-        "model": model_args.model_name_or_path or model_args.model_config,
+        "model": model_name,
         "steps": steps_run,
         "total_steps": state.completed_steps,
         "wall_time_s": time.time() - psutil.Process().create_time(),
@@ -304,15 +306,6 @@ def main() -> None:
         write_summary(args.output_dir, summary)
         write_report(args.output_dir, report_title)
         print_summary(summary, final_dir)
-
-
-def resolve_block_size(requested: int | None, model_max: int | None) -> int:
-    """The requested block size, or the model's maximum (at most 1024); never above the maximum."""
-    if requested is None:
-        return min(model_max or 1024, 1024)
-    if model_max is not None and requested > model_max:
-        raise ArgumentError(f"--block_size {requested} exceeds the model's maximum of {model_max} positions")
-    return requested
 
 
 def max_over_ranks(values: dict[str, int], accelerator) -> dict[str, int]:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from models.configs import build_named_config
 
@@ -89,6 +89,11 @@ def build_model(
     return model
 
 
-def max_positions(model: PreTrainedModel) -> int | None:
-    """The longest sequence the model accepts, if its config says."""
-    return getattr(model.config, "max_position_embeddings", None)
+def resolve_block_size(requested: int | None, config: PretrainedConfig) -> int:
+    """The requested block size, or the model's maximum (at most 1024); never above the maximum."""
+    model_max = getattr(config, "max_position_embeddings", None)
+    if requested is None:
+        return min(model_max or 1024, 1024)
+    if model_max is not None and requested > model_max:
+        raise ModelError(f"--block_size {requested} exceeds the model's maximum of {model_max} positions")
+    return requested

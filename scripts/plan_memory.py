@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from transformers import AutoConfig  # noqa: E402
 
-from models import ModelError, build_tokenizer, loading  # noqa: E402
+from models import ModelError, build_tokenizer, loading, resolve_block_size  # noqa: E402
 from models.configs import NAMED_CONFIGS, build_named_config  # noqa: E402
 from training.memory_plan import (  # noqa: E402
     PREFERENCE,
@@ -75,7 +75,7 @@ def plan(args: argparse.Namespace) -> dict:
     config = load_config(args)
     dtype = compute_dtype(args.mixed_precision)
     shape = model_shape(config, dtype, args.trust_remote_code)
-    block_size = args.block_size or min(getattr(config, "max_position_embeddings", None) or 1024, 1024)
+    block_size = resolve_block_size(args.block_size, config)  # as train.py chooses it
     compute_bytes = dtype.itemsize
     activations = activation_bytes(shape, args.per_device_train_batch_size, block_size, args.gradient_checkpointing)
     usable = args.gpu_memory_gb * GIB * (1 - RESERVE)
@@ -87,11 +87,11 @@ def plan(args: argparse.Namespace) -> dict:
     for layout in layouts:
         processes = 1 if layout.strategy == "single" else args.num_gpus
         state = model_state(layout, shape, processes, compute_bytes)
-        on_gpu = state["parameters"] + state["gradients"] + state["optimizer"] - state["offloaded"]
-        gpu = on_gpu + activations + working_bytes(layout, shape, compute_bytes)
+        working = working_bytes(layout, shape, compute_bytes)
+        gpu = state["parameters"] + state["gradients"] + state["optimizer"] - state["offloaded"] + activations + working
         rows[layout.config] = state | {
             "strategy": layout.strategy, "processes": processes, "activations": activations,
-            "working": working_bytes(layout, shape, compute_bytes), "gpu_total": gpu, "fits": gpu <= usable,
+            "working": working, "gpu_total": gpu, "fits": gpu <= usable,
         }
     recommended = pick(rows, args.num_gpus, usable)
     return {"model": args.model_name_or_path or args.model_config, "parameters": shape.parameters,
@@ -120,8 +120,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
             f"**{gib(row['gpu_total'])}** | {gib(row['offloaded'])} | {'yes' if row['fits'] else 'no'} |"
         )
     lines.append("(GiB per GPU; the model state columns count each value wherever it lives, GPU or CPU)")
-    pick = result["recommended"]
-    if pick is None:
+    chosen = result["recommended"]
+    if chosen is None:
         hint = "" if args.gradient_checkpointing else "add --gradient_checkpointing, "
         lines += ["", f"nothing fits: {hint}lower --per_device_train_batch_size (raise --gradient_accumulation_steps "
                       "to keep the global batch), or use more GPUs"]
@@ -131,11 +131,11 @@ def report(result: dict, args: argparse.Namespace) -> str:
     flags += ["--per_device_train_batch_size", str(result["per_device_train_batch_size"]),
               "--block_size", str(result["block_size"])]
     flags += ["--gradient_checkpointing", "true"] if args.gradient_checkpointing else []
-    launcher = [] if result["configs"][pick]["strategy"] == "single" else ["--num_processes", str(result["num_gpus"])]
+    launcher = [] if result["configs"][chosen]["strategy"] == "single" else ["--num_processes", str(result["num_gpus"])]
     precision = [] if args.mixed_precision == "no" else ["--mixed_precision", args.mixed_precision]
-    lines += ["", f"recommended: accelerate_configs/{pick}.yaml ({gib(result['configs'][pick]['gpu_total'])} of "
+    lines += ["", f"recommended: accelerate_configs/{chosen}.yaml ({gib(result['configs'][chosen]['gpu_total'])} of "
                   f"{result['usable_gb']:.1f} usable GiB per GPU)",
-              "  " + " ".join(["accelerate launch --config_file", f"accelerate_configs/{pick}.yaml", *launcher,
+              "  " + " ".join(["accelerate launch --config_file", f"accelerate_configs/{chosen}.yaml", *launcher,
                                *precision, "train.py", *flags]),
               "  (on several nodes, add --num_machines and the machine flags: README, \"Multi-node\")"]
     return "\n".join(lines)

@@ -71,6 +71,7 @@ class ModelShape:
     """What memory depends on: every parameter's size, the layers, and an empty model to trace."""
 
     numels: list[int]
+    layers: int  # the model's `_no_split_modules` instances: decoder layers
     layer_parameters: int  # the largest layer (the unit FSDP2 and ZeRO-3 gather)
     root_parameters: int  # outside the layers: embeddings, final norm, output layer (FSDP2's root unit)
     hidden_size: int
@@ -147,10 +148,17 @@ def model_shape(config: PretrainedConfig, compute_dtype: torch.dtype, trust_remo
             model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype, trust_remote_code=trust_remote_code)
     except ValueError as error:  # not a causal LM, or its code needs --trust_remote_code
         raise PlanError(f"cannot build a causal LM from this config: {str(error).strip().splitlines()[0]}") from None
-    layers = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or ())]
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in _layers(model)]
     numels = [p.numel() for p in model.parameters()]  # tied weights once
-    return ModelShape(numels, max(per_layer, default=0), sum(numels) - sum(per_layer), config.hidden_size, model)
+    return ModelShape(
+        numels, len(per_layer), max(per_layer, default=0), sum(numels) - sum(per_layer), config.hidden_size, model
+    )
+
+
+def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The units a sharded strategy wraps: the classes the model names in `_no_split_modules`."""
+    names = set(model._no_split_modules or ())
+    return [module for module in model.modules() if type(module).__name__ in names]
 
 
 def model_state(layout: Layout, shape: ModelShape, processes: int, compute_bytes: int) -> dict[str, float]:
@@ -202,7 +210,6 @@ def activation_bytes(shape: ModelShape, batch: int, seq_len: int, gradient_check
     layer keeps only its input, and one layer at a time is recomputed.
     """
     model = shape.meta_model
-    layer_names = set(model._no_split_modules or ())
     inside_layer: list[bool] = [False]
     saved = {False: {}, True: {}}  # by storage, so views count once
 
@@ -217,8 +224,8 @@ def activation_bytes(shape: ModelShape, batch: int, seq_len: int, gradient_check
     def leave(*_):
         inside_layer[0] = False
 
-    hooks = [h for m in model.modules() if type(m).__name__ in layer_names
-             for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    hooks = [hook for layer in _layers(model)
+             for hook in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave))]
     try:
         ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -229,6 +236,5 @@ def activation_bytes(shape: ModelShape, batch: int, seq_len: int, gradient_check
     outside, inside = sum(saved[False].values()), sum(saved[True].values())
     if not gradient_checkpointing:
         return outside + inside
-    layers = sum(1 for m in model.modules() if type(m).__name__ in layer_names)
     dtype_bytes = next(model.parameters()).element_size()
-    return outside + layers * batch * seq_len * shape.hidden_size * dtype_bytes + inside / max(layers, 1)
+    return outside + shape.layers * batch * seq_len * shape.hidden_size * dtype_bytes + inside / max(shape.layers, 1)
