@@ -29,7 +29,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # data/ and models/, for the data preparation rate
+sys.path.insert(0, str(REPO))  # the template's modules: metrics, the planner, data preparation
+
+from training.metrics import read_metrics  # noqa: E402
+
 CONFIGS = ["ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"]
 RUN_TIMEOUT_S = 1800  # a run that takes longer is stuck: stop it rather than hang the benchmark
 
@@ -81,7 +84,7 @@ def train_run(config: str, args: argparse.Namespace, output_dir: Path) -> dict:
     if process.returncode != 0:
         tail = Path(log.name).read_text()[-3000:]
         sys.exit(f"{tail}\nerror: train.py failed under {config} (exit {process.returncode}); its log ends above")
-    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = read_metrics(output_dir)
     steady = [m for m in steps if "tokens_per_sec" in m and m["step"] > args.warmup]
     return json.loads((output_dir / "summary.json").read_text()) | {
         "tokens_per_sec": statistics.median(m["tokens_per_sec"] for m in steady),

@@ -10,10 +10,12 @@ training itself unchanged. Arguments are run directories or metrics.jsonl files.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the template's modules
+from training.metrics import read_metrics  # noqa: E402
 
 DEFAULT_KEYS = ("loss", "lr", "eval_loss")
 
@@ -32,11 +34,8 @@ class Difference:
 
 def read_series(path: str | Path) -> dict[str, dict[int, float]]:
     """{key: {step: value}} from a run directory or a metrics.jsonl file."""
-    path = Path(path)
-    path = path / "metrics.jsonl" if path.is_dir() else path
     series: dict[str, dict[int, float]] = {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
+    for record in read_metrics(path):
         for key, value in record.items():
             if key != "step":
                 series.setdefault(key, {})[record["step"]] = value

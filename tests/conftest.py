@@ -19,6 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 from data.default_corpus import generate_documents
+from training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
@@ -106,10 +107,6 @@ def train(
     result = launch(config, "train.py", *TINY_RUN, "--output_dir", str(output_dir), *args, launcher_args=launcher_args)
     assert result.returncode == 0, f"train.py failed under {config}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result
-
-
-def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def logged_after(output_dir: Path, first_step: int) -> dict[tuple[int, str], float]:

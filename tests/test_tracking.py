@@ -39,9 +39,9 @@ def scalars(output_dir: Path, tag: str) -> list[tuple[int, float]]:
 def test_tensorboard_holds_the_loss_and_the_run_config(tracked) -> None:
     logged = read_metrics(tracked)
     for tag in ("loss", "eval_loss", "lr", "tokens_per_sec"):
-        expected = [(m["step"], m[tag]) for m in logged if tag in m]
-        assert [step for step, _ in scalars(tracked, tag)] == [step for step, _ in expected]
-        assert [value for _, value in scalars(tracked, tag)] == pytest.approx([v for _, v in expected], rel=1e-6)
+        expected, events = [(m["step"], m[tag]) for m in logged if tag in m], scalars(tracked, tag)
+        assert [step for step, _ in events] == [step for step, _ in expected]
+        assert [value for _, value in events] == pytest.approx([v for _, v in expected], rel=1e-6)
     (config_file,) = (tracked / "runs" / RUN_NAME).glob("*/hparams.yml")
     config = yaml.safe_load(config_file.read_text())
     assert (config["strategy"], config["num_processes"], config["global_batch"]) == ("ddp", 2, 8)

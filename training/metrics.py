@@ -64,6 +64,16 @@ def to_float(value: torch.Tensor | float) -> float:
     return float(value)
 
 
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(run: str | Path) -> list[dict]:
+    """The records of a run's metrics.jsonl, given the run directory or the file."""
+    path = Path(run)
+    path = path / METRICS_FILE if path.is_dir() else path
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
 class MetricsLogger:
     """Appends metrics on the main process only; every rank may call it.
 
@@ -73,7 +83,7 @@ class MetricsLogger:
 
     def __init__(self, accelerator: Accelerator, output_dir: str, resumed_step: int | None) -> None:
         self.accelerator = accelerator
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = Path(output_dir) / METRICS_FILE
         if accelerator.is_main_process:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             kept = []

@@ -7,9 +7,10 @@ against step, drawn from `output_dir/metrics.jsonl` at the end of every run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
+
+from training.metrics import read_metrics
 
 PANELS = (  # (title, [(metrics key, label, style)], log scale)
     ("loss", [("loss", "train", "-"), ("eval_loss", "eval", "o-")], True),
@@ -24,7 +25,7 @@ def write_report(output_dir: str | Path, title: str = "") -> Path:
     from matplotlib.figure import Figure  # here, not at the top: only the main process draws, at the end
 
     output_dir = Path(output_dir)
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
+    records = read_metrics(output_dir)
     figure = Figure(figsize=(12, 8), layout="constrained")  # the object API: no pyplot, no display
     figure.suptitle(title or str(output_dir))
     for axes, (panel, series, log_scale) in zip(figure.subplots(2, 2).flat, PANELS):
