@@ -1,11 +1,13 @@
-"""Train a causal language model with DDP, FSDP2 or DeepSpeed ZeRO, chosen by config file only.
+"""Train a causal language model or an image classifier with DDP, FSDP2 or DeepSpeed ZeRO, chosen by config file only.
 
     accelerate launch train.py                                               # one process, defaults
     accelerate launch --config_file accelerate_configs/fsdp.yaml train.py    # any strategy, same code
     accelerate launch --config_file accelerate_configs/ddp.yaml train.py --config recipe.yaml --max_steps 100
+    accelerate launch --config_file accelerate_configs/ddp.yaml train.py --task image-classification
 
 The strategy never appears below: `training/distributed.py` builds the Accelerator and
-checks that what runs is what the config file asked for.
+checks that what runs is what the config file asked for. The task never does either:
+`training/tasks.py` builds the model and data and turns logits into a loss.
 """
 
 from __future__ import annotations
@@ -27,11 +29,10 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from data import DataError, build_lm_datasets, load_raw_datasets, make_collator
-from models import ModelError, build_model, build_tokenizer, resolve_block_size
+from data import DataError
+from models import ModelError
 from training.arguments import ArgumentError, parse_args
+from training.batchnorm import convert_sync_batchnorm
 from training.checkpoint import (
     ResumeError,
     TrainerState,
@@ -44,40 +45,36 @@ from training.collectives import CollectiveTimeoutError, collective_timeouts_rep
 from training.console import one_voice, only_the_training_bar, quiet_third_party_output
 from training.distributed import (
     StrategyError,
-    align_deepspeed_config,
+    align_with_strategy,
+    apply_tensor_parallel,
     build_accelerator,
+    data_parallel_size,
     describe,
     held_gradients,
     master_weight_dtypes,
     model_construction,
     release_model_construction_hooks,
+    tensor_parallel_size,
     verify_prepared,
     verify_strategy,
     write_effective_deepspeed_config,
 )
 from training.evaluation import evaluate
-from training.loss import (
-    NonFiniteGuard,
-    NonFiniteLossError,
-    accumulation_windows,
-    count_target_tokens,
-    token_loss_sums,
-)
+from training.loss import NonFiniteGuard, NonFiniteLossError, accumulation_windows
 from training.metrics import MetricsLogger, to_float, tracker_config, write_summary
 from training.optim import build_optimizer, build_scheduler
 from training.performance import (
     SpeedMeter,
     compute_dtype,
-    flops_per_token,
     model_state_probe,
     parameter_count,
     peak_flops,
 )
 from training.preemption import Preempted, install_stop_handlers
 from training.report import write_report
+from training.tasks import TASKS
 
 logger = get_logger(__name__)
-SAMPLE_PROMPT = "Once upon a time"
 EXIT_BAD_INPUT = 2  # a flag, file, config or checkpoint that cannot work; the message says which
 EXIT_NONFINITE_LOSS = 3  # the loss became NaN/inf; nothing was saved from that point on
 EXIT_COLLECTIVE_TIMEOUT = 4  # a collective waited longer than --ddp_timeout (a rank stalled or died)
@@ -115,43 +112,30 @@ def main() -> None:
     set_seed(args.seed)  # identical initial weights on every rank and strategy
 
     # ---- model and data ----
-    tokenizer = build_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name, model_args.trust_remote_code)
-    with model_construction(accelerator):
-        model = build_model(
-            model_args.model_name_or_path,
-            model_args.model_config,
-            tokenizer,
-            model_args.trust_remote_code,
-            model_args.gradient_checkpointing,
-        )
-    model_name = model_args.model_name_or_path or model_args.model_config
-    block_size = resolve_block_size(data_args.block_size, model.config)
-    model_flops_per_token, num_parameters = flops_per_token(model, block_size), parameter_count(model)
+    task = TASKS[model_args.task](model_args, data_args)
     with accelerator.main_process_first():  # the main process downloads; the others then read its cache
-        raw = load_raw_datasets(
-            data_args.dataset_name,
-            data_args.dataset_config_name,
-            data_args.train_file,
-            data_args.validation_file,
-            data_args.validation_split_percentage,
-            args.seed,
-        )
-    train_set, eval_set = build_lm_datasets(
-        raw, tokenizer, data_args.text_column, block_size, accelerator.main_process_first(), data_args.packing
-    )
-    collator = make_collator(tokenizer, data_args.packing)
+        raw = task.load_raw_datasets(args.seed)
+    with model_construction(accelerator):
+        model = task.build_model(raw)
+    model = apply_tensor_parallel(accelerator, model)  # with a parallelism_config tp_size in the accelerate config
+    model, sync_note = (convert_sync_batchnorm(model, accelerator) if model_args.sync_batchnorm else (model, None))
+    if sync_note:
+        logger.info(sync_note, main_process_only=True)
+    model_name = model_args.model_name_or_path or model_args.model_config
+    num_parameters = parameter_count(model)
+    train_set, eval_set = task.build_datasets(raw, accelerator.main_process_first())
     # Every optimizer step sees one full global batch: a partial last one would weigh less
     # under accumulation, so the last len % global_batch sequences are left out every epoch.
-    global_batch = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    global_batch = args.per_device_train_batch_size * data_parallel_size(accelerator) * args.gradient_accumulation_steps
     steps_per_epoch = len(train_set) // global_batch
     if steps_per_epoch == 0 or len(eval_set) == 0:
         raise ArgumentError(
-            f"{len(train_set)} training and {len(eval_set)} validation sequences of up to {block_size} tokens: need at "
+            f"{len(train_set)} training and {len(eval_set)} validation examples: need at "
             f"least one global batch of {global_batch} and one validation sequence; use more data or smaller batches"
         )
     train_set = train_set.select(range(steps_per_epoch * global_batch))
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking above).
-    loading = {"collate_fn": collator, "num_workers": args.dataloader_num_workers,
+    loading = {"collate_fn": task.collator, "num_workers": args.dataloader_num_workers,
                "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda"}
     train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True, **loading)
     eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, **loading)
@@ -159,7 +143,7 @@ def main() -> None:
 
     torch_optimizer = build_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = build_scheduler(torch_optimizer, args.lr_scheduler_type, args.warmup_steps, max_steps)
-    align_deepspeed_config(accelerator, args.max_grad_norm)
+    align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, torch_optimizer, train_loader, eval_loader, scheduler
     )
@@ -180,7 +164,7 @@ def main() -> None:
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
     run_settings = {"strategy": strategy.value, "num_processes": accelerator.num_processes,
                     "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch,
-                    "block_size": block_size, "total_steps": max_steps, "parameters": num_parameters}
+                    "total_steps": max_steps, "parameters": num_parameters, **task.settings}
     accelerator.init_trackers(
         args.run_name,
         config=tracker_config(vars(model_args) | vars(data_args) | vars(args) | run_settings),
@@ -189,7 +173,7 @@ def main() -> None:
                      "wandb": {"name": args.run_name}},
     )
     logger.info(
-        f"{len(train_set)} sequences of up to {block_size} tokens, global batch {global_batch}, "
+        f"{task.describe_data(train_set)}, global batch {global_batch}, "
         f"{steps_per_epoch} steps/epoch, training to step {max_steps}",
         main_process_only=True,
     )
@@ -197,9 +181,10 @@ def main() -> None:
     # ---- train ----
     metrics = MetricsLogger(accelerator, args.output_dir, state.completed_steps if resume_path else None)
     if state.completed_steps == 0 and args.eval_on_start:
-        metrics.log(0, **evaluate(model, eval_loader, accelerator))
+        metrics.log(0, **evaluate(model, eval_loader, accelerator, task))
     clip_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf  # inf: measure, never clip
-    speed = SpeedMeter(accelerator.device, model_flops_per_token, peak_flops(accelerator.device, compute_dtype(accelerator.mixed_precision)))
+    peak = peak_flops(accelerator.device, compute_dtype(accelerator.mixed_precision))
+    speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit, tensor_parallel_size(accelerator))
     interval_loss, interval_steps = torch.zeros((), device=accelerator.device), 0
     nonfinite = NonFiniteGuard(accelerator.device)
     grad_norm = math.nan  # set at every optimizer step
@@ -219,17 +204,18 @@ def main() -> None:
             batches = accelerator.skip_first_batches(train_loader, state.steps_in_epoch * args.gradient_accumulation_steps)
             for window in accumulation_windows(batches, args.gradient_accumulation_steps):
                 speed.start_step()
-                # The loss is the mean over every target token of the global batch (all micro-batches
-                # on all ranks), not a mean of per-batch means, so padded batches weigh by their tokens.
-                window_tokens = accelerator.reduce(sum(count_target_tokens(batch) for batch in window), "sum")
+                # The loss is the mean over every target (token, or image) of the global batch (all
+                # micro-batches on all ranks), not a mean of per-batch means, so padded batches weigh by their tokens.
+                window_targets = accelerator.reduce(sum(task.count_targets(batch) for batch in window), "sum")
                 step_loss = torch.zeros((), device=accelerator.device)
                 for batch in window:
                     with accelerator.accumulate(model):
-                        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
-                        loss = token_loss_sums(logits, batch["labels"])[0].sum() / window_tokens
-                        del logits  # tokens x vocabulary floats: freed now, not after the optimizer step
+                        logits = task.forward(model, batch)
+                        loss = task.loss_sums(logits, batch)[0].sum() / window_targets
+                        del logits  # e.g. tokens x vocabulary floats: freed now, not after the optimizer step
                         # Every strategy averages gradients over micro-steps and processes; scale back up
-                        # so the update is the gradient of the global token mean.
+                        # so the update is the gradient of the global token mean. (Tensor parallelism averages
+                        # over data-parallel ranks only, and its tp ranks each counted the window's targets.)
                         accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm)
@@ -243,7 +229,7 @@ def main() -> None:
                 interval_loss += step_loss
                 nonfinite.update(state.completed_steps, step_loss, grad_norm)
                 interval_steps += 1
-                speed.end_step(sum(batch["input_ids"].numel() for batch in window))
+                speed.end_step(sum(task.count_units(batch) for batch in window))
                 progress.update(1)
                 step = state.completed_steps
                 stop_signal = stop_requests.agreed()  # every rank stops after the same step
@@ -259,14 +245,15 @@ def main() -> None:
                     interval_steps = 0
                     speed_now = speed.report(accelerator.gather)
                     metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), **speed_now)
-                    progress.set_postfix(loss=f"{train_loss:.3f}", lr=f"{lr:.2e}", tokens_per_s=f"{speed_now['tokens_per_sec']:,.0f}")
+                    progress.set_postfix({"loss": f"{train_loss:.3f}", "lr": f"{lr:.2e}",
+                                          f"{task.unit}_per_s": f"{speed_now[f'{task.unit}_per_sec']:,.0f}"})
                 if eval_now:
-                    eval_result = evaluate(model, eval_loader, accelerator)
+                    eval_result = evaluate(model, eval_loader, accelerator, task)
                     metrics.log(step, **eval_result)
                     if accelerator.is_main_process:
                         progress.write(f"step {step}: eval_loss {eval_result['eval_loss']:.4f}")
                 if save_now:
-                    saved = save_checkpoint(accelerator, args.output_dir, state, args.save_total_limit)
+                    saved = save_checkpoint(accelerator, model, args.output_dir, state, args.save_total_limit)
                     if accelerator.is_main_process:
                         progress.write(f"step {step}: saved {saved}")
                 if step >= max_steps:
@@ -284,13 +271,14 @@ def main() -> None:
     progress.close()
 
     # ---- export and summary ----
-    final_dir = export_final(accelerator, model, tokenizer, args.output_dir)
+    final_dir = export_final(accelerator, model, task.processor, args.output_dir)
     steps_run = state.completed_steps - first_step
     summary = {  # gathered from every rank: before end_training closes the process group
         "strategy": strategy.value,
         "processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
         "parameters": num_parameters,
+        "task": task.name,
         "model": model_name,
         "steps": steps_run,
         "total_steps": state.completed_steps,
@@ -305,7 +293,7 @@ def main() -> None:
     if accelerator.is_main_process:
         write_summary(args.output_dir, summary)
         write_report(args.output_dir, report_title)
-        print_summary(summary, final_dir)
+        print_summary(summary, final_dir, task)
 
 
 def max_over_ranks(values: dict[str, int], accelerator) -> dict[str, int]:
@@ -315,24 +303,20 @@ def max_over_ranks(values: dict[str, int], accelerator) -> dict[str, int]:
     return {key: int(value) for key, value in zip(keys, accelerator.gather(mine).max(dim=0).values.tolist())}
 
 
-def print_summary(summary: dict, final_dir) -> None:
-    """Load the export with plain `transformers` (proving it loads) and show a sample."""
-    model = AutoModelForCausalLM.from_pretrained(final_dir)
-    tokenizer = AutoTokenizer.from_pretrained(final_dir)
-    inputs = tokenizer(SAMPLE_PROMPT, return_tensors="pt")
-    output = model.generate(**inputs, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    sample = tokenizer.decode(output[0], skip_special_tokens=True)
+def print_summary(summary: dict, final_dir, task) -> None:
+    """Load the export with plain `transformers` (proving it loads) and show what it does."""
+    sample = task.sample(final_dir)
     state = sum(summary["model_state_bytes_per_rank"].values()) / 2**20
     mfu = f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (unknown device peak)"
+    evaluation = ", ".join(f"{key} {value:.4f}" for key, value in summary.items() if key.startswith("eval_") or key == "perplexity")
     print(
         "\n===== training summary =====\n"
         f"steps:           {summary['steps']}\n"
-        f"tokens/s:        {summary['tokens_per_sec']:,.0f} ({summary['step_time'] * 1000:,.0f} ms/step, MFU {mfu})\n"
+        f"{task.unit + '/s:':<17}{summary[f'{task.unit}_per_sec']:,.0f} ({summary['step_time'] * 1000:,.0f} ms/step, MFU {mfu})\n"
         f"memory/rank:     peak {summary['peak_memory_gb']:.2f} GiB, model state {state:,.1f} MiB\n"
-        f"final eval loss: {summary.get('eval_loss', float('nan')):.4f} "
-        f"(perplexity {summary.get('perplexity', float('nan')):.2f})\n"
+        f"final eval:      {evaluation}\n"
         f"model:           {final_dir}\n"
-        f"sample:          {sample!r}"
+        f"sample:          {sample}"
     )
 
 

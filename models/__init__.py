@@ -1,6 +1,6 @@
 """Model and tokenizer construction: the one place that knows where weights come from.
 
-Two ways in:
+Language models live here, image classifiers in `models/vision.py`. Two ways in:
 - `--model_name_or_path`: a Hub id or a local directory holding any `AutoModelForCausalLM`
   (continued pre-training or fine-tuning).
 - `--model_config NAME`: a named small config from `models/configs.py`, trained from
@@ -84,9 +84,16 @@ def build_model(
             "tokenizer, or resize on purpose (model.resize_token_embeddings(len(tokenizer)), then save_pretrained)"
         )
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        enable_gradient_checkpointing(model)
     return model
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute activations in backward instead of storing them; a clear error if the model cannot."""
+    if not model.supports_gradient_checkpointing:
+        raise ModelError(f"{type(model).__name__} does not support --gradient_checkpointing; drop the flag")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
 
 
 def resolve_block_size(requested: int | None, config: PretrainedConfig) -> int:

@@ -1,15 +1,16 @@
 """Named model configs for training from scratch (`--model_config NAME`).
 
-Each entry is a Llama-style decoder sized for one job. To add your own, add an entry
-that returns any `transformers.PretrainedConfig` whose model type
-`AutoModelForCausalLM` knows.
+`NAMED_CONFIGS` are Llama-style decoders for `--task causal-lm`, `IMAGE_CONFIGS` are
+ResNets for `--task image-classification`, each sized for one job. To add your own, add
+an entry that returns any `transformers.PretrainedConfig` whose model type
+`AutoModelForCausalLM` (or `AutoModelForImageClassification`) knows.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase, ResNetConfig
 
 
 def _llama(hidden: int, layers: int, heads: int, intermediate: int, positions: int) -> Callable[[int, int], LlamaConfig]:
@@ -45,3 +46,34 @@ def build_named_config(name: str, tokenizer: PreTrainedTokenizerBase) -> Pretrai
         raise ValueError(f"unknown --model_config {name!r}; choose one of {sorted(NAMED_CONFIGS)}")
     vocab_size = -(-len(tokenizer) // 64) * 64  # a multiple of 64 keeps the output matmul fast
     return NAMED_CONFIGS[name](vocab_size, tokenizer.eos_token_id)
+
+
+def _resnet(embedding: int, widths: list[int], depths: list[int], image_size: int) -> Callable[[list[str]], ResNetConfig]:
+    def make(labels: list[str]) -> ResNetConfig:
+        config = ResNetConfig(
+            embedding_size=embedding,
+            hidden_sizes=widths,
+            depths=depths,
+            layer_type="basic",
+            num_labels=len(labels),
+            id2label=dict(enumerate(labels)),
+            label2id={label: index for index, label in enumerate(labels)},
+        )
+        config.image_size = image_size  # the input the image processor resizes to
+        return config
+
+    return make
+
+
+IMAGE_CONFIGS: dict[str, Callable[[list[str]], ResNetConfig]] = {
+    "resnet-tiny": _resnet(embedding=16, widths=[16, 32, 64, 128], depths=[1, 1, 1, 1], image_size=32),  # tests, the default image job
+    "resnet-18": _resnet(embedding=64, widths=[64, 128, 256, 512], depths=[2, 2, 2, 2], image_size=224),  # ResNet-18 (11M)
+}
+DEFAULT_CONFIGS = {"causal-lm": "llama-small", "image-classification": "resnet-tiny"}
+
+
+def build_image_config(name: str, labels: list[str]) -> ResNetConfig:
+    """The image config called `name`, with a classification head for `labels`."""
+    if name not in IMAGE_CONFIGS:
+        raise ValueError(f"unknown --model_config {name!r} for images; choose one of {sorted(IMAGE_CONFIGS)}")
+    return IMAGE_CONFIGS[name](labels)

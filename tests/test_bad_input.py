@@ -28,7 +28,7 @@ from models import SHIPPED_TOKENIZER
 from models.configs import build_named_config
 from tests.conftest import CONFIGS, TINY_RUN, launch, split_args
 from training.arguments import ArgumentError, parse_args
-from training.distributed import Strategy, StrategyError, check_launch_config
+from training.distributed import StrategyError, check_launch_config, requested_strategy, tensor_parallel_plan
 
 RESUME = ("--resume_from_checkpoint", "latest")  # so the previous run in output_dir is a legitimate target
 # case -> (accelerate config, train.py arguments, what the error line says). {name} is a file made by `inputs`.
@@ -52,6 +52,10 @@ LAUNCH_CASES = {
     ),
     "output directory that already holds a run": ("ddp", [], "already holds a run"),
     "a strategy that would degrade silently (FSDP1 on CPU)": ("{fsdp1.yaml}", [*RESUME], "FSDP1 cannot run on CPU"),
+    "SyncBatchNorm on CPU": (
+        "ddp", ["--task", "image-classification", "--model_config", "resnet-tiny", "--sync_batchnorm", *RESUME],
+        "--sync_batchnorm needs GPUs: torch has no CPU kernels for SyncBatchNorm",
+    ),
     "DeepSpeed JSON clipping disagrees with --max_grad_norm": (
         "deepspeed_zero2", ["--max_grad_norm", "0.5", *RESUME], "gradient_clipping is 1.0 in the DeepSpeed JSON"
     ),
@@ -71,13 +75,25 @@ ARGUMENT_CASES = {
     ),
     "output directory that cannot be written": (["--output_dir", "{empty.txt}/run"], "cannot write to --output_dir"),
     "tracker name misspelled": (["--report_to", "tensorbord", *RESUME], "unknown --report_to ['tensorbord']"),
+    "an image flag for the language task": (["--train_dir", "{empty.txt}", *RESUME], "--train_dir is for --task image-classification"),
+    "a language model config for images": (
+        ["--task", "image-classification", *RESUME], "--model_config 'llama-tiny' is not one of the image-classification models"
+    ),
 }
+FSDP_TP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+           "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2", "WORLD_SIZE": "4"}
 LAUNCHER_CASES = {  # case -> (environment from accelerate launch, what the error line says)
     "accelerate yaml pointing at a missing DeepSpeed JSON": (
         {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/missing.json"},
         "not found from",
     ),
     "fp16 on a CPU-only machine": ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "fp16 mixed precision needs a GPU"),
+    "fsdp_tp.yaml launched on fewer processes than its grid": (
+        {**FSDP_TP, "WORLD_SIZE": "2"}, "parallelism_config is dp_shard 2 x tp 2 = 4 processes but 2 were launched"
+    ),
+    "tensor parallelism over every process, nothing left for FSDP2": (
+        {**FSDP_TP, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "WORLD_SIZE": "2"}, "needs parallelism_config_dp_shard_size >= 2"
+    ),
 }
 
 
@@ -167,9 +183,8 @@ def test_launcher_settings_that_cannot_work_are_refused_before_any_process_group
 ) -> None:
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    strategy = Strategy.DEEPSPEED if "ACCELERATE_USE_DEEPSPEED" in environment else Strategy.DDP
     with pytest.raises(StrategyError, match=message):
-        check_launch_config(strategy, on_cpu=True)
+        check_launch_config(requested_strategy(), on_cpu=True)
 
 
 class CodeOnLoad:
@@ -204,3 +219,10 @@ def test_a_checkpoint_that_would_run_code_on_load_is_refused(config, cached_run,
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors and "refused to load them, as unpickling can run code" in errors[0], result.stderr[-4000:]
     assert not marker.exists()
+
+
+def test_a_model_without_a_tensor_parallel_plan_is_refused() -> None:
+    from models.vision import build_image_model
+
+    with pytest.raises(StrategyError, match="ResNetForImageClassification has no tensor-parallel plan"):
+        tensor_parallel_plan(build_image_model(None, "resnet-tiny", ["a", "b"]), 2)

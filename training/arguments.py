@@ -1,4 +1,4 @@
-"""Command-line flags (Hugging Face `TrainingArguments` names) and `--config recipe.yaml`.
+"""Command-line flags (Hugging Face `TrainingArguments` and example-script names) and `--config recipe.yaml`.
 
 Precedence: built-in defaults < recipe YAML < command line. A key the template does not
 know is an error, in the recipe as on the command line, with the nearest valid name.
@@ -17,23 +17,36 @@ import yaml
 from transformers import HfArgumentParser
 
 from data import check_data_file
-from models.configs import NAMED_CONFIGS
+from models.configs import DEFAULT_CONFIGS, IMAGE_CONFIGS, NAMED_CONFIGS
 from training.checkpoint import complete_checkpoints, newer_checkpoints, require_complete_checkpoint
 from training.metrics import TrackerError, resolve_trackers
 
 
+TASK_CONFIGS = {"causal-lm": NAMED_CONFIGS, "image-classification": IMAGE_CONFIGS}
+
+
 @dataclass
 class ModelArguments:
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Hub id or local directory of a pretrained causal LM. Unset: train from scratch."}
+    task: str = field(
+        default="causal-lm", metadata={"help": "What to learn: next-token text, or image labels.", "choices": list(TASK_CONFIGS)}
     )
-    model_config: str = field(
-        default="llama-small",
-        metadata={"help": "Named config to train from scratch.", "choices": sorted(NAMED_CONFIGS)},
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Hub id or local directory of a pretrained model for --task. Unset: train from scratch."}
+    )
+    model_config: str | None = field(
+        default=None,
+        metadata={"help": f"Named config to train from scratch. Default: {DEFAULT_CONFIGS}.",
+                  "choices": sorted(NAMED_CONFIGS | IMAGE_CONFIGS)},
     )
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model/tokenizer code from the Hub."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations to save memory."})
+    ignore_mismatched_sizes: bool = field(
+        default=False, metadata={"help": "Images: replace a pretrained classification head made for other labels."}
+    )
+    sync_batchnorm: bool = field(
+        default=False, metadata={"help": "BatchNorm statistics over all processes' batches (GPUs; see training/batchnorm.py)."}
+    )
 
 
 @dataclass
@@ -43,6 +56,13 @@ class DataArguments:
     train_file: str | None = field(default=None, metadata={"help": "Local txt, json/jsonl, csv or parquet file."})
     validation_file: str | None = field(default=None, metadata={"help": "Same format as --train_file."})
     text_column: str = field(default="text", metadata={"help": "Column that holds the documents."})
+    train_dir: str | None = field(default=None, metadata={"help": "Images: a folder with one sub-folder per class."})
+    validation_dir: str | None = field(default=None, metadata={"help": "Images: same layout as --train_dir."})
+    image_column: str = field(default="image", metadata={"help": "Images: the column that holds the images."})
+    label_column: str = field(default="label", metadata={"help": "Images: the column that holds the labels."})
+    image_size: int | None = field(
+        default=None, metadata={"help": "Images: side in pixels the images are resized to. Default: the model's."}
+    )
     validation_split_percentage: int = field(
         default=5, metadata={"help": "Percent of train held out when there is no validation split."}
     )
@@ -129,7 +149,7 @@ def load_recipe(path: str) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, TrainArguments]:
     """Parse defaults, then `--config recipe.yaml`, then the command line."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = HfArgumentParser(ALL_ARGUMENT_CLASSES, description="Train a causal LM with any accelerate strategy.")
+    parser = HfArgumentParser(ALL_ARGUMENT_CLASSES, description="Train a causal LM or an image classifier with any accelerate strategy.")
     parser.add_argument("--config", help="Recipe YAML of flag values; the command line overrides it.")
     pre_args, _ = parser.parse_known_args(argv)
     if pre_args.config:
@@ -164,8 +184,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
         raise ArgumentError("--max_grad_norm must be >= 0 (0 disables clipping)")
     if data_args.validation_file and not data_args.train_file:
         raise ArgumentError("--validation_file needs --train_file")
-    if not model_args.model_name_or_path and model_args.model_config not in NAMED_CONFIGS:
-        raise ArgumentError(f"unknown model_config {model_args.model_config!r}; choose one of {sorted(NAMED_CONFIGS)}")
+    check_task_flags(model_args, data_args)
     resume = train_args.resume_from_checkpoint
     if resume and resume != "latest":
         try:
@@ -194,6 +213,31 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
             check_data_file(path)
         except (ValueError, FileNotFoundError) as error:
             raise ArgumentError(str(error)) from None
+
+
+# Flags that only one task reads: set for the other, they would be silently ignored.
+TASK_ONLY_FLAGS = {
+    "causal-lm": ["tokenizer_name", "train_file", "validation_file", "block_size"],
+    "image-classification": ["train_dir", "validation_dir", "image_size", "ignore_mismatched_sizes"],
+}
+
+
+def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> None:
+    """The named config belongs to the task (default: the task's own), and no flag is meant for the other task."""
+    task = model_args.task
+    configs = TASK_CONFIGS[task]
+    model_args.model_config = model_args.model_config or DEFAULT_CONFIGS[task]
+    if not model_args.model_name_or_path and model_args.model_config not in configs:
+        raise ArgumentError(f"--model_config {model_args.model_config!r} is not one of the {task} models {sorted(configs)}")
+    for other, flags in TASK_ONLY_FLAGS.items():
+        for flag in flags if other != task else []:
+            value = getattr(model_args, flag, getattr(data_args, flag, None))
+            if value not in (None, False):
+                raise ArgumentError(f"--{flag} is for --task {other}, not {task}; drop it or set --task {other}")
+    if data_args.image_size is not None and data_args.image_size < 8:
+        raise ArgumentError(f"--image_size must be at least 8 pixels, got {data_args.image_size}")
+    if data_args.validation_dir and not data_args.train_dir:
+        raise ArgumentError("--validation_dir needs --train_dir")
 
 
 def check_writable(directory: str) -> None:

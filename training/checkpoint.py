@@ -19,8 +19,9 @@ from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
-from transformers import PreTrainedTokenizerBase
+from transformers.utils import PushToHubMixin
 
+from training.batchnorm import average_running_statistics
 from training.safe_loading import safe_unpickling
 
 TRAINER_STATE = "trainer_state.json"
@@ -86,8 +87,15 @@ def require_complete_checkpoint(path: Path) -> Path:
     return path
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: str, state: TrainerState, save_total_limit: int | None) -> Path:
-    """Save on every rank (sharded strategies need all of them), then complete it atomically and rotate."""
+def save_checkpoint(
+    accelerator: Accelerator, model, output_dir: str, state: TrainerState, save_total_limit: int | None
+) -> Path:
+    """Save on every rank (sharded strategies need all of them), then complete it atomically and rotate.
+
+    BatchNorm running statistics are averaged first: a resumed run starts from what every
+    rank of an uninterrupted one holds.
+    """
+    average_running_statistics(model, accelerator)
     path = checkpoints_root(output_dir) / f"step_{state.completed_steps}"
     staging = path.with_name(path.name + ".tmp")
     if accelerator.is_main_process and staging.exists():
@@ -163,18 +171,20 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
     return state
 
 
-def export_final(accelerator: Accelerator, model, tokenizer: PreTrainedTokenizerBase, output_dir: str) -> Path:
-    """Write full safetensors weights, config and tokenizer that `transformers` loads alone.
+def export_final(accelerator: Accelerator, model, processor: PushToHubMixin, output_dir: str) -> Path:
+    """Write full safetensors weights, config and the processor (tokenizer or image processor)
+    that `transformers` loads alone.
 
     `get_state_dict` gathers the shards (ZeRO-3, FSDP2) and must run on every rank.
     """
     final_dir = Path(output_dir) / "final"
+    average_running_statistics(model, accelerator)
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     accelerator.unwrap_model(model).save_pretrained(
         final_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
     )
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(final_dir)
+        processor.save_pretrained(final_dir)
     accelerator.wait_for_everyone()
     return final_dir

@@ -17,6 +17,8 @@ def quiet_third_party_output() -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     # DeepSpeed 0.19 calls collectives that torch 2.13 deprecates, once per step: not actionable here.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    # accelerate 1.15 passes DDP only `broadcast_buffers` (off on purpose: training/batchnorm.py), which torch 2.13 renames.
+    warnings.filterwarnings("ignore", message=r"`broadcast_buffers` is deprecated", category=FutureWarning)
     if not torch.accelerator.is_available():  # else DeepSpeed warns on every rank that it uses the CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     logging.getLogger("accelerate.accelerator").setLevel(logging.WARNING)  # notes on how it filled DeepSpeed's "auto"s

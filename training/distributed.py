@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -82,8 +83,10 @@ def build_accelerator(ddp_timeout: int, **accelerator_kwargs) -> Accelerator:
     # InitProcessGroupKwargs passes on only what differs from its defaults: the backend only for DeepSpeed on CPU.
     backend = "gloo" if on_cpu and strategy is Strategy.DEEPSPEED else InitProcessGroupKwargs.backend
     handler = InitProcessGroupKwargs(backend=backend, timeout=timeout)
-    # DDP: gradients live in its communication buckets instead of beside them (one copy, not two).
-    ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
+    # DDP: gradients live in its communication buckets instead of beside them (one copy, not two),
+    # and buffers are not copied from rank 0 before each forward: BatchNorm statistics are
+    # averaged instead, on every strategy alike (training/batchnorm.py).
+    ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False)
     cpu = on_cpu and strategy in (Strategy.SINGLE, Strategy.DDP)
     return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
 
@@ -111,11 +114,30 @@ def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
             json.loads(Path(path).read_text())
         except json.JSONDecodeError as error:
             raise StrategyError(f"DeepSpeed config {path} is not valid JSON ({error}); fix it or start from ds_configs/")
+    if _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        check_parallelism_config(strategy)
     if on_cpu and os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16":
         raise StrategyError(
             "fp16 mixed precision needs a GPU (loss scaling runs on the device) and this machine has none; "
             "use --mixed_precision bf16 or no"
         )
+
+
+def check_parallelism_config(strategy: Strategy) -> None:
+    """The launcher's `parallelism_config` (tensor parallelism here) fits the processes launched."""
+    sizes = {name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
+             for name in ("dp_replicate", "dp_shard", "tp", "cp")}
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    grid = " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1) or "1"
+    if strategy is not Strategy.FSDP:
+        raise StrategyError("parallelism_config in the accelerate yaml needs distributed_type: FSDP with fsdp_version: 2 "
+                            "(start from accelerate_configs/fsdp_tp.yaml)")
+    if math.prod(sizes.values()) != world_size:
+        raise StrategyError(f"parallelism_config is {grid} = {math.prod(sizes.values())} processes but {world_size} were "
+                            "launched; make the sizes multiply to num_processes")
+    if sizes["dp_shard"] < 2:
+        raise StrategyError(f"FSDP2 with tensor parallelism needs parallelism_config_dp_shard_size >= 2 (got {grid}): "
+                            "at least 2 x tp_size processes; for one model split over all processes, use fsdp.yaml")
 
 
 def wrapped_strategy(model: torch.nn.Module) -> Strategy:
@@ -170,6 +192,75 @@ def verify_strategy(accelerator: Accelerator, prepared_model: torch.nn.Module | 
     return requested
 
 
+def tensor_parallel_size(accelerator: Accelerator) -> int:
+    """Processes that share one batch, each computing a slice of every layer (`parallelism_config_tp_size`)."""
+    config = accelerator.parallelism_config
+    return config.tp_size if config is not None else 1
+
+
+def data_parallel_size(accelerator: Accelerator) -> int:
+    """Processes that see different batches: the global batch is this x per-device batch x accumulation."""
+    return accelerator.num_processes // tensor_parallel_size(accelerator)
+
+
+def apply_tensor_parallel(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """With `parallelism_config_tp_size` > 1, shard each layer over the "tp" mesh with the model's own
+    `transformers` TP plan (before the optimizer is built: the parameters become DTensors).
+
+    accelerate does not apply a plan itself; it only checks for DTensors. Its FSDP2 path
+    (accelerate 1.15) also imports `ReplicateParallel`, which transformers 5 removed, for the
+    parameters outside the plan (norms): `_install_replicate_parallel` supplies it.
+    """
+    tp_size = tensor_parallel_size(accelerator)
+    if tp_size == 1:
+        return model
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    plan, config = tensor_parallel_plan(model, tp_size)
+    mesh = accelerator.torch_device_mesh["tp"]
+    model = apply_tensor_parallelism(model, mesh, plan)
+    # accelerate reads the TP size from the config; save_pretrained gathers the shards through the mesh.
+    model.config.distributed_config = config
+    model._tp_size, model._device_mesh = tp_size, mesh
+    _install_replicate_parallel()
+    return model
+
+
+def tensor_parallel_plan(model: torch.nn.Module, tp_size: int):
+    """The model's `transformers` TP plan with `layers.*` spelled out, and its DistributedConfig."""
+    from transformers import DistributedConfig
+
+    if not getattr(model, "tp_plan", None):
+        raise StrategyError(
+            f"{type(model).__name__} has no tensor-parallel plan in transformers; train it with a config without "
+            "parallelism_config_tp_size (e.g. fsdp.yaml)"
+        )
+    config = DistributedConfig(tp_size=tp_size)
+    plan, _, _ = model._resolve_parallel_plans(config)
+    return plan, config
+
+
+def _install_replicate_parallel() -> None:
+    """The `ReplicateParallel` accelerate 1.15 expects: a module whose parameters accelerate made
+    replicated DTensors runs its forward on the local tensors (as axolotl does for the same gap)."""
+    import transformers.integrations.tensor_parallel as legacy
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+    if hasattr(legacy, "ReplicateParallel"):
+        return
+
+    class ReplicateParallel(TensorParallelLayer):
+        def should_use_local_tensors(self, module: torch.nn.Module) -> bool:
+            return True
+
+        def prepare_module_tp(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+            if "forward" not in vars(module):  # accelerate calls this once per parameter: wrap each module once
+                self.install_forward(module, device_mesh)
+            return module
+
+    legacy.ReplicateParallel = ReplicateParallel
+
+
 def describe(accelerator: Accelerator, strategy: Strategy) -> str:
     """One line for the logs: strategy, processes, backend and device."""
     detail = ""
@@ -179,6 +270,8 @@ def describe(accelerator: Accelerator, strategy: Strategy) -> str:
         detail = f" ZeRO-{plugin.zero_stage}" + (f" offload={offload}" if offload != "none" else "")
     elif strategy is Strategy.FSDP:
         detail = f" v{accelerator.state.fsdp_plugin.fsdp_version}"
+        if tensor_parallel_size(accelerator) > 1:
+            detail += f" x tp={tensor_parallel_size(accelerator)} (data-parallel {data_parallel_size(accelerator)})"
     backend = accelerator.state.backend or "none"
     return (
         f"strategy={strategy.value}{detail} processes={accelerator.num_processes} "
@@ -186,17 +279,29 @@ def describe(accelerator: Accelerator, strategy: Strategy) -> str:
     )
 
 
-def align_deepspeed_config(accelerator: Accelerator, max_grad_norm: float) -> None:
-    """Make DeepSpeed clip exactly as the other strategies do, before `prepare`.
+def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_grad_norm: float, per_device_batch: int) -> None:
+    """Before `prepare`: make the strategy run what train.py asks for.
 
-    accelerate fills an `"auto"` (or missing) `gradient_clipping` with 1.0 while DDP and
-    FSDP clip at `--max_grad_norm`; we write our value in instead. A number in the JSON
-    that disagrees with the flag is an error rather than a silent difference.
+    - DeepSpeed clips at `--max_grad_norm` like the other strategies: accelerate fills an
+      `"auto"` (or missing) `gradient_clipping` with 1.0, so we write our value in; a number
+      in the JSON that disagrees with the flag is an error rather than a silent difference.
+    - DeepSpeed's `"auto"` micro-batch is `--per_device_train_batch_size`: accelerate would
+      take the smallest batch of all dataloaders passed to `prepare`, the eval one included.
+    - FSDP2: accelerate 1.15 asks every model for its input embeddings to shard them as a
+      unit, expecting None from models without any (image models); `transformers` raises
+      instead, so such a model answers None.
     """
+    if accelerator.distributed_type is DistributedType.FSDP:
+        try:
+            model.get_input_embeddings()
+        except NotImplementedError:
+            model.get_input_embeddings = lambda: None
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return
     config = plugin.deepspeed_config
+    if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        config["train_micro_batch_size_per_gpu"] = per_device_batch
     clipping = config.get("gradient_clipping", "auto")
     if clipping == "auto":
         config["gradient_clipping"] = max_grad_norm

@@ -1,32 +1,45 @@
-"""Validation loss and perplexity over the whole validation set, on every rank."""
+"""Validation loss and accuracy over the whole validation set, on every rank."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from training.loss import token_loss_sums
+from training.batchnorm import average_running_statistics
+from training.distributed import tensor_parallel_size
+from training.tasks import Task
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, dataloader: DataLoader, accelerator: Accelerator) -> dict[str, float]:
-    """Token-weighted mean loss over every validation token, gathered across ranks.
+def evaluate(model: torch.nn.Module, dataloader: DataLoader, accelerator: Accelerator, task: Task) -> dict[str, float]:
+    """Target-weighted mean loss and accuracy over every validation target, gathered across ranks.
 
     Every rank runs every batch (sharded models need all ranks in each forward), and
     `gather_for_metrics` drops the samples accelerate duplicated to even out the last
-    batch, so the result equals a single-process evaluation.
+    batch, so the result equals a single-process evaluation. Under tensor parallelism the
+    ranks of one group see the same batch: one rank per group counts (accelerate 1.15's
+    `gather_for_metrics` would count them all, and cut the last batch at the wrong place).
     """
+    average_running_statistics(model, accelerator)  # every rank evaluates the same model
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    token_count = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss sum, targets, right answers
     for batch in dataloader:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
-        sums, counts = accelerator.gather_for_metrics(token_loss_sums(logits, batch["labels"]))
-        loss_sum += sums.double().sum()
-        token_count += counts.double().sum()
+        logits = task.forward(model, batch)
+        sums, counts = task.loss_sums(logits, batch)
+        per_example = torch.stack([sums.double(), counts.double(), task.correct(logits, batch).double()], dim=1)
+        totals += _gather_once_per_batch(per_example, accelerator).sum(dim=0)
     model.train()
-    eval_loss = (loss_sum / token_count).item()
-    return {"eval_loss": eval_loss, "perplexity": math.exp(eval_loss) if eval_loss < 700 else math.inf}
+    loss_sum, targets, right = totals.tolist()
+    return task.eval_metrics(loss_sum / targets, right / targets)
+
+
+def _gather_once_per_batch(per_example: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
+    """`gather_for_metrics`, counting each tensor-parallel group's batch once."""
+    tp_size = tensor_parallel_size(accelerator)
+    if tp_size == 1:
+        return accelerator.gather_for_metrics(per_example)
+    gathered = accelerator.gather(per_example)  # rank order: the tp ranks of one batch are neighbours
+    gathered = gathered.view(accelerator.num_processes, -1, *per_example.shape[1:])[::tp_size].flatten(0, 1)
+    state = accelerator.gradient_state
+    return gathered[: state.remainder] if state.end_of_dataloader and state.remainder > 0 else gathered

@@ -1,4 +1,8 @@
-"""The causal LM loss, counted in tokens so that every split of a global batch agrees."""
+"""Losses as per-example sums and target counts, so that every split of a global batch agrees.
+
+A causal LM's targets are its tokens; an image classifier's, its images. Either way the
+loss of a step is (sum over the global batch) / (targets in the global batch).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,17 @@ def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
 def count_target_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Target tokens in a batch: what the loss is averaged over."""
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+
+def correct_next_tokens(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-sequence count of target tokens the model ranks first."""
+    targets = labels[:, 1:]
+    return ((logits[:, :-1].argmax(dim=-1) == targets) & (targets != IGNORE_INDEX)).sum(dim=1)
+
+
+def class_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example cross-entropy, and a count of one target per example."""
+    return F.cross_entropy(logits.float(), labels, reduction="none"), torch.ones_like(labels)
 
 
 def accumulation_windows(batches: Iterable[dict], size: int) -> Iterator[list[dict]]:

@@ -121,50 +121,55 @@ def model_state_bytes(
 
 
 class SpeedMeter:
-    """Tokens/s, step time, MFU and peak memory over the optimizer steps since the last report.
+    """Throughput (`unit`s/s: tokens or samples), step time, MFU and peak memory over the optimizer
+    steps since the last report.
 
     Only time inside `start_step`/`end_step` counts, so evaluation and checkpoints do not
     lower the figures. On GPUs the steps are timed on the host: the sync at each report
     (the loss leaves the device then) keeps the sum of step times equal to the wall time.
     """
 
-    def __init__(self, device: torch.device, flops_per_token: float, peak_flops_per_device: float | None) -> None:
-        self.device, self.flops_per_token, self.peak = device, flops_per_token, peak_flops_per_device
-        self.tokens = self.steps = self.total_tokens = 0
+    def __init__(
+        self, device: torch.device, flops_per_unit: float | None, peak_flops_per_device: float | None,
+        unit: str = "tokens", ranks_per_batch: int = 1,
+    ) -> None:
+        self.device, self.flops_per_unit, self.peak, self.unit = device, flops_per_unit, peak_flops_per_device, unit
+        self.ranks_per_batch = ranks_per_batch  # tensor parallelism: a group of ranks works on one batch
+        self.units = self.steps = self.total_units = 0
         self.seconds = self.total_seconds = 0.0
         self._started = 0.0
 
     def start_step(self) -> None:
         self._started = time.perf_counter()
 
-    def end_step(self, tokens: int) -> None:
+    def end_step(self, units: int) -> None:
         elapsed = time.perf_counter() - self._started
-        self.tokens, self.steps, self.seconds = self.tokens + tokens, self.steps + 1, self.seconds + elapsed
-        self.total_tokens, self.total_seconds = self.total_tokens + tokens, self.total_seconds + elapsed
+        self.units, self.steps, self.seconds = self.units + units, self.steps + 1, self.seconds + elapsed
+        self.total_units, self.total_seconds = self.total_units + units, self.total_seconds + elapsed
 
     def report(self, gather) -> dict[str, float]:
         """Figures since the last report for all ranks together; a collective (`gather` is `accelerator.gather`)."""
-        figures = self._figures(gather, self.tokens, self.steps, self.seconds)
-        self.tokens = self.steps = 0
+        figures = self._figures(gather, self.units, self.steps, self.seconds)
+        self.units = self.steps = 0
         self.seconds = 0.0
         return figures
 
     def run_report(self, gather, steps: int) -> dict[str, float]:
         """Figures over the whole run; a collective."""
-        return self._figures(gather, self.total_tokens, steps, self.total_seconds)
+        return self._figures(gather, self.total_units, steps, self.total_seconds)
 
-    def _figures(self, gather, tokens: int, steps: int, seconds: float) -> dict[str, float]:
+    def _figures(self, gather, units: int, steps: int, seconds: float) -> dict[str, float]:
         seconds = max(seconds, 1e-9)
-        mine = [tokens / seconds, seconds / max(steps, 1), self.peak or float("nan"), peak_memory_bytes(self.device)]
+        mine = [units / seconds, seconds / max(steps, 1), self.peak or float("nan"), peak_memory_bytes(self.device)]
         everyone = gather(torch.tensor([mine], dtype=torch.float64, device=self.device)).cpu()
-        tokens_per_sec = float(everyone[:, 0].sum())
+        units_per_sec = float(everyone[:, 0].sum()) / self.ranks_per_batch
         report = {
-            "tokens_per_sec": tokens_per_sec,
+            f"{self.unit}_per_sec": units_per_sec,
             "step_time": float(everyone[:, 1].max()),  # the slowest rank sets the pace
             "peak_memory_gb": float(everyone[:, 3].max()) / 2**30,
         }
-        if self.peak:  # unknown GPUs have no MFU
-            report["mfu"] = tokens_per_sec * self.flops_per_token / float(everyone[:, 2].sum())
+        if self.peak and self.flops_per_unit:  # unknown GPUs have no MFU
+            report["mfu"] = units_per_sec * self.flops_per_unit / float(everyone[:, 2].sum())
         return report
 
 

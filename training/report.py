@@ -1,4 +1,4 @@
-"""`output_dir/report.png`: training and eval loss, learning rate, tokens/s and gradient norm
+"""`output_dir/report.png`: training and eval loss, learning rate, throughput and gradient norm
 against step, drawn from `output_dir/metrics.jsonl` at the end of every run.
 
     python -m training.report outputs/default      # redraw it for any run directory
@@ -15,7 +15,7 @@ from training.metrics import read_metrics
 PANELS = (  # (title, [(metrics key, label, style)], log scale)
     ("loss", [("loss", "train", "-"), ("eval_loss", "eval", "o-")], True),
     ("learning rate", [("lr", "lr", "-")], False),
-    ("tokens/s (all ranks)", [("tokens_per_sec", "tokens/s", "-")], False),
+    ("throughput (all ranks)", [("tokens_per_sec", "tokens/s", "-"), ("samples_per_sec", "samples/s", "-")], False),
     ("gradient norm (before clipping)", [("grad_norm", "grad norm", "-")], True),
 )
 

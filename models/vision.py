@@ -1,0 +1,59 @@
+"""Image classifiers and their image processors (`--task image-classification`).
+
+Two ways in, as for language models:
+- `--model_name_or_path`: a Hub id or local directory holding any
+  `AutoModelForImageClassification` (fine-tuning; `--ignore_mismatched_sizes` replaces a
+  classification head trained for other labels);
+- `--model_config NAME`: a named ResNet from `models/configs.py`, trained from scratch.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoImageProcessor, AutoModelForImageClassification, PreTrainedModel
+from transformers.image_processing_utils import BaseImageProcessor
+from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
+
+from models import enable_gradient_checkpointing, loading
+from models.configs import build_image_config
+
+
+def build_image_processor(model_name_or_path: str | None, model_config: str, image_size: int | None) -> BaseImageProcessor:
+    """The pretrained model's processor, or a resize-and-normalise one for a named config.
+
+    The PIL backend always: the same pixels with or without torchvision installed.
+    """
+    if model_name_or_path:
+        with loading("image processor", model_name_or_path):
+            processor = AutoImageProcessor.from_pretrained(model_name_or_path, backend="pil")
+        if image_size:
+            processor.size = {"height": image_size, "width": image_size}
+        return processor
+    size = image_size or build_image_config(model_config, ["unused"]).image_size
+    return ViTImageProcessorPil(
+        size={"height": size, "width": size}, image_mean=IMAGENET_DEFAULT_MEAN, image_std=IMAGENET_DEFAULT_STD
+    )
+
+
+def build_image_model(
+    model_name_or_path: str | None,
+    model_config: str,
+    labels: list[str],
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+    ignore_mismatched_sizes: bool = False,
+) -> PreTrainedModel:
+    """Load a pretrained classifier with a head for `labels`, or initialise a named config (seed first); fp32."""
+    label_maps = {"id2label": dict(enumerate(labels)), "label2id": {label: i for i, label in enumerate(labels)}}
+    if model_name_or_path:
+        with loading("model", model_name_or_path):
+            model = AutoModelForImageClassification.from_pretrained(
+                model_name_or_path, num_labels=len(labels), **label_maps, dtype=torch.float32,
+                trust_remote_code=trust_remote_code, ignore_mismatched_sizes=ignore_mismatched_sizes,
+            )
+    else:
+        model = AutoModelForImageClassification.from_config(build_image_config(model_config, labels), dtype=torch.float32)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model

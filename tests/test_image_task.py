@@ -1,0 +1,95 @@
+"""The image task (`--task image-classification`) through the same train.py: every strategy
+config trains a ResNet for real (2 CPU processes; 1 for single.yaml), and every
+2-process strategy matches DDP step for step.
+
+Not single.yaml: BatchNorm normalises each process's micro-batch by its own statistics,
+so 2 x 4 images train differently from 1 x 8 (the point of --sync_batchnorm, GPU-only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoImageProcessor, AutoModelForImageClassification
+from PIL import Image
+
+from data.default_shapes import SHAPES, default_shape_splits
+from tests.conftest import launch, read_metrics
+from tests.test_strategies import STRATEGIES
+
+IMAGE_RUN = ("--task", "image-classification", "--model_config", "resnet-tiny", "--max_steps", "6",
+             "--logging_steps", "1", "--eval_steps", "3", "--save_steps", "6", "--warmup_steps", "1",
+             "--learning_rate", "3e-3", "--per_device_eval_batch_size", "8")
+SPLIT_SIZES = {"train": 120, "validation": 28}  # 28: the last eval batch is uneven on 2 ranks
+
+
+@pytest.fixture(scope="session")
+def shape_folders(tmp_path_factory) -> Path:
+    """Default shapes saved as PNG files in the imagefolder layout: <split>/<class>/<n>.png."""
+    root = tmp_path_factory.mktemp("shapes")
+    for split, dataset in default_shape_splits().items():
+        for index, example in enumerate(dataset.select(range(SPLIT_SIZES[split]))):
+            folder = root / split / SHAPES[example["label"]]
+            folder.mkdir(parents=True, exist_ok=True)
+            example["image"].save(folder / f"{index}.png")
+    return root
+
+
+@pytest.fixture(scope="session")
+def image_run(tmp_path_factory, shape_folders):
+    """`image_run(config)`: 6 steps on the shape folders with a global batch of 8, once per session."""
+    runs: dict[str, Path] = {}
+
+    def run(config: str) -> Path:
+        if config not in runs:
+            output_dir = tmp_path_factory.mktemp(f"image-{config}")
+            per_device = "8" if config == "single" else "4"
+            result = launch(config, "train.py", *IMAGE_RUN, "--per_device_train_batch_size", per_device,
+                            "--train_dir", str(shape_folders / "train"), "--validation_dir", str(shape_folders / "validation"),
+                            "--output_dir", str(output_dir))
+            assert result.returncode == 0, f"{config}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+            (output_dir / "launch.log").write_text(result.stdout + result.stderr)
+            runs[config] = output_dir
+        return runs[config]
+
+    return run
+
+
+def exported_accuracy(final: Path, validation: Path) -> float:
+    """Accuracy of the exported model on the validation folder, loaded with plain `transformers`."""
+    model = AutoModelForImageClassification.from_pretrained(final).eval()
+    processor = AutoImageProcessor.from_pretrained(final, backend="pil")
+    files = sorted(validation.glob("*/*.png"))
+    with torch.no_grad():
+        logits = model(**processor([Image.open(f).convert("RGB") for f in files], return_tensors="pt")).logits
+    predicted = [model.config.id2label[i] for i in logits.argmax(dim=-1).tolist()]
+    return sum(label == f.parent.name for label, f in zip(predicted, files)) / len(files)
+
+
+@pytest.mark.parametrize("config", sorted(STRATEGIES))
+def test_every_strategy_trains_the_image_task(config: str, image_run, shape_folders) -> None:
+    run = image_run(config)
+    log = (run / "launch.log").read_text()
+    assert STRATEGIES[config][0] in log
+    assert f"{SPLIT_SIZES['train']} images of {len(SHAPES)} classes at 32 px, global batch 8" in log
+
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 7))
+    assert all("samples_per_sec" in m and "tokens_per_sec" not in m for m in metrics if "loss" in m)
+    evals = [m for m in metrics if "eval_accuracy" in m]
+    assert [m["step"] for m in evals] == [0, 3, 6]
+    if config not in ("single", "ddp"):
+        # Same seed, same split of the global batch: the same losses and evaluation as DDP. Evaluation
+        # agrees only because BatchNorm running statistics are averaged over the ranks first.
+        for ours, theirs in zip(metrics, read_metrics(image_run("ddp")), strict=True):
+            for key in ("loss", "eval_loss", "eval_accuracy"):
+                if key in theirs:
+                    assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (ours["step"], key)
+
+    final = run / "final"
+    assert (final / "model.safetensors").is_file() and (final / "preprocessor_config.json").is_file()
+    # The gathered accuracy is the accuracy over every validation image, exactly once each.
+    assert exported_accuracy(final, shape_folders / "validation") == pytest.approx(metrics[-1]["eval_accuracy"])
+    assert "samples/s:" in log and "validation images right" in log
