@@ -60,6 +60,7 @@ from training.distributed import (
     write_effective_deepspeed_config,
 )
 from training.evaluation import evaluate
+from training.layer_split import split_layers
 from training.loss import NonFiniteGuard, NonFiniteLossError, accumulation_windows
 from training.metrics import MetricsLogger, to_float, tracker_config, write_summary
 from training.optim import build_optimizer, build_scheduler
@@ -118,9 +119,12 @@ def main() -> None:
     with model_construction(accelerator):
         model = task.build_model(raw)
     model = apply_tensor_parallel(accelerator, model)  # with a parallelism_config tp_size in the accelerate config
-    model, sync_note = (convert_sync_batchnorm(model, accelerator) if model_args.sync_batchnorm else (model, None))
-    if sync_note:
-        logger.info(sync_note, main_process_only=True)
+    if model_args.device_map:  # one process owning several GPUs: each holds some of the layers
+        model, note = split_layers(model, model_args.device_map)
+        logger.info(note, main_process_only=True)
+    if model_args.sync_batchnorm:
+        model, note = convert_sync_batchnorm(model, accelerator)
+        logger.info(note, main_process_only=True)
     model_name = model_args.model_name_or_path or model_args.model_config
     num_parameters = parameter_count(model)
     train_set, eval_set = task.build_datasets(raw, accelerator.main_process_first())

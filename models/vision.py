@@ -15,7 +15,7 @@ from transformers.image_processing_utils import BaseImageProcessor
 from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
 
-from models import enable_gradient_checkpointing, loading
+from models import ModelError, enable_gradient_checkpointing, loading
 from models.configs import build_image_config
 
 
@@ -47,11 +47,19 @@ def build_image_model(
     """Load a pretrained classifier with a head for `labels`, or initialise a named config (seed first); fp32."""
     label_maps = {"id2label": dict(enumerate(labels)), "label2id": {label: i for i, label in enumerate(labels)}}
     if model_name_or_path:
-        with loading("model", model_name_or_path):
-            model = AutoModelForImageClassification.from_pretrained(
-                model_name_or_path, num_labels=len(labels), **label_maps, dtype=torch.float32,
-                trust_remote_code=trust_remote_code, ignore_mismatched_sizes=ignore_mismatched_sizes,
-            )
+        try:
+            with loading("model", model_name_or_path):
+                model = AutoModelForImageClassification.from_pretrained(
+                    model_name_or_path, num_labels=len(labels), **label_maps, dtype=torch.float32,
+                    trust_remote_code=trust_remote_code, ignore_mismatched_sizes=ignore_mismatched_sizes,
+                )
+        except RuntimeError as error:  # transformers' loading report: the head's shape differs
+            if "ignore_mismatched_sizes" not in str(error):
+                raise
+            raise ModelError(
+                f"{model_name_or_path} has a classification head for other labels than your {len(labels)}; pass "
+                "--ignore_mismatched_sizes to start a new head for yours"
+            ) from None
     else:
         model = AutoModelForImageClassification.from_config(build_image_config(model_config, labels), dtype=torch.float32)
     if gradient_checkpointing:

@@ -91,7 +91,8 @@ def plan(args: argparse.Namespace) -> dict:
         gpu = state["parameters"] + state["gradients"] + state["optimizer"] - state["offloaded"] + activations + working
         rows[layout.config] = state | {
             "strategy": layout.strategy, "processes": processes, "activations": activations,
-            "working": working, "gpu_total": gpu, "fits": gpu <= usable,
+            "working": working, "gpu_total": gpu, "fits": gpu <= usable and layout.runs_on(processes),
+            "runs": layout.runs_on(processes),
         }
     recommended = pick(rows, args.num_gpus, usable)
     return {"model": args.model_name_or_path or args.model_config, "parameters": shape.parameters,
@@ -117,7 +118,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
         lines.append(
             f"| {name} | {row['processes']} | {gib(row['parameters'])} | {gib(row['gradients'])} | "
             f"{gib(row['optimizer'])} | {gib(row['activations'])} | {gib(row['working'])} | "
-            f"**{gib(row['gpu_total'])}** | {gib(row['offloaded'])} | {'yes' if row['fits'] else 'no'} |"
+            f"**{gib(row['gpu_total'])}** | {gib(row['offloaded'])} | "
+            f"{'yes' if row['fits'] else 'no' if row['runs'] else 'no: needs 2 x tp_size GPUs or more'} |"
         )
     lines.append("(GiB per GPU; the model state columns count each value wherever it lives, GPU or CPU)")
     chosen = result["recommended"]

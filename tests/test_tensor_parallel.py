@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import parity_args, read_metrics
+from tests.conftest import read_metrics
 
 
-def test_fsdp_with_tensor_parallelism_trains_like_fsdp(strategy_run, cached_run) -> None:
+def test_fsdp_with_tensor_parallelism_trains_like_fsdp(strategy_run) -> None:
     reference = strategy_run("fsdp")  # 2 processes x 4 sequences
-    run = cached_run("fsdp_tp", *parity_args("fsdp", 1.0))  # (2 data-parallel x 2 tensor-parallel) x 4 sequences
+    run = strategy_run("fsdp_tp")  # (2 data-parallel x 2 tensor-parallel) x 4 sequences
     log = (run / "launch.log").read_text()
     assert "strategy=fsdp v2 x tp=2 (data-parallel 2) processes=4 backend=gloo" in log
     assert "global batch 8," in log

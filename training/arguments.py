@@ -7,6 +7,7 @@ know is an error, in the recipe as on the command line, with the nearest valid n
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 import tempfile
 from dataclasses import dataclass, field, fields
@@ -19,6 +20,7 @@ from transformers import HfArgumentParser
 from data import check_data_file
 from models.configs import DEFAULT_CONFIGS, IMAGE_CONFIGS, NAMED_CONFIGS
 from training.checkpoint import complete_checkpoints, newer_checkpoints, require_complete_checkpoint
+from training.layer_split import DEVICE_MAPS
 from training.metrics import TrackerError, resolve_trackers
 
 
@@ -43,6 +45,11 @@ class ModelArguments:
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations to save memory."})
     ignore_mismatched_sizes: bool = field(
         default=False, metadata={"help": "Images: replace a pretrained classification head made for other labels."}
+    )
+    device_map: str | None = field(
+        default=None,
+        metadata={"help": "Split the layers over this process's GPUs (single.yaml; see training/layer_split.py).",
+                  "choices": DEVICE_MAPS},
     )
     sync_batchnorm: bool = field(
         default=False, metadata={"help": "BatchNorm statistics over all processes' batches (GPUs; see training/batchnorm.py)."}
@@ -185,6 +192,11 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     if data_args.validation_file and not data_args.train_file:
         raise ArgumentError("--validation_file needs --train_file")
     check_task_flags(model_args, data_args)
+    if model_args.device_map and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ArgumentError(
+            f"--device_map splits one model over the GPUs of one process, but {os.environ['WORLD_SIZE']} processes were "
+            "launched; use --config_file accelerate_configs/single.yaml (or FSDP2/ZeRO-3 to shard over processes)"
+        )
     resume = train_args.resume_from_checkpoint
     if resume and resume != "latest":
         try:

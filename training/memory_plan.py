@@ -6,7 +6,7 @@ Model state, per rank, as each strategy really lays it out with train.py's torch
 | strategy      | parameters       | gradients        | optimizer state (Adam m, v; masters) |
 |---------------|------------------|------------------|--------------------------------------|
 | single, DDP   | 4Ψ               | 4Ψ               | 8Ψ                                   |
-| FSDP2         | 4Ψ/N             | 4Ψ/N             | 8Ψ/N                                 |
+| FSDP2 (x TP)  | 4Ψ/N             | 4Ψ/N             | 8Ψ/N                                 |
 | ZeRO-1, -2    | cΨ               | cΨ/N + 4Ψ/N      | 4Ψ/N + 8Ψ/N                          |
 | ZeRO-3        | cΨ/N             | cΨ/N + 4Ψ/N      | 4Ψ/N + 8Ψ/N                          |
 
@@ -18,6 +18,9 @@ Model state, per rank, as each strategy really lays it out with train.py's torch
   FSDP2's current and next layer, and ZeRO-3's prefetch bucket and its persistent parameters
   (at most `stage3_param_persistence_threshold` elements each), which stay whole on every rank
   between steps.
+- FSDP2 x tensor parallelism shards over all N = dp_shard x tp processes, as FSDP2 alone. Its
+  activations are counted undivided (an upper bound: tp splits those inside attention and the
+  MLP), so the planner recommends it only when nothing else fits, after offload.
 - Offload moves the optimizer state and the fp32 gradients (`offload_optimizer`) and the
   parameter partitions (`offload_param`) to CPU memory: the same bytes, counted there.
 
@@ -39,7 +42,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from training.loss import token_loss_sums
 
 # The order to prefer configs in: the first that fits is the fastest that fits.
-PREFERENCE = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload")
+PREFERENCE = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload", "fsdp_tp")
 # Default sizes DeepSpeed uses for keys a JSON leaves out (deepspeed/runtime/zero/config.py).
 DS_DEFAULT_REDUCE_BUCKET = 500_000_000
 DS_DEFAULT_PREFETCH_BUCKET = 50_000_000
@@ -64,6 +67,11 @@ class Layout:
     reduce_bucket: int = 0  # DeepSpeed gradient reduction bucket, elements
     prefetch_bucket: int = 0  # ZeRO-3 parameter prefetch bucket, elements
     overlap_comm: bool = False
+    tp_size: int = 1  # FSDP2 x TP: processes that split each layer
+
+    def runs_on(self, processes: int) -> bool:
+        """Whether the config can start on this many processes (2D needs dp_shard >= 2 groups of tp)."""
+        return self.tp_size == 1 or (processes % self.tp_size == 0 and processes >= 2 * self.tp_size)
 
 
 @dataclass
@@ -97,7 +105,9 @@ def read_layout(path: Path) -> Layout:
         return Layout(path.stem, "ddp")
     if kind == "FSDP":
         offload = bool(config.get("fsdp_config", {}).get("fsdp_offload_params", False))
-        return Layout(path.stem, "fsdp", sharded_parameters=True, offload_optimizer=offload, offload_parameters=offload)
+        tp_size = int((config.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1))
+        return Layout(path.stem, "fsdp_tp" if tp_size > 1 else "fsdp", sharded_parameters=True,
+                      offload_optimizer=offload, offload_parameters=offload, tp_size=tp_size)
     if kind == "DEEPSPEED":
         return _deepspeed_layout(path, config.get("deepspeed_config", {}))
     raise PlanError(f"{path}: distributed_type {kind} is not one the planner knows (NO, MULTI_GPU, FSDP, DEEPSPEED)")
@@ -183,8 +193,8 @@ def working_bytes(layout: Layout, shape: ModelShape, compute_bytes: int) -> floa
     sharded strategy holds gathered, and DeepSpeed's communication buckets. DDP's gradients are
     its buckets (gradient_as_bucket_view)."""
     psi, c = shape.parameters, compute_bytes
-    if layout.strategy == "fsdp":  # this layer and the prefetched next, its unsharded fp32 grads, and the root unit
-        return (2 * c + 4) * shape.layer_parameters + c * shape.root_parameters
+    if layout.strategy.startswith("fsdp"):  # this layer and the prefetched next, its unsharded fp32 grads, the root unit
+        return (2 * c + 4) * shape.layer_parameters / layout.tp_size + c * shape.root_parameters
     if not layout.deepspeed:
         return 0.0
     reduce = min(layout.reduce_bucket, psi) * c * (2 if layout.overlap_comm else 1)
@@ -195,7 +205,7 @@ def working_bytes(layout: Layout, shape: ModelShape, compute_bytes: int) -> floa
 def pick(rows: dict[str, dict], num_gpus: int, usable_bytes: float) -> str | None:
     """The config to launch: the first in PREFERENCE order whose `gpu_total` fits in
     `usable_bytes`. single.yaml only on one GPU: on more it would leave the others idle."""
-    fitting = [name for name, row in rows.items() if row["gpu_total"] <= usable_bytes
+    fitting = [name for name, row in rows.items() if row["gpu_total"] <= usable_bytes and row.get("runs", True)
                and (row["strategy"] != "single" or num_gpus == 1)]
     return min(fitting, key=lambda name: PREFERENCE.index(rows[name]["strategy"]), default=None)
 
