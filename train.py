@@ -134,8 +134,8 @@ def main() -> None:
     steps_per_epoch = len(train_set) // global_batch
     if steps_per_epoch == 0 or len(eval_set) == 0:
         raise ArgumentError(
-            f"{len(train_set)} training and {len(eval_set)} validation examples: need at "
-            f"least one global batch of {global_batch} and one validation sequence; use more data or smaller batches"
+            f"{len(train_set)} training and {len(eval_set)} validation examples: need at least one global batch of "
+            f"{global_batch} and one validation example; use more data or smaller batches"
         )
     train_set = train_set.select(range(steps_per_epoch * global_batch))
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking above).
@@ -145,9 +145,9 @@ def main() -> None:
     eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, **loading)
     max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
 
+    align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
     torch_optimizer = build_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = build_scheduler(torch_optimizer, args.lr_scheduler_type, args.warmup_steps, max_steps)
-    align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, torch_optimizer, train_loader, eval_loader, scheduler
     )

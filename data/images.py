@@ -44,26 +44,52 @@ def load_raw_image_datasets(
         raw = load_dataset("imagefolder", data_files={split: str(Path(folder) / "**") for split, folder in folders.items()})
     else:
         raw = default_shape_splits()
-    for name, split in raw.items():
+    splits = {name: raw[name] for name in ("train", "validation") if name in raw}  # other splits are never read
+    for name, split in splits.items():
         for column, flag in ((image_column, "--image_column"), (label_column, "--label_column")):
             if column not in split.column_names:
                 raise DataError(f"column {column!r} not found in the {name} split (columns: {split.column_names}); set {flag}")
-    if not isinstance(raw["train"].features[label_column], ClassLabel):  # e.g. strings in a csv-backed dataset
-        raw = DatasetDict({name: split.class_encode_column(label_column) for name, split in raw.items()})
-    if "validation" not in raw:  # the same share of every class held out
-        split = raw["train"].train_test_split(
-            test_size=validation_split_percentage / 100, seed=seed, stratify_by_column=label_column
-        )
-        raw = DatasetDict({"train": split["train"], "validation": split["test"]})
-    if raw["validation"].features[label_column].names != class_names(raw, label_column):
-        raise DataError(f"the validation classes differ from train's {class_names(raw, label_column)}; "
-                        "give both splits the same class folders")
-    return raw
+    train = _as_class_labels(splits["train"], label_column)
+    if "validation" in splits:
+        return DatasetDict({"train": train, "validation": _same_classes(splits["validation"], train, label_column)})
+    try:  # the same share of every class held out
+        held_out = train.train_test_split(validation_split_percentage / 100, seed=seed, stratify_by_column=label_column)
+    except ValueError:  # a class too small to split
+        held_out = train.train_test_split(validation_split_percentage / 100, seed=seed)
+    return DatasetDict({"train": held_out["train"], "validation": held_out["test"]})
+
+
+def _as_class_labels(dataset: Dataset, label_column: str) -> Dataset:
+    """Labels as a `ClassLabel`: integers keep their ids, strings are numbered in sorted order."""
+    feature = dataset.features[label_column]
+    if isinstance(feature, ClassLabel):
+        return dataset
+    if feature.dtype.startswith("int"):
+        return dataset.cast_column(label_column, ClassLabel(num_classes=max(dataset[label_column]) + 1))
+    return dataset.class_encode_column(label_column)
+
+
+def _same_classes(validation: Dataset, train: Dataset, label_column: str) -> Dataset:
+    """The validation labels numbered as train's; other class names are an error."""
+    classes, feature = train.features[label_column], validation.features[label_column]
+    if isinstance(feature, ClassLabel):
+        if feature.names != classes.names:
+            raise DataError(f"the validation classes {feature.names} differ from train's {classes.names}; "
+                            "give both splits the same class folders")
+        return validation
+    if not feature.dtype.startswith("int") and (unknown := set(validation.unique(label_column)) - set(classes.names)):
+        raise DataError(f"validation labels {sorted(unknown)} are not among the training classes {classes.names}")
+    return validation.cast_column(label_column, classes)
 
 
 def class_names(raw: DatasetDict, label_column: str) -> list[str]:
     """The labels' names, in label-id order."""
     return raw["train"].features[label_column].names
+
+
+def pixel_values(processor: BaseImageProcessor, images: list) -> torch.Tensor:
+    """A batch of images (any PIL mode) as the model's input tensor."""
+    return processor([image.convert("RGB") for image in images], return_tensors="pt")["pixel_values"]
 
 
 def build_image_datasets(
@@ -72,8 +98,6 @@ def build_image_datasets(
     """Both splits as datasets of `pixel_values` and `labels`, made from the images as batches are read."""
 
     def to_model_inputs(batch: dict[str, list]) -> dict[str, torch.Tensor]:
-        images = [image.convert("RGB") for image in batch[image_column]]
-        return {"pixel_values": processor(images, return_tensors="pt")["pixel_values"],
-                "labels": torch.tensor(batch[label_column])}
+        return {"pixel_values": pixel_values(processor, batch[image_column]), "labels": torch.tensor(batch[label_column])}
 
     return raw["train"].with_transform(to_model_inputs), raw["validation"].with_transform(to_model_inputs)

@@ -16,21 +16,19 @@ from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
 
 from models import ModelError, enable_gradient_checkpointing, loading
-from models.configs import build_image_config
+from models.configs import IMAGE_CONFIGS, build_image_config, label_maps
 
 
 def build_image_processor(model_name_or_path: str | None, model_config: str, image_size: int | None) -> BaseImageProcessor:
-    """The pretrained model's processor, or a resize-and-normalise one for a named config.
+    """The pretrained model's own processor (its sizes: what it was trained at), or a
+    resize-and-normalise one for a named config, at `image_size` or the config's size.
 
     The PIL backend always: the same pixels with or without torchvision installed.
     """
     if model_name_or_path:
         with loading("image processor", model_name_or_path):
-            processor = AutoImageProcessor.from_pretrained(model_name_or_path, backend="pil")
-        if image_size:
-            processor.size = {"height": image_size, "width": image_size}
-        return processor
-    size = image_size or build_image_config(model_config, ["unused"]).image_size
+            return AutoImageProcessor.from_pretrained(model_name_or_path, backend="pil")
+    size = image_size or IMAGE_CONFIGS[model_config].image_size
     return ViTImageProcessorPil(
         size={"height": size, "width": size}, image_mean=IMAGENET_DEFAULT_MEAN, image_std=IMAGENET_DEFAULT_STD
     )
@@ -45,12 +43,11 @@ def build_image_model(
     ignore_mismatched_sizes: bool = False,
 ) -> PreTrainedModel:
     """Load a pretrained classifier with a head for `labels`, or initialise a named config (seed first); fp32."""
-    label_maps = {"id2label": dict(enumerate(labels)), "label2id": {label: i for i, label in enumerate(labels)}}
     if model_name_or_path:
         try:
             with loading("model", model_name_or_path):
                 model = AutoModelForImageClassification.from_pretrained(
-                    model_name_or_path, num_labels=len(labels), **label_maps, dtype=torch.float32,
+                    model_name_or_path, num_labels=len(labels), **label_maps(labels), dtype=torch.float32,
                     trust_remote_code=trust_remote_code, ignore_mismatched_sizes=ignore_mismatched_sizes,
                 )
         except RuntimeError as error:  # transformers' loading report: the head's shape differs

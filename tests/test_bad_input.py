@@ -77,7 +77,7 @@ ARGUMENT_CASES = {
     "tracker name misspelled": (["--report_to", "tensorbord", *RESUME], "unknown --report_to ['tensorbord']"),
     "an image flag for the language task": (["--train_dir", "{empty.txt}", *RESUME], "--train_dir is for --task image-classification"),
     "a language model config for images": (
-        ["--task", "image-classification", *RESUME], "--model_config 'llama-tiny' is not one of the image-classification models"
+        ["--task", "image-classification", *RESUME], "unknown model_config 'llama-tiny' for --task image-classification"
     ),
 }
 FSDP_TP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",

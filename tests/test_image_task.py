@@ -93,3 +93,17 @@ def test_every_strategy_trains_the_image_task(config: str, image_run, shape_fold
     # The gathered accuracy is the accuracy over every validation image, exactly once each.
     assert exported_accuracy(final, shape_folders / "validation") == pytest.approx(metrics[-1]["eval_accuracy"])
     assert "samples/s:" in log and "validation images right" in log
+
+
+@pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero2"])
+def test_bf16_trains_batch_norm_models(config: str, shape_folders, tmp_path) -> None:
+    """bf16 with BatchNorm: FSDP2 computes BatchNorm in fp32 (its own unit), DeepSpeed gets bf16 inputs
+    and statistics; both would otherwise stop with a dtype error."""
+    result = launch(config, "train.py", *IMAGE_RUN, "--per_device_train_batch_size", "4", "--train_dir",
+                    str(shape_folders / "train"), "--validation_dir", str(shape_folders / "validation"),
+                    "--output_dir", str(tmp_path), launcher_args=("--mixed_precision", "bf16"))
+    assert result.returncode == 0, f"{config}:\n{result.stderr[-6000:]}"
+    metrics = read_metrics(tmp_path)
+    assert all(0 < m["loss"] < 5 for m in metrics if "loss" in m)
+    assert 0 <= metrics[-1]["eval_accuracy"] <= 1
+    assert "validation images right" in result.stdout

@@ -21,8 +21,10 @@ def test_device_map_trains_in_one_process(tmp_path) -> None:
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
-def test_device_map_is_refused_with_several_processes(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("WORLD_SIZE", "2")
+@pytest.mark.parametrize("launched", [{"WORLD_SIZE": "2"}, {"ACCELERATE_USE_FSDP": "true"}], ids=["ddp", "fsdp"])
+def test_device_map_is_refused_with_any_other_strategy(launched, tmp_path, monkeypatch) -> None:
+    for name, value in launched.items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(ArgumentError, match="use --config_file accelerate_configs/single.yaml"):
         parse_args([*TINY_RUN, "--device_map", "auto", "--output_dir", str(tmp_path)])
 

@@ -7,7 +7,6 @@ know is an error, in the recipe as on the command line, with the nearest valid n
 from __future__ import annotations
 
 import difflib
-import os
 import sys
 import tempfile
 from dataclasses import dataclass, field, fields
@@ -20,6 +19,7 @@ from transformers import HfArgumentParser
 from data import check_data_file
 from models.configs import DEFAULT_CONFIGS, IMAGE_CONFIGS, NAMED_CONFIGS
 from training.checkpoint import complete_checkpoints, newer_checkpoints, require_complete_checkpoint
+from training.distributed import Strategy, requested_strategy
 from training.layer_split import DEVICE_MAPS
 from training.metrics import TrackerError, resolve_trackers
 
@@ -192,10 +192,10 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     if data_args.validation_file and not data_args.train_file:
         raise ArgumentError("--validation_file needs --train_file")
     check_task_flags(model_args, data_args)
-    if model_args.device_map and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if model_args.device_map and requested_strategy() is not Strategy.SINGLE:
         raise ArgumentError(
-            f"--device_map splits one model over the GPUs of one process, but {os.environ['WORLD_SIZE']} processes were "
-            "launched; use --config_file accelerate_configs/single.yaml (or FSDP2/ZeRO-3 to shard over processes)"
+            f"--device_map splits one model over the GPUs of one process, but the launch asked for "
+            f"{requested_strategy().value}; use --config_file accelerate_configs/single.yaml (or FSDP2/ZeRO-3 to shard)"
         )
     resume = train_args.resume_from_checkpoint
     if resume and resume != "latest":
@@ -229,9 +229,11 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
 
 # Flags that only one task reads: set for the other, they would be silently ignored.
 TASK_ONLY_FLAGS = {
-    "causal-lm": ["tokenizer_name", "train_file", "validation_file", "block_size"],
-    "image-classification": ["train_dir", "validation_dir", "image_size", "ignore_mismatched_sizes"],
+    "causal-lm": ["tokenizer_name", "train_file", "validation_file", "text_column", "block_size", "packing"],
+    "image-classification": ["train_dir", "validation_dir", "image_column", "label_column", "image_size",
+                             "ignore_mismatched_sizes"],
 }
+FIELD_DEFAULTS = {f.name: f.default for cls in ALL_ARGUMENT_CLASSES for f in fields(cls)}
 
 
 def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> None:
@@ -240,14 +242,18 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
     configs = TASK_CONFIGS[task]
     model_args.model_config = model_args.model_config or DEFAULT_CONFIGS[task]
     if not model_args.model_name_or_path and model_args.model_config not in configs:
-        raise ArgumentError(f"--model_config {model_args.model_config!r} is not one of the {task} models {sorted(configs)}")
+        raise ArgumentError(f"unknown model_config {model_args.model_config!r} for --task {task}; choose one of {sorted(configs)}")
     for other, flags in TASK_ONLY_FLAGS.items():
-        for flag in flags if other != task else []:
-            value = getattr(model_args, flag, getattr(data_args, flag, None))
-            if value not in (None, False):
+        if other == task:
+            continue
+        for flag in flags:
+            if getattr(model_args, flag, getattr(data_args, flag, None)) != FIELD_DEFAULTS[flag]:
                 raise ArgumentError(f"--{flag} is for --task {other}, not {task}; drop it or set --task {other}")
-    if data_args.image_size is not None and data_args.image_size < 8:
-        raise ArgumentError(f"--image_size must be at least 8 pixels, got {data_args.image_size}")
+    if data_args.dataset_name and (data_args.train_dir or data_args.train_file):
+        raise ArgumentError("--dataset_name and local files (--train_file/--train_dir) exclude each other; give one")
+    if data_args.image_size is not None and (data_args.image_size < 8 or model_args.model_name_or_path):
+        raise ArgumentError(f"--image_size {data_args.image_size}: at least 8 pixels, and only for --model_config models "
+                            "(a pretrained model's processor keeps the size it was trained at)")
     if data_args.validation_dir and not data_args.train_dir:
         raise ArgumentError("--validation_dir needs --train_dir")
 

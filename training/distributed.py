@@ -132,6 +132,9 @@ def check_parallelism_config(strategy: Strategy) -> None:
     if strategy is not Strategy.FSDP:
         raise StrategyError("parallelism_config in the accelerate yaml needs distributed_type: FSDP with fsdp_version: 2 "
                             "(start from accelerate_configs/fsdp_tp.yaml)")
+    if sizes["cp"] > 1 or sizes["dp_replicate"] > 1:
+        raise StrategyError(f"parallelism_config {grid}: train.py runs dp_shard x tp only (no context parallelism or "
+                            "HSDP replication yet); set the other sizes to 1")
     if math.prod(sizes.values()) != world_size:
         raise StrategyError(f"parallelism_config is {grid} = {math.prod(sizes.values())} processes but {world_size} were "
                             "launched; make the sizes multiply to num_processes")
@@ -280,26 +283,54 @@ def describe(accelerator: Accelerator, strategy: Strategy) -> str:
 
 
 def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_grad_norm: float, per_device_batch: int) -> None:
-    """Before `prepare`: make the strategy run what train.py asks for.
+    """Before the optimizer and `prepare`: make the strategy run what train.py asks for (see each helper)."""
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    if accelerator.distributed_type is DistributedType.FSDP:
+        _answer_none_for_missing_embeddings(model)
+        if half is not None:
+            _keep_batch_norm_in_fp32(model, accelerator)
+    if accelerator.state.deepspeed_plugin is not None:
+        _align_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm, per_device_batch)
+        if half is not None:
+            _batch_norm_statistics_in(model, half)
 
-    - DeepSpeed clips at `--max_grad_norm` like the other strategies: accelerate fills an
+
+def _answer_none_for_missing_embeddings(model: torch.nn.Module) -> None:
+    """accelerate 1.15's FSDP2 asks every model for its input embeddings, to shard them as a unit,
+    expecting None from models without any (image models); `transformers` raises instead."""
+    try:
+        model.get_input_embeddings()
+    except NotImplementedError:
+        model.get_input_embeddings = lambda: None
+
+
+def _keep_batch_norm_in_fp32(model: torch.nn.Module, accelerator: Accelerator) -> None:
+    """FSDP2's mixed precision casts BatchNorm weights to bf16 while its running statistics stay
+    fp32, which BatchNorm refuses (pytorch/torchtitan#674). Each BatchNorm becomes its own FSDP2
+    unit computing in fp32, as autocast runs it under DDP; accelerate wraps the rest as usual."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    plugin = accelerator.state.fsdp_plugin
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            fully_shard(module, mp_policy=fp32, reshard_after_forward=plugin.reshard_after_forward)
+
+
+def _batch_norm_statistics_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """DeepSpeed's bf16/fp16 engines cast the parameters but not the buffers, and BatchNorm needs
+    its running statistics in its weights' dtype."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+            module.running_mean.data, module.running_var.data = module.running_mean.to(dtype), module.running_var.to(dtype)
+
+
+def _align_deepspeed_config(config: dict, max_grad_norm: float, per_device_batch: int) -> None:
+    """- DeepSpeed clips at `--max_grad_norm` like the other strategies: accelerate fills an
       `"auto"` (or missing) `gradient_clipping` with 1.0, so we write our value in; a number
       in the JSON that disagrees with the flag is an error rather than a silent difference.
-    - DeepSpeed's `"auto"` micro-batch is `--per_device_train_batch_size`: accelerate would
-      take the smallest batch of all dataloaders passed to `prepare`, the eval one included.
-    - FSDP2: accelerate 1.15 asks every model for its input embeddings to shard them as a
-      unit, expecting None from models without any (image models); `transformers` raises
-      instead, so such a model answers None.
-    """
-    if accelerator.distributed_type is DistributedType.FSDP:
-        try:
-            model.get_input_embeddings()
-        except NotImplementedError:
-            model.get_input_embeddings = lambda: None
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return
-    config = plugin.deepspeed_config
+    - Its `"auto"` micro-batch is `--per_device_train_batch_size`: accelerate would take the
+      smallest batch of all dataloaders passed to `prepare`, the eval one included."""
     if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         config["train_micro_batch_size_per_gpu"] = per_device_batch
     clipping = config.get("gradient_clipping", "auto")
@@ -310,6 +341,28 @@ def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_gr
             f"gradient_clipping is {clipping} in the DeepSpeed JSON but --max_grad_norm is {max_grad_norm}; "
             'set "gradient_clipping": "auto" in the JSON so the flag decides'
         )
+
+
+def floating_input_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype for floating-point inputs (pixels): DeepSpeed's bf16/fp16 engines hold the whole
+    model in that dtype and do not autocast, so inputs must match (as Trainer casts them); every
+    other strategy autocasts from fp32."""
+    if wrapped_strategy(model) is Strategy.DEEPSPEED and (model.bfloat16_enabled() or model.fp16_enabled()):
+        return torch.bfloat16 if model.bfloat16_enabled() else torch.float16
+    return torch.float32
+
+
+def gather_once_per_batch(per_example: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
+    """`gather_for_metrics`, counting each tensor-parallel group's batch once: the ranks of a
+    group see the same batch, and accelerate 1.15's `gather_for_metrics` would count them all
+    and cut the last batch at the wrong place."""
+    tp_size = tensor_parallel_size(accelerator)
+    if tp_size == 1:
+        return accelerator.gather_for_metrics(per_example)
+    gathered = accelerator.gather(per_example)  # rank order: the tp ranks of one batch are neighbours
+    gathered = gathered.view(accelerator.num_processes, -1, *per_example.shape[1:])[::tp_size].flatten(0, 1)
+    state = accelerator.gradient_state
+    return gathered[: state.remainder] if state.end_of_dataloader and state.remainder > 0 else gathered
 
 
 def _auto_keys(config: dict, prefix: str = "") -> list[str]:

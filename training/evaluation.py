@@ -7,7 +7,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from training.batchnorm import average_running_statistics
-from training.distributed import tensor_parallel_size
+from training.distributed import gather_once_per_batch
 from training.tasks import Task
 
 
@@ -17,9 +17,8 @@ def evaluate(model: torch.nn.Module, dataloader: DataLoader, accelerator: Accele
 
     Every rank runs every batch (sharded models need all ranks in each forward), and
     `gather_for_metrics` drops the samples accelerate duplicated to even out the last
-    batch, so the result equals a single-process evaluation. Under tensor parallelism the
-    ranks of one group see the same batch: one rank per group counts (accelerate 1.15's
-    `gather_for_metrics` would count them all, and cut the last batch at the wrong place).
+    batch, so the result equals a single-process evaluation (under tensor parallelism,
+    with one rank per group counted).
     """
     average_running_statistics(model, accelerator)  # every rank evaluates the same model
     model.eval()
@@ -28,18 +27,8 @@ def evaluate(model: torch.nn.Module, dataloader: DataLoader, accelerator: Accele
         logits = task.forward(model, batch)
         sums, counts = task.loss_sums(logits, batch)
         per_example = torch.stack([sums.double(), counts.double(), task.correct(logits, batch).double()], dim=1)
-        totals += _gather_once_per_batch(per_example, accelerator).sum(dim=0)
+        totals += gather_once_per_batch(per_example, accelerator).sum(dim=0)
     model.train()
     loss_sum, targets, right = totals.tolist()
     return task.eval_metrics(loss_sum / targets, right / targets)
 
-
-def _gather_once_per_batch(per_example: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
-    """`gather_for_metrics`, counting each tensor-parallel group's batch once."""
-    tp_size = tensor_parallel_size(accelerator)
-    if tp_size == 1:
-        return accelerator.gather_for_metrics(per_example)
-    gathered = accelerator.gather(per_example)  # rank order: the tp ranks of one batch are neighbours
-    gathered = gathered.view(accelerator.num_processes, -1, *per_example.shape[1:])[::tp_size].flatten(0, 1)
-    state = accelerator.gradient_state
-    return gathered[: state.remainder] if state.end_of_dataloader and state.remainder > 0 else gathered

@@ -16,12 +16,12 @@ Adding a task: subclass `Task` and register it in `TASKS`.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
 from datasets import Dataset, DatasetDict
-from torch.utils.flop_counter import FlopCounterMode
 from transformers import (
     AutoImageProcessor,
     AutoModelForCausalLM,
@@ -32,16 +32,17 @@ from transformers import (
 )
 
 from data import build_lm_datasets, load_raw_datasets, make_collator
-from data.images import build_image_datasets, class_names, load_raw_image_datasets
+from data.images import build_image_datasets, class_names, load_raw_image_datasets, pixel_values
 from models import build_model, build_tokenizer, resolve_block_size
 from models.vision import build_image_model, build_image_processor
+from training.distributed import floating_input_dtype
 from training.loss import class_loss_sums, correct_next_tokens, count_target_tokens, token_loss_sums
-from training.performance import flops_per_token
+from training.performance import counted_flops_per_example, flops_per_token
 
 Batch = dict[str, torch.Tensor]
 
 
-class Task:
+class Task(ABC):
     """The interface train.py uses; see the module docstring."""
 
     name: str
@@ -49,20 +50,39 @@ class Task:
 
     def __init__(self, model_args, data_args) -> None:
         self.model_args, self.data_args = model_args, data_args
-        self.processor = None  # saved beside the exported model
+        self.processor = None  # tokenizer or image processor, saved beside the exported model
         self.collator = default_data_collator
         self.flops_per_unit: float | None = None  # training FLOPs per unit, for MFU; set by build_model
-        self.settings: dict[str, int] = {}  # shape settings, for the logs and trackers
+        self.settings: dict[str, int] = {}  # shape settings for the logs and trackers; set by build_model
 
+    @abstractmethod
     def load_raw_datasets(self, seed: int) -> DatasetDict: ...
+
+    @abstractmethod
     def build_model(self, raw: DatasetDict) -> PreTrainedModel: ...
+
+    @abstractmethod
     def build_datasets(self, raw: DatasetDict, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]: ...
+
+    @abstractmethod
     def forward(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor: ...
+
+    @abstractmethod
     def loss_sums(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
     def correct(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor: ...
+
+    @abstractmethod
     def count_targets(self, batch: Batch) -> torch.Tensor: ...
+
+    @abstractmethod
     def count_units(self, batch: Batch) -> int: ...
+
+    @abstractmethod
     def describe_data(self, train_set: Dataset) -> str: ...
+
+    @abstractmethod
     def sample(self, final_dir: Path) -> str: ...
 
     def eval_metrics(self, eval_loss: float, accuracy: float) -> dict[str, float]:
@@ -79,6 +99,7 @@ class CausalLM(Task):
         super().__init__(model_args, data_args)
         self.processor = build_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name, model_args.trust_remote_code)
         self.collator = make_collator(self.processor, data_args.packing)
+        self.block_size = 0  # the model's maximum unless --block_size; set by build_model
 
     def load_raw_datasets(self, seed: int) -> DatasetDict:
         d = self.data_args
@@ -135,6 +156,8 @@ class ImageClassification(Task):
     def __init__(self, model_args, data_args) -> None:
         super().__init__(model_args, data_args)
         self.processor = build_image_processor(model_args.model_name_or_path, model_args.model_config, data_args.image_size)
+        self.labels: list[str] = []  # the class names; set by build_model
+        self.raw_validation: Dataset | None = None  # for the sample at the end; set by build_model
 
     def load_raw_datasets(self, seed: int) -> DatasetDict:
         d = self.data_args
@@ -146,8 +169,8 @@ class ImageClassification(Task):
         self.labels, self.raw_validation = class_names(raw, d.label_column), raw["validation"]
         model = build_image_model(m.model_name_or_path, m.model_config, self.labels, m.trust_remote_code,
                                   m.gradient_checkpointing, m.ignore_mismatched_sizes)
-        example = self.processor(raw["train"][0][d.image_column].convert("RGB"), return_tensors="pt")["pixel_values"][0]
-        self.flops_per_unit = _counted_training_flops(model, example)
+        example = pixel_values(self.processor, [raw["train"][0][d.image_column]])[0]
+        self.flops_per_unit = counted_flops_per_example(model, example, "pixel_values")
         self.settings = {"image_size": example.shape[-1], "num_labels": len(self.labels)}
         return model
 
@@ -155,7 +178,7 @@ class ImageClassification(Task):
         return build_image_datasets(raw, self.processor, self.data_args.image_column, self.data_args.label_column)
 
     def forward(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        return model(pixel_values=batch["pixel_values"]).logits
+        return model(pixel_values=batch["pixel_values"].to(floating_input_dtype(model))).logits
 
     def loss_sums(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return class_loss_sums(logits, batch["labels"])
@@ -176,24 +199,13 @@ class ImageClassification(Task):
         model = AutoModelForImageClassification.from_pretrained(final_dir).eval()
         processor = AutoImageProcessor.from_pretrained(final_dir, backend="pil")
         examples = self.raw_validation.select(range(min(self.SAMPLE_IMAGES, len(self.raw_validation))))
-        images = [image.convert("RGB") for image in examples[self.data_args.image_column]]
         with torch.no_grad():
-            predicted = model(**processor(images, return_tensors="pt")).logits.argmax(dim=-1).tolist()
-        pairs = [(model.config.id2label[p], self.labels[t]) for p, t in zip(predicted, examples[self.data_args.label_column])]
+            inputs = pixel_values(processor, examples[self.data_args.image_column]).to(model.dtype)  # bf16 under DeepSpeed
+            predicted = model(pixel_values=inputs).logits
+        pairs = [(model.config.id2label[p], self.labels[t])
+                 for p, t in zip(predicted.argmax(dim=-1).tolist(), examples[self.data_args.label_column])]
         right = sum(p == t for p, t in pairs)
         return f"{right}/{len(pairs)} validation images right: " + ", ".join(f"{p} ({t})" if p != t else p for p, t in pairs)
-
-
-def _counted_training_flops(model: PreTrainedModel, pixel_values: torch.Tensor) -> float:
-    """Forward and backward FLOPs per image, counted by torch on a meta-device copy (no memory, no compute).
-
-    Two images: BatchNorm refuses to train on a batch of one.
-    """
-    with torch.device("meta"):
-        meta_model = type(model)(model.config)
-    with FlopCounterMode(display=False) as counter:
-        meta_model(pixel_values=torch.zeros(2, *pixel_values.shape, device="meta")).logits.sum().backward()
-    return counter.get_total_flops() / 2
 
 
 TASKS: dict[str, type[Task]] = {task.name: task for task in (CausalLM, ImageClassification)}
