@@ -15,7 +15,6 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
 from PIL import Image as PILImage
 from PIL import ImageDraw
 
-SHAPES_VERSION = "1"  # bump when the drawing changes
 SHAPES = ["circle", "square", "triangle", "cross", "star"]
 IMAGE_SIZE = 32
 SPLIT_SIZES = {"train": 4000, "validation": 400}

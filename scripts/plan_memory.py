@@ -92,7 +92,7 @@ def plan(args: argparse.Namespace) -> dict:
         rows[layout.config] = state | {
             "strategy": layout.strategy, "processes": processes, "activations": activations,
             "working": working, "gpu_total": gpu, "fits": gpu <= usable and layout.runs_on(processes),
-            "runs": layout.runs_on(processes),
+            "runs": layout.runs_on(processes), "tp_size": layout.tp_size,
         }
     recommended = pick(rows, args.num_gpus, usable)
     return {"model": args.model_name_or_path or args.model_config, "parameters": shape.parameters,
@@ -134,6 +134,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
               "--block_size", str(result["block_size"])]
     flags += ["--gradient_checkpointing", "true"] if args.gradient_checkpointing else []
     launcher = [] if result["configs"][chosen]["strategy"] == "single" else ["--num_processes", str(result["num_gpus"])]
+    if result["configs"][chosen]["strategy"] == "fsdp_tp":  # the yaml's grid is for 4 processes
+        launcher += ["--parallelism_config_dp_shard_size", str(result["num_gpus"] // result["configs"][chosen]["tp_size"])]
     precision = [] if args.mixed_precision == "no" else ["--mixed_precision", args.mixed_precision]
     lines += ["", f"recommended: accelerate_configs/{chosen}.yaml ({gib(result['configs'][chosen]['gpu_total'])} of "
                   f"{result['usable_gb']:.1f} usable GiB per GPU)",
