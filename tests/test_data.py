@@ -141,3 +141,14 @@ def test_image_folders_hold_one_class_per_folder_and_missing_ones_are_named(tmp_
         load_raw_image_datasets(None, None, str(tmp_path / "nowhere"), None, 10, seed=0)
     with pytest.raises(DataError, match="column 'class' not found"):
         load_raw_image_datasets(None, None, str(tmp_path / "train"), None, 20, seed=0, label_column="class")
+
+
+def test_an_image_dataset_directory_loads_like_a_hub_dataset(tmp_path) -> None:
+    """--dataset_name takes a Hub id or a local dataset directory, through the same `load_dataset`."""
+    shapes = default_shape_splits()["validation"]
+    for split, rows in (("train", range(0, 300)), ("test", range(300, 400))):
+        shapes.select(rows).to_parquet(tmp_path / f"{split}-00000-of-00001.parquet")
+    raw = load_raw_image_datasets(str(tmp_path), None, None, None, 10, seed=0)
+    assert raw["train"].features["label"].names == SHAPES  # the ClassLabel survives the round trip
+    assert len(raw["validation"]) == 30 and len(raw["train"]) == 270  # no validation split: 10% held out per class
+    assert Counter(raw["validation"]["label"]) == {label: 6 for label in range(len(SHAPES))}
