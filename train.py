@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -29,6 +30,7 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
+
 from data import DataError
 from models import ModelError
 from training.arguments import ArgumentError, parse_args
@@ -73,7 +75,7 @@ from training.performance import (
 )
 from training.preemption import Preempted, install_stop_handlers
 from training.report import write_report
-from training.tasks import TASKS
+from training.tasks import TASKS, Task
 
 logger = get_logger(__name__)
 EXIT_BAD_INPUT = 2  # a flag, file, config or checkpoint that cannot work; the message says which
@@ -307,7 +309,7 @@ def max_over_ranks(values: dict[str, int], accelerator) -> dict[str, int]:
     return {key: int(value) for key, value in zip(keys, accelerator.gather(mine).max(dim=0).values.tolist())}
 
 
-def print_summary(summary: dict, final_dir, task) -> None:
+def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
     """Load the export with plain `transformers` (proving it loads) and show what it does."""
     sample = task.sample(final_dir)
     state = sum(summary["model_state_bytes_per_rank"].values()) / 2**20

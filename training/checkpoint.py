@@ -17,6 +17,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from transformers.utils import PushToHubMixin
@@ -88,7 +89,7 @@ def require_complete_checkpoint(path: Path) -> Path:
 
 
 def save_checkpoint(
-    accelerator: Accelerator, model, output_dir: str, state: TrainerState, save_total_limit: int | None
+    accelerator: Accelerator, model: torch.nn.Module, output_dir: str, state: TrainerState, save_total_limit: int | None
 ) -> Path:
     """Save on every rank (sharded strategies need all of them), then complete it atomically and rotate.
 

@@ -229,7 +229,7 @@ def apply_tensor_parallel(accelerator: Accelerator, model: torch.nn.Module) -> t
     return model
 
 
-def tensor_parallel_plan(model: torch.nn.Module, tp_size: int):
+def tensor_parallel_plan(model: torch.nn.Module, tp_size: int) -> tuple[dict[str, str], object]:
     """The model's `transformers` TP plan with `layers.*` spelled out, and its DistributedConfig."""
     from transformers import DistributedConfig
 
