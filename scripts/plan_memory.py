@@ -88,11 +88,12 @@ def plan(args: argparse.Namespace) -> dict:
         processes = 1 if layout.strategy == "single" else args.num_gpus
         state = model_state(layout, shape, processes, compute_bytes)
         working = working_bytes(layout, shape, compute_bytes)
+        runs = layout.runs_on(processes)
         gpu = state["parameters"] + state["gradients"] + state["optimizer"] - state["offloaded"] + activations + working
         rows[layout.config] = state | {
             "strategy": layout.strategy, "processes": processes, "activations": activations,
-            "working": working, "gpu_total": gpu, "fits": gpu <= usable and layout.runs_on(processes),
-            "runs": layout.runs_on(processes), "tp_size": layout.tp_size,
+            "working": working, "gpu_total": gpu, "fits": gpu <= usable and runs,
+            "runs": runs, "tp_size": layout.tp_size,
         }
     recommended = pick(rows, args.num_gpus, usable)
     return {"model": args.model_name_or_path or args.model_config, "parameters": shape.parameters,

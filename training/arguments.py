@@ -17,14 +17,11 @@ import yaml
 from transformers import HfArgumentParser
 
 from data import check_data_file
-from models.configs import DEFAULT_CONFIGS, IMAGE_CONFIGS, NAMED_CONFIGS
+from models.configs import DEFAULT_CONFIGS, IMAGE_CONFIGS, NAMED_CONFIGS, TASK_CONFIGS
 from training.checkpoint import complete_checkpoints, newer_checkpoints, require_complete_checkpoint
 from training.distributed import Strategy, requested_strategy
 from training.layer_split import DEVICE_MAPS
 from training.metrics import TrackerError, resolve_trackers
-
-
-TASK_CONFIGS = {"causal-lm": NAMED_CONFIGS, "image-classification": IMAGE_CONFIGS}
 
 
 @dataclass

@@ -28,6 +28,12 @@ def batch_norm_layers(model: torch.nn.Module) -> list[_BatchNorm]:
     return [module for module in model.modules() if isinstance(module, _BatchNorm)]
 
 
+def running_statistics(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every BatchNorm layer's running mean and variance (the buffers evaluation normalises with)."""
+    return [buffer for layer in batch_norm_layers(model) if layer.track_running_stats
+            for buffer in (layer.running_mean, layer.running_var)]
+
+
 def convert_sync_batchnorm(model: torch.nn.Module, accelerator: Accelerator) -> tuple[torch.nn.Module, str]:
     """The model with `SyncBatchNorm` layers (before `prepare`), and a line for the logs saying what happened."""
     layers = len(batch_norm_layers(model))
@@ -46,8 +52,7 @@ def convert_sync_batchnorm(model: torch.nn.Module, accelerator: Accelerator) -> 
 @torch.no_grad()
 def average_running_statistics(model: torch.nn.Module, accelerator: Accelerator) -> None:
     """Replace every rank's BatchNorm running mean and variance by their mean over the ranks (a collective)."""
-    stats = [buffer for layer in batch_norm_layers(model) if layer.track_running_stats
-             for buffer in (layer.running_mean, layer.running_var)]
+    stats = running_statistics(model)
     if not stats or accelerator.num_processes == 1:
         return
     averaged = accelerator.reduce(torch.cat([buffer.float().flatten() for buffer in stats]), "mean")

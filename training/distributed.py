@@ -135,8 +135,8 @@ def check_parallelism_config(strategy: Strategy) -> None:
     if sizes["cp"] > 1 or sizes["dp_replicate"] > 1:
         raise StrategyError(f"parallelism_config {grid}: train.py runs dp_shard x tp only (no context parallelism or "
                             "HSDP replication yet); set the other sizes to 1")
-    if math.prod(sizes.values()) != world_size:
-        raise StrategyError(f"parallelism_config is {grid} = {math.prod(sizes.values())} processes but {world_size} were "
+    if (grid_size := math.prod(sizes.values())) != world_size:
+        raise StrategyError(f"parallelism_config is {grid} = {grid_size} processes but {world_size} were "
                             "launched; make the sizes multiply to num_processes")
     if sizes["dp_shard"] < 2:
         raise StrategyError(f"FSDP2 with tensor parallelism needs parallelism_config_dp_shard_size >= 2 (got {grid}): "
@@ -273,8 +273,8 @@ def describe(accelerator: Accelerator, strategy: Strategy) -> str:
         detail = f" ZeRO-{plugin.zero_stage}" + (f" offload={offload}" if offload != "none" else "")
     elif strategy is Strategy.FSDP:
         detail = f" v{accelerator.state.fsdp_plugin.fsdp_version}"
-        if tensor_parallel_size(accelerator) > 1:
-            detail += f" x tp={tensor_parallel_size(accelerator)} (data-parallel {data_parallel_size(accelerator)})"
+        if (tp_size := tensor_parallel_size(accelerator)) > 1:
+            detail += f" x tp={tp_size} (data-parallel {data_parallel_size(accelerator)})"
     backend = accelerator.state.backend or "none"
     return (
         f"strategy={strategy.value}{detail} processes={accelerator.num_processes} "
@@ -310,19 +310,20 @@ def _keep_batch_norm_in_fp32(model: torch.nn.Module, accelerator: Accelerator) -
     unit computing in fp32, as autocast runs it under DDP; accelerate wraps the rest as usual."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from training.batchnorm import batch_norm_layers  # here: training.batchnorm imports this module
+
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    plugin = accelerator.state.fsdp_plugin
-    for module in model.modules():
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-            fully_shard(module, mp_policy=fp32, reshard_after_forward=plugin.reshard_after_forward)
+    for layer in batch_norm_layers(model):
+        fully_shard(layer, mp_policy=fp32, reshard_after_forward=accelerator.state.fsdp_plugin.reshard_after_forward)
 
 
 def _batch_norm_statistics_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """DeepSpeed's bf16/fp16 engines cast the parameters but not the buffers, and BatchNorm needs
     its running statistics in its weights' dtype."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
-            module.running_mean.data, module.running_var.data = module.running_mean.to(dtype), module.running_var.to(dtype)
+    from training.batchnorm import running_statistics  # here: training.batchnorm imports this module
+
+    for buffer in running_statistics(model):
+        buffer.data = buffer.to(dtype)
 
 
 def _align_deepspeed_config(config: dict, max_grad_norm: float, per_device_batch: int) -> None:

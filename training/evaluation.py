@@ -31,4 +31,3 @@ def evaluate(model: torch.nn.Module, dataloader: DataLoader, accelerator: Accele
     model.train()
     loss_sum, targets, right = totals.tolist()
     return task.eval_metrics(loss_sum / targets, right / targets)
-

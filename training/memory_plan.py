@@ -205,7 +205,7 @@ def working_bytes(layout: Layout, shape: ModelShape, compute_bytes: int) -> floa
 def pick(rows: dict[str, dict], num_gpus: int, usable_bytes: float) -> str | None:
     """The config to launch: the first in PREFERENCE order whose `gpu_total` fits in
     `usable_bytes`. single.yaml only on one GPU: on more it would leave the others idle."""
-    fitting = [name for name, row in rows.items() if row["gpu_total"] <= usable_bytes and row.get("runs", True)
+    fitting = [name for name, row in rows.items() if row["gpu_total"] <= usable_bytes and row["runs"]
                and (row["strategy"] != "single" or num_gpus == 1)]
     return min(fitting, key=lambda name: PREFERENCE.index(rows[name]["strategy"]), default=None)
 
