@@ -43,7 +43,7 @@ from training.checkpoint import (
     resolve_resume_path,
     save_checkpoint,
 )
-from training.collectives import CollectiveTimeoutError, collective_timeouts_reported, preflight
+from training.collectives import CollectiveTimeoutError, collective_timeouts_reported, end_collectives, preflight
 from training.console import one_voice, only_the_training_bar, quiet_third_party_output
 from training.distributed import (
     StrategyError,
@@ -74,6 +74,7 @@ from training.performance import (
     peak_flops,
 )
 from training.preemption import Preempted, install_stop_handlers
+from training.process_exit import exit_process
 from training.report import write_report
 from training.tasks import TASKS, Task
 
@@ -265,7 +266,7 @@ def main() -> None:
                 if step >= max_steps:
                     break
                 if stop_signal:
-                    accelerator.end_training()  # flush the trackers
+                    end_collectives(accelerator)  # flush the trackers
                     if accelerator.is_main_process:
                         write_report(args.output_dir, report_title)
                     raise Preempted(
@@ -294,7 +295,7 @@ def main() -> None:
         "train_loss": train_loss,
         **eval_result,
     }
-    accelerator.end_training()
+    end_collectives(accelerator)
     release_model_construction_hooks()
     if accelerator.is_main_process:
         write_summary(args.output_dir, summary)
@@ -326,19 +327,25 @@ def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
     )
 
 
-if __name__ == "__main__":
+def run() -> int:
+    """`main()`, with each documented failure turned into one error line and its exit code."""
     try:
         main()
     except (ArgumentError, DataError, ModelError, StrategyError, ResumeError, FileNotFoundError) as error:
         print(f"\nerror: {error}", file=sys.stderr)  # on its own line, even after a progress bar
-        sys.exit(EXIT_BAD_INPUT)
+        return EXIT_BAD_INPUT
     except NonFiniteLossError as error:
         print(f"\nerror: {error}", file=sys.stderr)
-        sys.exit(EXIT_NONFINITE_LOSS)
+        return EXIT_NONFINITE_LOSS
     except CollectiveTimeoutError as error:
         print(f"\nerror: {error}", file=sys.stderr)
-        sys.exit(EXIT_COLLECTIVE_TIMEOUT)
+        return EXIT_COLLECTIVE_TIMEOUT
     except Preempted as stop:
         if os.environ.get("RANK", "0") == "0":  # every rank stopped at the same step: one report
             print(f"\nstopped: {stop}", file=sys.stderr)
-        sys.exit(EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
+    return 0
+
+
+if __name__ == "__main__":
+    exit_process(run())  # not sys.exit: see training/process_exit.py (gloo can abort a finished rank at teardown)

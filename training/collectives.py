@@ -36,6 +36,17 @@ def cpu_group(timeout_s: int) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
+def end_collectives(accelerator: Accelerator) -> None:
+    """Finish the trackers and destroy every process group (the default one, ours and the libraries'),
+    in reverse order of creation, on every rank; then drop our own reference to the CPU group.
+
+    gloo stops a group's worker threads only once nothing refers to it any more; libraries
+    keep references of their own, which is why ranks end through training/process_exit.py.
+    """
+    accelerator.end_training()
+    cpu_group.cache_clear()
+
+
 def preflight(accelerator: Accelerator, ddp_timeout: int) -> str:
     """Prove every rank reaches every other before training; return the host/rank/device map.
 

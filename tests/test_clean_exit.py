@@ -1,0 +1,73 @@
+"""A finished rank exits 0, never with gloo's abort at interpreter teardown (training/process_exit.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import REPO, TINY_RUN, free_port, launch
+
+# A process group still referenced at exit (as DeepSpeed and DDP leave them) with a collective
+# just finished: ending through the interpreter's teardown aborts about a third of such exits.
+HELD_GROUP = """
+import sys, torch, torch.distributed as dist
+from training.process_exit import exit_process
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=int(sys.argv[1]), world_size=2)
+held = dist.group.WORLD
+gathered = [torch.zeros(4) for _ in range(2)]
+dist.all_gather(gathered, torch.ones(4))
+dist.destroy_process_group()
+exit_process(int(sum(t.sum() for t in gathered)))  # 8: both ranks' ones arrived
+"""
+
+
+def test_exit_runs_python_shutdown_but_skips_interpreter_teardown() -> None:
+    script = textwrap.dedent("""
+        import atexit, threading, time
+        from training.process_exit import exit_process
+
+        class Teardown:
+            def __del__(self):
+                print("teardown ran", flush=True)
+
+        sentinel = Teardown()  # a module global: collected only by the interpreter's teardown
+        atexit.register(lambda: print("last words, not flushed by hand"))  # runs last: atexit is LIFO
+        atexit.register(lambda: print("atexit ran", flush=True))
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished", flush=True))).start()
+        exit_process(75)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 75, done.stderr
+    assert done.stdout.splitlines() == ["thread finished", "atexit ran", "last words, not flushed by hand"]
+    assert "teardown ran" not in done.stdout
+
+
+def test_held_process_group_with_a_last_collective_exits_cleanly() -> None:
+    for _ in range(3):
+        port = str(free_port())
+        ranks = [subprocess.Popen([sys.executable, "-c", HELD_GROUP, str(rank), port], cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+        for rank in ranks:
+            output, _ = rank.communicate(timeout=120)
+            assert rank.returncode == 8, output
+            assert "terminate called" not in output
+
+
+def test_every_rank_of_a_finished_run_ends_with_nothing_left_running(tmp_path) -> None:
+    out_dir = tmp_path / "exits"
+    out_dir.mkdir()
+    result = launch("deepspeed_zero3", "tests/probes/exit_probe.py", str(out_dir), *TINY_RUN,
+                    "--output_dir", str(tmp_path / "run"), "--max_steps", "3", "--block_size", "64")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "===== training summary =====" in result.stdout  # rank 0's output, flushed before os._exit
+    records = [json.loads((out_dir / f"rank_{rank}.json").read_text()) for rank in (0, 1)]
+    for record in records:
+        assert record["code"] == 0
+        assert record["non_daemon_threads"] == []
+        assert record["process_group_initialized"] is False
+    # DeepSpeed still holds its groups, so gloo's threads outlive destroy_process_group: the
+    # reason a rank must not end through the interpreter's teardown. If this ever fails, the
+    # libraries release their groups and training/process_exit.py may be unnecessary.
+    assert all(record["gloo_threads_alive"] for record in records)
