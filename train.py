@@ -38,6 +38,7 @@ from training.batchnorm import convert_sync_batchnorm
 from training.checkpoint import (
     ResumeError,
     TrainerState,
+    clear_previous_run,
     export_final,
     load_checkpoint,
     resolve_resume_path,
@@ -131,6 +132,7 @@ def main() -> None:
     model_name = model_args.model_name_or_path or model_args.model_config
     num_parameters = parameter_count(model)
     train_set, eval_set = task.build_datasets(raw, accelerator.main_process_first())
+    train_set, eval_set = first(train_set, data_args.max_train_samples), first(eval_set, data_args.max_eval_samples)
     # Every optimizer step sees one full global batch: a partial last one would weigh less
     # under accumulation, so the last len % global_batch sequences are left out every epoch.
     global_batch = args.per_device_train_batch_size * data_parallel_size(accelerator) * args.gradient_accumulation_steps
@@ -149,8 +151,8 @@ def main() -> None:
     max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
 
     align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
-    torch_optimizer = build_optimizer(model, args.learning_rate, args.weight_decay)
-    scheduler = build_scheduler(torch_optimizer, args.lr_scheduler_type, args.warmup_steps, max_steps)
+    torch_optimizer = build_optimizer(model, args)
+    scheduler = build_scheduler(torch_optimizer, args, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, torch_optimizer, train_loader, eval_loader, scheduler
     )
@@ -169,6 +171,9 @@ def main() -> None:
         state = load_checkpoint(accelerator, resume_path, global_batch, max_steps)
         state.num_processes = accelerator.num_processes
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
+    if args.overwrite_output_dir and accelerator.is_main_process:  # only now: every check before has passed
+        clear_previous_run(args.output_dir)
+    accelerator.wait_for_everyone()
     run_settings = {"strategy": strategy.value, "num_processes": accelerator.num_processes,
                     "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch,
                     "total_steps": max_steps, "parameters": num_parameters, **task.settings}
@@ -180,14 +185,14 @@ def main() -> None:
                      "wandb": {"name": args.run_name}},
     )
     logger.info(
-        f"{task.describe_data(train_set)}, global batch {global_batch}, "
+        f"{task.describe_data(train_set)}, {len(eval_set)} for evaluation, global batch {global_batch}, "
         f"{steps_per_epoch} steps/epoch, training to step {max_steps}",
         main_process_only=True,
     )
 
     # ---- train ----
     metrics = MetricsLogger(accelerator, args.output_dir, state.completed_steps if resume_path else None)
-    if state.completed_steps == 0 and args.eval_on_start:
+    if state.completed_steps == 0 and args.eval_on_start and args.eval_strategy != "no":
         metrics.log(0, **evaluate(model, eval_loader, accelerator, task))
     clip_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf  # inf: measure, never clip
     peak = peak_flops(accelerator.device, compute_dtype(accelerator.mixed_precision))
@@ -240,9 +245,11 @@ def main() -> None:
                 progress.update(1)
                 step = state.completed_steps
                 stop_signal = stop_requests.agreed()  # every rank stops after the same step
-                log_now = step % args.logging_steps == 0 or step == max_steps
-                eval_now = step % args.eval_steps == 0 or step == max_steps
-                save_now = step % args.save_steps == 0 or stop_signal is not None
+                epoch_end = state.steps_in_epoch == steps_per_epoch
+                log_now = step % args.logging_steps == 0 or step == max_steps or (args.logging_first_step and step == 1)
+                eval_now = args.eval_strategy != "no" and (due(args.eval_strategy, args.eval_steps, step, epoch_end)
+                                                           or step == max_steps)
+                save_now = due(args.save_strategy, args.save_steps, step, epoch_end) or stop_signal is not None
                 if log_now or eval_now or save_now:
                     nonfinite.check(accelerator)  # before anything is logged, saved or exported
 
@@ -303,6 +310,16 @@ def main() -> None:
         print_summary(summary, final_dir, task)
 
 
+def first(dataset, count: int | None):
+    """The first `count` examples (--max_train_samples / --max_eval_samples), or all of them."""
+    return dataset if count is None or count >= len(dataset) else dataset.select(range(count))
+
+
+def due(strategy: str, every: int, step: int, epoch_end: bool) -> bool:
+    """Whether an --eval_strategy/--save_strategy interval ("steps", "epoch" or "no") falls on this step."""
+    return {"steps": step % every == 0, "epoch": epoch_end, "no": False}[strategy]
+
+
 def max_over_ranks(values: dict[str, int], accelerator) -> dict[str, int]:
     """Each value's largest over the ranks (a collective); empty if nothing was measured."""
     keys = sorted(values)
@@ -313,15 +330,16 @@ def max_over_ranks(values: dict[str, int], accelerator) -> dict[str, int]:
 def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
     """Load the export with plain `transformers` (proving it loads) and show what it does."""
     sample = task.sample(final_dir)
-    state = sum(summary["model_state_bytes_per_rank"].values()) / 2**20
+    model_state = summary["model_state_bytes_per_rank"]
+    state = f"{sum(model_state.values()) / 2**20:,.1f} MiB" if model_state else "not measured (needs 2 optimizer steps)"
     mfu = f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (unknown device peak)"
     evaluation = ", ".join(f"{key} {value:.4f}" for key, value in summary.items() if key.startswith("eval_") or key == "perplexity")
     print(
         "\n===== training summary =====\n"
         f"steps:           {summary['steps']}\n"
         f"{task.unit + '/s:':<17}{summary[f'{task.unit}_per_sec']:,.0f} ({summary['step_time'] * 1000:,.0f} ms/step, MFU {mfu})\n"
-        f"memory/rank:     peak {summary['peak_memory_gb']:.2f} GiB, model state {state:,.1f} MiB\n"
-        f"final eval:      {evaluation}\n"
+        f"memory/rank:     peak {summary['peak_memory_gb']:.2f} GiB, model state {state}\n"
+        f"final eval:      {evaluation or 'none (--eval_strategy no)'}\n"
         f"model:           {final_dir}\n"
         f"sample:          {sample}"
     )
@@ -332,19 +350,25 @@ def run() -> int:
     try:
         main()
     except (ArgumentError, DataError, ModelError, StrategyError, ResumeError, FileNotFoundError) as error:
-        print(f"\nerror: {error}", file=sys.stderr)  # on its own line, even after a progress bar
+        report(f"error: {error}")
         return EXIT_BAD_INPUT
     except NonFiniteLossError as error:
-        print(f"\nerror: {error}", file=sys.stderr)
+        report(f"error: {error}")
         return EXIT_NONFINITE_LOSS
     except CollectiveTimeoutError as error:
-        print(f"\nerror: {error}", file=sys.stderr)
+        report(f"error: {error}", every_rank=True)  # each waiting rank names itself
         return EXIT_COLLECTIVE_TIMEOUT
     except Preempted as stop:
-        if os.environ.get("RANK", "0") == "0":  # every rank stopped at the same step: one report
-            print(f"\nstopped: {stop}", file=sys.stderr)
+        report(f"stopped: {stop}")
         return EXIT_PREEMPTED
     return 0
+
+
+def report(line: str, every_rank: bool = False) -> None:
+    """Print `line` once per machine: the ranks of one machine read the same flags, files and data,
+    so they fail alike (another machine may not: a file missing there, a failed download)."""
+    if every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"\n{line}", file=sys.stderr)  # on its own line, even after a progress bar
 
 
 if __name__ == "__main__":

@@ -81,6 +81,21 @@ def _cache_key(
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
+def check_plain_text(split: Dataset, text_column: str) -> None:
+    """The text column holds strings: chat conversations (lists of {role, content}) cannot be packed as text."""
+    values = [value for value in split[:100][text_column] if value is not None]
+    if not values or all(isinstance(value, str) for value in values):
+        return
+    first = next(value for value in values if not isinstance(value, str))
+    if isinstance(first, list) and first and isinstance(first[0], dict) and {"role", "content"} <= first[0].keys():
+        raise DataError(
+            f"--text_column {text_column!r} holds lists of {{role, content}} messages: this looks like chat data, "
+            "which train.py cannot pack as plain text yet; give a column of plain text (for example each "
+            "conversation rendered with your tokenizer's chat template)"
+        )
+    raise DataError(f"--text_column {text_column!r} holds {type(first).__name__} values, not text; choose a column of strings")
+
+
 def build_lm_datasets(
     raw: DatasetDict,
     tokenizer: PreTrainedTokenizerBase,
@@ -99,6 +114,7 @@ def build_lm_datasets(
             raise DataError(
                 f"text column {text_column!r} not found (columns: {split.column_names}); set --text_column"
             )
+        check_plain_text(split, text_column)
     cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "packed"
     cache_dir.mkdir(parents=True, exist_ok=True)
     packed = {}

@@ -24,6 +24,7 @@ from transformers import default_data_collator
 
 from data import build_lm_datasets, load_raw_datasets
 from models import build_model, build_tokenizer
+from training.arguments import TrainArguments
 from training.optim import build_optimizer, build_scheduler
 
 
@@ -49,8 +50,9 @@ def main() -> None:
     loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, collate_fn=default_data_collator,
                         sampler=DistributedSampler(train_set, world, rank, seed=42), drop_last=True)
     model = DistributedDataParallel(model, gradient_as_bucket_view=True)
-    optimizer = build_optimizer(model, learning_rate=1e-3, weight_decay=0.1)
-    scheduler = build_scheduler(optimizer, "cosine", warmup_steps=3, total_steps=args.steps)
+    settings = TrainArguments(learning_rate=1e-3, weight_decay=0.1, warmup_steps=3)  # train.py's defaults otherwise
+    optimizer = build_optimizer(model, settings)
+    scheduler = build_scheduler(optimizer, settings, total_steps=args.steps)
 
     rates = []
     for step, batch in zip(range(args.steps), loader):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers.optimization import Adafactor
 
 from training.arguments import ArgumentError, parse_args
+from training.optim import build_optimizer, build_scheduler
 
 
 def test_defaults_then_recipe_then_command_line(tmp_path) -> None:
@@ -25,6 +28,23 @@ def test_defaults_then_recipe_then_command_line(tmp_path) -> None:
         (None, ["--max_steps", "0"], "nothing to train"),
         (None, ["--validation_file", "v.txt"], "--validation_file needs --train_file"),
         ("model_config: gpt-9\n", [], "unknown model_config 'gpt-9'"),
+        (None, ["--learning_rat", "1e-3"], "unknown key 'learning_rat' in the command line; did you mean 'learning_rate'"),
+        (None, ["--bf16"], "'bf16' in the command line is a launcher setting here: accelerate launch --mixed_precision bf16"),
+        (None, ["--fp16"], "launcher setting here: accelerate launch --mixed_precision fp16"),
+        ("bf16: true\n", [], "'bf16' in recipe .* is a launcher setting here"),
+        (None, ["--max_steps", "-3"], "--max_steps must be -1 .* or a positive number of steps, got -3"),
+        (None, ["--warmup_ratio", "1.0"], r"--warmup_ratio must be in \[0, 1\), got 1.0"),
+        (None, ["--warmup_steps", "-1"], "--warmup_steps must be >= 0"),
+        (None, ["--adam_beta2", "1.5"], "--optim adamw_torch_fused .* cannot start: Invalid beta parameter at index 1"),
+        (None, ["--adam_epsilon", "-1"], "cannot start: Invalid epsilon value"),
+        (None, ["--lr_scheduler_kwargs", "{min_lr: 1}"], "--lr_scheduler_kwargs is not valid JSON"),
+        (None, ["--lr_scheduler_kwargs", "[1, 2]"], "--lr_scheduler_kwargs must be a JSON object"),
+        (None, ["--lr_scheduler_type", "cosine_with_min_lr"], "cannot start: .*min_lr"),
+        (None, ["--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}'],
+         "cannot start: .*min_lr_rate"),
+        (None, ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"], "give one"),
+        (None, ["--max_train_samples", "0"], "--max_train_samples must be at least 1, got 0"),
+        (None, ["--eval_strategy", "epoch", "--max_eval_samples", "-2"], "--max_eval_samples must be at least 1"),
     ],
 )
 def test_bad_arguments_are_named(tmp_path, recipe_text, argv, message) -> None:
@@ -34,3 +54,51 @@ def test_bad_arguments_are_named(tmp_path, recipe_text, argv, message) -> None:
         argv = ["--config", str(recipe), *argv]
     with pytest.raises(ArgumentError, match=message):
         parse_args([*argv, "--output_dir", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--optim", "adamw"), ("--lr_scheduler_type", "cosin"), ("--task", "text"),
+                                             ("--eval_strategy", "epochs"), ("--save_strategy", "step")])
+def test_unknown_names_exit_2_with_the_valid_names_before_anything_is_built(tmp_path, capsys, flag, value) -> None:
+    with pytest.raises(SystemExit) as refused:
+        parse_args([flag, value, "--output_dir", str(tmp_path)])
+    assert refused.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("train.py: error:") or "invalid choice" in error
+    assert f"invalid choice: '{value}'" in error and "choose from" in error
+
+
+def test_optimizer_and_schedule_flags_reach_the_torch_objects(tmp_path) -> None:
+    _, _, args = parse_args(["--optim", "adamw_torch", "--adam_beta1", "0.8", "--adam_beta2", "0.99",
+                             "--adam_epsilon", "1e-6", "--warmup_ratio", "0.25", "--learning_rate", "0.1",
+                             "--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}',
+                             "--output_dir", str(tmp_path)])
+    model = torch.nn.Linear(4, 4)
+    optimizer = build_optimizer(model, args)
+    assert isinstance(optimizer, torch.optim.AdamW) and not optimizer.defaults["fused"]
+    assert optimizer.defaults["betas"] == (0.8, 0.99) and optimizer.defaults["eps"] == 1e-6
+    scheduler = build_scheduler(optimizer, args, total_steps=20)
+    rates = []
+    for _ in range(20):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert rates[5] == pytest.approx(0.1)  # warmup: ceil(0.25 * 20) = 5 steps
+    assert rates[4] < 0.1
+    assert min(rates[5:]) >= 0.01 - 1e-12  # cosine_with_min_lr stops at min_lr_rate x learning_rate
+    assert scheduler.get_last_lr()[0] == pytest.approx(0.01)  # the end of the schedule
+
+
+@pytest.mark.parametrize(("optim", "kind"), [("sgd", torch.optim.SGD), ("adafactor", Adafactor),
+                                             ("adamw_torch_fused", torch.optim.AdamW)])
+def test_each_optimizer_name_builds_its_optimizer(tmp_path, optim, kind) -> None:
+    _, _, args = parse_args(["--optim", optim, "--output_dir", str(tmp_path)])
+    optimizer = build_optimizer(torch.nn.Linear(4, 4), args)
+    assert type(optimizer) is kind
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]  # no decay on the bias
+
+
+@pytest.mark.parametrize("strategy", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
+def test_adafactor_is_refused_where_the_optimizer_sees_shards(tmp_path, monkeypatch, strategy) -> None:
+    monkeypatch.setenv(strategy, "true")
+    with pytest.raises(ArgumentError, match="--optim adafactor factors whole weight matrices"):
+        parse_args(["--optim", "adafactor", "--output_dir", str(tmp_path)])

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models import SHIPPED_TOKENIZER
 from models.configs import build_named_config
-from tests.conftest import CONFIGS, TINY_RUN, launch, split_args
+from tests.conftest import CONFIGS, REPO, TINY_RUN, launch, split_args
 from training.arguments import ArgumentError, parse_args
 from training.distributed import StrategyError, check_launch_config, requested_strategy, tensor_parallel_plan
 
@@ -57,7 +57,7 @@ LAUNCH_CASES = {
         "--sync_batchnorm needs GPUs: torch has no CPU kernels for SyncBatchNorm",
     ),
     "DeepSpeed JSON clipping disagrees with --max_grad_norm": (
-        "deepspeed_zero2", ["--max_grad_norm", "0.5", *RESUME], "gradient_clipping is 1.0 in the DeepSpeed JSON"
+        "{clipping-1.yaml}", ["--max_grad_norm", "0.5", *RESUME], "gradient_clipping is 1.0 in the DeepSpeed JSON"
     ),
 }
 ARGUMENT_CASES = {
@@ -66,7 +66,8 @@ ARGUMENT_CASES = {
     "malformed recipe YAML": (["--config", "{broken.yaml}", *RESUME], "is not valid YAML"),
     "unknown recipe key": (["--config", "{typo.yaml}", *RESUME], "did you mean 'learning_rate'"),
     "zero batch size": (["--per_device_train_batch_size", "0", *RESUME], "must be at least 1, got 0"),
-    "negative steps": (["--max_steps", "-2", "--num_train_epochs", "0", *RESUME], "nothing to train"),
+    "no steps and no epochs": (["--max_steps", "-1", "--num_train_epochs", "0", *RESUME], "nothing to train"),
+    "negative steps other than -1": (["--max_steps", "-3", *RESUME], "--max_steps must be -1 (train for --num_train_epochs)"),
     "resume path that does not exist": (
         ["--resume_from_checkpoint", "/nonexistent/step_3"], "no complete checkpoint at /nonexistent/step_3"
     ),
@@ -88,6 +89,10 @@ LAUNCHER_CASES = {  # case -> (environment from accelerate launch, what the erro
         "not found from",
     ),
     "fp16 on a CPU-only machine": ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "fp16 mixed precision needs a GPU"),
+    "DeepSpeed JSON with its own optimizer section": (
+        {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "{own-optimizer.json}"},
+        "has its own optimizer section: train.py builds the optimizer",
+    ),
     "fsdp_tp.yaml launched on fewer processes than its grid": (
         {**FSDP_TP, "WORLD_SIZE": "2"}, "parallelism_config is dp_shard 2 x tp 2 = 4 processes but 2 were launched"
     ),
@@ -111,10 +116,14 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     (d / "few.txt").write_text("one short line\nand another\n")
     (d / "broken.yaml").write_text("max_steps: [1\n")
     (d / "typo.yaml").write_text("learnin_rate: 0.1\n")
-    (d / "broken.json").write_text('{"zero_optimization": {')
-    launcher = yaml.safe_load((CONFIGS / "deepspeed_zero2.yaml").read_text())
-    launcher["deepspeed_config"]["deepspeed_config_file"] = str(d / "broken.json")
-    (d / "broken-json.yaml").write_text(yaml.safe_dump(launcher))
+    zero2 = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    user_json = {"broken-json": '{"zero_optimization": {', "clipping-1": json.dumps(zero2 | {"gradient_clipping": 1.0}),
+                 "own-optimizer": json.dumps(zero2 | {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})}
+    for name, text in user_json.items():  # a user's own DeepSpeed JSON, behind a copy of deepspeed_zero2.yaml
+        (d / f"{name}.json").write_text(text)
+        launcher = yaml.safe_load((CONFIGS / "deepspeed_zero2.yaml").read_text())
+        launcher["deepspeed_config"]["deepspeed_config_file"] = str(d / f"{name}.json")
+        (d / f"{name}.yaml").write_text(yaml.safe_dump(launcher))
     fsdp1 = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
     fsdp1["fsdp_config"]["fsdp_version"] = 1
     (d / "fsdp1.yaml").write_text(yaml.safe_dump(fsdp1))
@@ -162,7 +171,7 @@ def test_bad_input_is_one_clear_line_and_nothing_saved_is_touched(config, args, 
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors and message in errors[0], result.stderr[-4000:]
-    assert len(set(errors)) == 1  # every rank found the same problem
+    assert len(errors) == 1  # one line per run: the ranks of a machine found the same problem
     assert "Traceback" not in result.stderr.split("error: ")[0], result.stderr[-4000:]
     assert "remote code ran" not in result.stderr + result.stdout
     assert snapshot(previous) == before
@@ -179,10 +188,10 @@ def test_bad_flags_and_files_are_refused_before_anything_starts(args, message, i
 
 @pytest.mark.parametrize(("environment", "message"), LAUNCHER_CASES.values(), ids=LAUNCHER_CASES.keys())
 def test_launcher_settings_that_cannot_work_are_refused_before_any_process_group(
-    environment, message, monkeypatch
+    environment, message, monkeypatch, inputs
 ) -> None:
     for name, value in environment.items():
-        monkeypatch.setenv(name, value)
+        monkeypatch.setenv(name, value.replace("{own-optimizer.json}", str(inputs["own-optimizer.json"])))
     with pytest.raises(StrategyError, match=message):
         check_launch_config(requested_strategy(), on_cpu=True)
 

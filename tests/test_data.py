@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections import Counter
 
 import pandas as pd
@@ -152,3 +153,17 @@ def test_an_image_dataset_directory_loads_like_a_hub_dataset(tmp_path) -> None:
     assert raw["train"].features["label"].names == SHAPES  # the ClassLabel survives the round trip
     assert len(raw["validation"]) == 30 and len(raw["train"]) == 270  # no validation split: 10% held out per class
     assert Counter(raw["validation"]["label"]) == {label: 6 for label in range(len(SHAPES))}
+
+
+@pytest.mark.parametrize(
+    ("records", "message"),
+    [([{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]} for i in range(40)],
+      "'messages' holds lists of {role, content} messages: this looks like chat data"),
+     ([{"messages": i} for i in range(40)], "'messages' holds int values, not text")],
+)
+def test_a_text_column_that_does_not_hold_text_is_named(tmp_path, tokenizer, records, message) -> None:
+    train_file = tmp_path / "chat.jsonl"
+    train_file.write_text("\n".join(json.dumps(record) for record in records))
+    raw = load_raw_datasets(None, None, str(train_file), None, 10, seed=0)
+    with pytest.raises(DataError, match=re.escape(message)):
+        build_lm_datasets(raw, tokenizer, "messages", block_size=32)

@@ -6,13 +6,20 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from models import build_tokenizer
 from models.configs import build_named_config
 from tests.conftest import read_metrics
+from training.arguments import TrainArguments
 from training.optim import build_optimizer
-from training.performance import flops_per_token, gpu_peak_flops, measured_matmul_flops, model_state_bytes
+from training.performance import (
+    flops_per_token,
+    gpu_peak_flops,
+    measured_matmul_flops,
+    model_state_bytes,
+    model_state_probe,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +35,21 @@ def test_flops_per_token_counts_matmul_parameters_and_attention(tiny_model) -> N
     assert sum(p.numel() for p in tiny_model.parameters()) == total
     # 6 x (all but the input embedding) + 12 x layers x width x sequence length
     assert flops_per_token(tiny_model, seq_len=128) == 6 * (total - embedding) + 12 * 2 * 64 * 128
+
+
+def test_a_custom_model_without_attention_fields_is_counted_as_6n() -> None:
+    class TinyConfig(PretrainedConfig):
+        model_type = "tiny-custom"
+
+    class TinyCustom(PreTrainedModel):  # any nn.Module returning logits: its config says nothing of attention
+        config_class = TinyConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.embed, self.head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10)
+
+    model = TinyCustom(TinyConfig())
+    assert flops_per_token(model, seq_len=128) == 6 * sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize(
@@ -50,7 +72,7 @@ def test_the_cpu_peak_is_measured() -> None:
 
 def test_model_state_bytes_are_counted_from_the_tensors(tiny_model) -> None:
     """One process, fp32 AdamW: 4 bytes of weights, 4 of gradients, 8 of moments per parameter."""
-    optimizer = build_optimizer(tiny_model, learning_rate=1e-3, weight_decay=0.1)
+    optimizer = build_optimizer(tiny_model, TrainArguments(learning_rate=1e-3, weight_decay=0.1))
     ids = torch.randint(0, 900, (2, 16))
     tiny_model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
@@ -85,3 +107,19 @@ def test_every_run_reports_speed_and_memory(cached_run) -> None:
     assert summary["model_state_bytes_per_rank"]["gradients"] == 4 * psi
     assert sum(summary["model_state_bytes_per_rank"].values()) == pytest.approx(16 * psi, rel=1e-3)  # ZeRO stage 0
     assert summary["versions"]["torch"].startswith("2.13.0")
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "sgd"])
+def test_model_state_is_measured_at_the_second_step_and_never_reported_as_zero(tiny_model, optim) -> None:
+    optimizer = build_optimizer(tiny_model, TrainArguments(optim=optim))
+    probe = model_state_probe(tiny_model, optimizer, list)
+    ids = torch.randint(0, 900, (2, 16))
+    for step in (1, 2):
+        tiny_model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            assert probe == {}  # one step: nothing to report yet (the summary says "not measured")
+    psi = sum(p.numel() for p in tiny_model.parameters())
+    assert probe["parameters"] == 4 * psi and probe["gradients"] == 4 * psi
+    assert probe["optimizer"] == pytest.approx(8 * psi if optim.startswith("adamw") else 0, rel=1e-3)  # + step counters

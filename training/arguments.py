@@ -7,6 +7,7 @@ know is an error, in the recipe as on the command line, with the nearest valid n
 from __future__ import annotations
 
 import difflib
+import json
 import sys
 import tempfile
 from dataclasses import dataclass, field, fields
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, SchedulerType
 
 from data import check_data_file
 from models.configs import DEFAULT_CONFIGS, IMAGE_CONFIGS, NAMED_CONFIGS, TASK_CONFIGS
@@ -22,6 +23,10 @@ from training.checkpoint import complete_checkpoints, newer_checkpoints, require
 from training.distributed import Strategy, requested_strategy
 from training.layer_split import DEVICE_MAPS
 from training.metrics import TrackerError, resolve_trackers
+from training.optim import NEEDS_WHOLE_TENSORS, OPTIMIZERS, check_optimization
+
+
+INTERVALS = ["steps", "epoch", "no"]  # --eval_strategy and --save_strategy, as TrainingArguments
 
 
 @dataclass
@@ -76,29 +81,65 @@ class DataArguments:
     block_size: int | None = field(
         default=None, metadata={"help": "Tokens per training sequence. Default: the model's maximum, at most 1024."}
     )
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Train on the first N training examples only (packed sequences, or images)."}
+    )
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on the first N validation examples only."})
 
 
 @dataclass
 class TrainArguments:
     output_dir: str = field(default="outputs/default", metadata={"help": "Checkpoints, metrics and the final model."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start afresh in an output_dir that holds a run: its checkpoints, final model, metrics and "
+                          "tracker logs are deleted just before training starts."},
+    )
     max_steps: int = field(default=-1, metadata={"help": "Optimizer steps to run; -1 means --num_train_epochs."})
     num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs over the training set if max_steps is -1."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-step."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per process per eval step."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
-    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate (AdamW)."})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay; never on biases and norms."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate."})
+    weight_decay: float = field(default=0.1, metadata={"help": "Decoupled weight decay; never on biases and norms."})
+    optim: str = field(
+        default="adamw_torch_fused", metadata={"help": "The optimizer (transformers' names).", "choices": list(OPTIMIZERS)}
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(
+        default=0.95, metadata={"help": "AdamW beta2: 0.95 as in LLM pretraining (transformers' default is 0.999)."}
+    )
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
     warmup_steps: int = field(default=30, metadata={"help": "Linear warmup, in optimizer steps."})
+    warmup_ratio: float = field(
+        default=0.0, metadata={"help": "Linear warmup as a fraction of the total steps, in [0, 1); replaces --warmup_steps when > 0."}
+    )
     lr_scheduler_type: str = field(
-        default="cosine", metadata={"help": "Decay after warmup: any transformers scheduler name."}
+        default="cosine",
+        metadata={"help": "Decay after warmup (transformers' schedulers).", "choices": [s.value for s in SchedulerType]},
+    )
+    lr_scheduler_kwargs: str | None = field(
+        default=None,
+        metadata={"help": 'JSON object of the scheduler\'s own arguments, e.g. \'{"min_lr_rate": 0.1}\' for cosine_with_min_lr.'},
     )
     max_grad_norm: float = field(
         default=1.0, metadata={"help": "Clip the global gradient norm to this on every strategy; 0 disables."}
     )
     seed: int = field(default=42, metadata={"help": "Seeds model init, data order and dropout."})
     logging_steps: int = field(default=10, metadata={"help": "Log training metrics every N optimizer steps."})
+    logging_first_step: bool = field(default=False, metadata={"help": "Also log the run's first optimizer step."})
+    eval_strategy: str = field(
+        default="steps",
+        metadata={"help": "When to evaluate: every --eval_steps, at each epoch's end, or never; steps and epoch also at the end.",
+                  "choices": INTERVALS},
+    )
     eval_steps: int = field(default=100, metadata={"help": "Evaluate every N optimizer steps (and at the end)."})
     eval_on_start: bool = field(default=True, metadata={"help": "Evaluate before the first step (the step-0 baseline)."})
+    save_strategy: str = field(
+        default="steps",
+        metadata={"help": "When to save a checkpoint: every --save_steps, at each epoch's end, or never (a stop signal "
+                          "still saves).", "choices": INTERVALS},
+    )
     save_steps: int = field(default=200, metadata={"help": "Save a resumable checkpoint every N optimizer steps."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
     resume_from_checkpoint: str | None = field(
@@ -127,8 +168,19 @@ class ArgumentError(ValueError):
     """A flag or recipe value the template cannot use; its message says how to fix it."""
 
 
+# TrainingArguments flags that the launcher owns here: the accelerate config or `accelerate launch` sets them.
+LAUNCHER_SETTINGS = {
+    "bf16": "accelerate launch --mixed_precision bf16 ... train.py (or mixed_precision: bf16 in the accelerate yaml)",
+    "fp16": "accelerate launch --mixed_precision fp16 ... train.py (GPUs only; bf16 is safer)",
+    "deepspeed": "accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml train.py (or another ZeRO config)",
+    "fsdp": "accelerate launch --config_file accelerate_configs/fsdp.yaml train.py",
+}
+
+
 def _check_known(keys: list[str], where: str) -> None:
     for key in keys:
+        if key in LAUNCHER_SETTINGS:
+            raise ArgumentError(f"{key!r} in {where} is a launcher setting here: {LAUNCHER_SETTINGS[key]}")
         if key not in KNOWN_KEYS:
             close = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else "; see train.py --help"
@@ -153,7 +205,8 @@ def load_recipe(path: str) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, TrainArguments]:
     """Parse defaults, then `--config recipe.yaml`, then the command line."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = HfArgumentParser(ALL_ARGUMENT_CLASSES, description="Train a causal LM or an image classifier with any accelerate strategy.")
+    parser = HfArgumentParser(ALL_ARGUMENT_CLASSES, allow_abbrev=False,  # --learning_rat is a typo, not --learning_rate
+                              description="Train a causal LM or an image classifier with any accelerate strategy.")
     parser.add_argument("--config", help="Recipe YAML of flag values; the command line overrides it.")
     pre_args, _ = parser.parse_known_args(argv)
     if pre_args.config:
@@ -178,8 +231,15 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     for name in positive:
         if getattr(train_args, name) < 1:
             raise ArgumentError(f"--{name} must be at least 1, got {getattr(train_args, name)}")
-    if train_args.max_steps == 0 or (train_args.max_steps < 0 and train_args.num_train_epochs <= 0):
+    if train_args.max_steps < -1:
+        raise ArgumentError(f"--max_steps must be -1 (train for --num_train_epochs) or a positive number of steps, "
+                            f"got {train_args.max_steps}")
+    if train_args.max_steps == 0 or (train_args.max_steps == -1 and train_args.num_train_epochs <= 0):
         raise ArgumentError("nothing to train: set --max_steps > 0 or --num_train_epochs > 0")
+    check_optimization_flags(train_args)
+    for name in ("max_train_samples", "max_eval_samples"):
+        if (value := getattr(data_args, name)) is not None and value < 1:
+            raise ArgumentError(f"--{name} must be at least 1, got {value}")
     if data_args.block_size is not None and data_args.block_size < 2:
         raise ArgumentError(f"--block_size must be at least 2, got {data_args.block_size}")
     if train_args.dataloader_num_workers < 0:
@@ -205,10 +265,14 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
                 f"{resume} is older than {newer} in the same output_dir, which 'latest' would pick after a restart; "
                 "move those elsewhere first, or resume into another --output_dir"
             )
-    if not resume and (complete_checkpoints(train_args.output_dir) or (Path(train_args.output_dir) / "final").exists()):
+    if resume and train_args.overwrite_output_dir:
+        raise ArgumentError("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues: give one")
+    if not resume and not train_args.overwrite_output_dir and (
+        complete_checkpoints(train_args.output_dir) or (Path(train_args.output_dir) / "final").exists()
+    ):
         raise ArgumentError(
             f"{train_args.output_dir} already holds a run (checkpoints or final/); continue it with "
-            "--resume_from_checkpoint latest, or choose another --output_dir"
+            "--resume_from_checkpoint latest, start afresh with --overwrite_output_dir, or choose another --output_dir"
         )
     check_writable(train_args.output_dir)
     report_to = train_args.report_to
@@ -222,6 +286,34 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
             check_data_file(path)
         except (ValueError, FileNotFoundError) as error:
             raise ArgumentError(str(error)) from None
+
+
+def check_optimization_flags(train_args: TrainArguments) -> None:
+    """The optimizer and schedule settings work together, and with the launched strategy."""
+    if not 0 <= train_args.warmup_ratio < 1:
+        raise ArgumentError(f"--warmup_ratio must be in [0, 1), got {train_args.warmup_ratio}")
+    if train_args.warmup_steps < 0:
+        raise ArgumentError(f"--warmup_steps must be >= 0, got {train_args.warmup_steps}")
+    kwargs = train_args.lr_scheduler_kwargs
+    if isinstance(kwargs, str):  # from the command line; a recipe may give a mapping
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as error:
+            raise ArgumentError(f"--lr_scheduler_kwargs is not valid JSON ({error}); give an object such as "
+                                '\'{"min_lr_rate": 0.1}\'') from None
+    if not isinstance(kwargs, dict | None):
+        raise ArgumentError(f"--lr_scheduler_kwargs must be a JSON object of argument names to values, got {kwargs!r}")
+    train_args.lr_scheduler_kwargs = kwargs or {}
+    if train_args.optim in NEEDS_WHOLE_TENSORS and requested_strategy() in (Strategy.FSDP, Strategy.DEEPSPEED):
+        raise ArgumentError(f"--optim {train_args.optim} factors whole weight matrices, but {requested_strategy().value} "
+                            "hands the optimizer shards; use it with ddp.yaml or single.yaml, or pick adamw_torch_fused")
+    try:
+        check_optimization(train_args)
+    except (ValueError, TypeError) as error:
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ArgumentError(f"--optim {train_args.optim} with --lr_scheduler_type {train_args.lr_scheduler_type} "
+                            f"cannot start: {detail}; check --adam_beta1/--adam_beta2/--adam_epsilon and "
+                            "--lr_scheduler_kwargs") from None
 
 
 # Flags that only one task reads: set for the other, they would be silently ignored.

@@ -54,6 +54,19 @@ def complete_checkpoints(output_dir: str) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+RUN_OUTPUTS = ("checkpoints", "final", "runs", "metrics.jsonl", "summary.json", "report.png")
+
+
+def clear_previous_run(output_dir: str) -> None:
+    """--overwrite_output_dir: delete what an earlier run left in `output_dir` (main process only)."""
+    for name in RUN_OUTPUTS:
+        path = Path(output_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
 def resolve_resume_path(
     resume_from_checkpoint: str | None, output_dir: str, accelerator: Accelerator | None = None
 ) -> Path | None:

@@ -111,9 +111,15 @@ def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
                 "relative paths count from where you launch: run from the repository root or use an absolute path"
             )
         try:
-            json.loads(Path(path).read_text())
+            ds_config = json.loads(Path(path).read_text())
         except json.JSONDecodeError as error:
             raise StrategyError(f"DeepSpeed config {path} is not valid JSON ({error}); fix it or start from ds_configs/")
+        if sections := [key for key in ("optimizer", "scheduler") if key in ds_config]:
+            raise StrategyError(
+                f"DeepSpeed config {path} has its own {' and '.join(sections)} section: train.py builds the optimizer "
+                "(--optim, --learning_rate, --adam_beta1/2, --weight_decay) and the schedule (--lr_scheduler_type, "
+                "--warmup_steps) the same way on every strategy; remove the section and set those flags"
+            )
     if _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
         check_parallelism_config(strategy)
     if on_cpu and os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16":

@@ -26,16 +26,21 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     N counts the parameters used in matrix multiplies (all but the input embedding, unless
     the output layer shares it); 12·L·d·T is attention's scores and weighted sum over a
     sequence of T tokens, forward and backward. Call it before `prepare` (ZeRO-3 partitions
-    are counted by their full size).
+    are counted by their full size). A model whose config does not describe its attention
+    (a custom model) is counted as 6N, every parameter in a matrix multiply.
     """
+    config = getattr(model, "config", None)
+    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // heads if heads and getattr(config, "hidden_size", None) else None
+    )
+    if not (layers and heads and head_dim):
+        return 6 * parameter_count(model)
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is embedding
     matmul_params = parameter_count(model) - (0 if tied else _full_numel(embedding))
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attention_width = config.num_attention_heads * head_dim
-    return 6 * matmul_params + 12 * config.num_hidden_layers * attention_width * seq_len
+    return 6 * matmul_params + 12 * layers * heads * head_dim * seq_len
 
 
 def counted_flops_per_example(model: torch.nn.Module, example: torch.Tensor, input_name: str) -> float:
@@ -207,16 +212,21 @@ def model_state_probe(
 ) -> dict[str, int]:
     """A dict that `model_state_bytes` fills once, just before the first optimizer step whose
     parameters all have optimizer state (the second), when gradients and optimizer state exist.
+    A stateless optimizer (SGD without momentum) is measured at its second step too. A run of
+    fewer optimizer steps leaves it empty: not measured, rather than 0.
 
     A hook on the torch optimizer, so the training loop stays as it is: every strategy,
     DeepSpeed included, calls that optimizer's `step`.
     """
     measured: dict[str, int] = {}
+    stepped = []
 
     def measure(stepping: torch.optim.Optimizer, _args, _kwargs) -> None:
-        if all(stepping.state.get(p) for p in _stepping(stepping)) and not measured:  # state: a defaultdict
+        stateless = stepped and not any(stepping.state.values())
+        if (stateless or all(stepping.state.get(p) for p in _stepping(stepping))) and not measured:  # state: a defaultdict
             measured.update(model_state_bytes(model, stepping, held_gradients()))
             handle.remove()
+        stepped.append(True)
 
     handle = optimizer.register_step_pre_hook(measure)
     return measured

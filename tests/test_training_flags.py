@@ -1,0 +1,35 @@
+"""TrainingArguments-style flags end to end: eval/save intervals, first-step logging, sample limits, overwrite."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import read_metrics, split_args, train
+from train import due
+
+
+@pytest.mark.parametrize(
+    ("strategy", "step", "epoch_end", "expected"),
+    [("steps", 10, False, True), ("steps", 11, True, False), ("epoch", 11, True, True), ("epoch", 10, False, False),
+     ("no", 10, True, False)],
+)
+def test_an_interval_falls_on_its_steps_or_epoch_ends(strategy, step, epoch_end, expected) -> None:
+    assert due(strategy, 5, step, epoch_end) is expected
+
+
+def test_epoch_intervals_first_step_logging_sample_limits_and_overwrite(cached_run, uneven_data, tmp_path) -> None:
+    run = tmp_path / "run"  # a finished run (checkpoints step_4 and step_8, final/, metrics) to start afresh over
+    shutil.copytree(cached_run("ddp", *split_args(uneven_data, per_device=4, accumulation=1)), run)
+    result = train("single", run, "--overwrite_output_dir", "--max_train_samples", "48", "--max_eval_samples", "10",
+                   "--num_train_epochs", "2", "--eval_strategy", "epoch", "--save_strategy", "epoch",
+                   "--logging_first_step", "--logging_steps", "5", "--per_device_train_batch_size", "8",
+                   "--block_size", "32")
+    assert "48 sequences of up to 32 tokens, 10 for evaluation, global batch 8, 6 steps/epoch" in result.stderr
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 5, 10, 12]  # the first step, every 5th, the last
+    assert [m["step"] for m in metrics if "eval_loss" in m] == [0, 6, 12]  # the start and each epoch's end
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_12", "step_6"]  # none of the old run's
+    assert json.loads((run / "summary.json").read_text())["total_steps"] == 12
