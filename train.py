@@ -12,6 +12,11 @@ checks that what runs is what the config file asked for. The task never does eit
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first of all, before the libraries load: see training/preemption.py
+    from training.preemption import install_stop_handlers
+
+    install_stop_handlers()
+
 import math
 import os
 import sys
@@ -87,6 +92,7 @@ EXIT_PREEMPTED = 75  # SIGTERM/SIGUSR1: saved a checkpoint; rerun with --resume_
 
 
 def main() -> None:
+    stop_requests = install_stop_handlers()  # SIGTERM/SIGUSR1 (already, as __main__): finish the step, save, exit 75
     model_args, data_args, args = parse_args()
     quiet_third_party_output()
     accelerator = build_accelerator(
@@ -113,7 +119,7 @@ def main() -> None:
     run_description = describe(accelerator, strategy)
     logger.info(run_description, main_process_only=True)
     logger.info(preflight(accelerator, args.ddp_timeout), main_process_only=True)
-    stop_requests = install_stop_handlers(accelerator, args.ddp_timeout)  # SIGTERM/SIGUSR1: save, then exit 75
+    stop_requests.connect(accelerator, args.ddp_timeout)  # ranks agree on a stop at every step
     set_seed(args.seed)  # identical initial weights on every rank and strategy
 
     # ---- model and data ----
@@ -185,8 +191,8 @@ def main() -> None:
                      "wandb": {"name": args.run_name}},
     )
     logger.info(
-        f"{task.describe_data(train_set)}, {len(eval_set)} for evaluation, global batch {global_batch}, "
-        f"{steps_per_epoch} steps/epoch, training to step {max_steps}",
+        f"{task.describe_data(train_set)}, global batch {global_batch}, {steps_per_epoch} steps/epoch, "
+        f"training to step {max_steps}, {len(eval_set)} examples for evaluation",
         main_process_only=True,
     )
 

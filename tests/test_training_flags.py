@@ -27,7 +27,8 @@ def test_epoch_intervals_first_step_logging_sample_limits_and_overwrite(cached_r
                    "--num_train_epochs", "2", "--eval_strategy", "epoch", "--save_strategy", "epoch",
                    "--logging_first_step", "--logging_steps", "5", "--per_device_train_batch_size", "8",
                    "--block_size", "32")
-    assert "48 sequences of up to 32 tokens, 10 for evaluation, global batch 8, 6 steps/epoch" in result.stderr
+    assert "48 sequences of up to 32 tokens, global batch 8, 6 steps/epoch, training to step 12, 10 examples for evaluation" \
+        in result.stderr
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics if "loss" in m] == [1, 5, 10, 12]  # the first step, every 5th, the last
     assert [m["step"] for m in metrics if "eval_loss" in m] == [0, 6, 12]  # the start and each epoch's end

@@ -16,17 +16,18 @@ never waits for the GPU.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import signal
 import sys
 from types import FrameType
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-from accelerate import Accelerator
-
-from training.collectives import cpu_group
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+# torch is imported where it is used: train.py installs the handlers before the libraries
+# load (seconds), so that a SIGTERM then cannot kill a rank either.
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -41,32 +42,45 @@ class Preempted(Exception):
 class StopRequests:
     """Records stop signals; `agreed()` tells every rank whether any rank received one."""
 
-    def __init__(self, distributed: bool, timeout_s: int) -> None:
-        self.distributed, self.timeout_s = distributed, timeout_s
+    def __init__(self) -> None:
         self.received = 0  # the signal number, 0 for none
+        self.distributed, self.timeout_s = False, 0
 
     def handle(self, signum: int, _frame: FrameType | None) -> None:
         self.received = signum  # only a flag: the training loop decides when it is safe to stop
 
+    def connect(self, accelerator: Accelerator, timeout_s: int) -> None:
+        """Once the process group exists: agree with the other ranks from now on (a collective)."""
+        from training.collectives import cpu_group
+
+        self.distributed, self.timeout_s = accelerator.num_processes > 1, timeout_s
+        if self.distributed:
+            cpu_group(timeout_s)  # made now, on every rank, if this run needs a separate one
+
     def agreed(self) -> str | None:
         """The name of a stop signal any rank received, or None. A collective: call it on every rank."""
+        import torch
+        import torch.distributed as dist
+
+        from training.collectives import cpu_group
+
         received = torch.tensor([self.received])
         if self.distributed:
             dist.all_reduce(received, op=dist.ReduceOp.MAX, group=cpu_group(self.timeout_s))
         return signal.Signals(int(received)).name if received else None
 
 
-def install_stop_handlers(accelerator: Accelerator, timeout_s: int) -> StopRequests:
-    """From now until the process exits, SIGTERM and SIGUSR1 only set a flag.
+@functools.cache
+def install_stop_handlers() -> StopRequests:
+    """From now until the process exits, SIGTERM and SIGUSR1 only set a flag (once per process).
 
     A signal during set-up stops the run after its first step; one during the final export
     lets the export finish (within the scheduler's grace period). A second signal, as
-    torchrun and SLURM both send one, changes nothing.
+    torchrun and SLURM both send one, changes nothing. Installed as train.py starts, so a
+    rank that finds bad input still prints its error line: when the first rank exits,
+    torchrun sends SIGTERM to the others, maybe while they still import the libraries.
     """
-    distributed = accelerator.num_processes > 1
-    if distributed:
-        cpu_group(timeout_s)  # made now, on every rank, if this run needs a separate one
-    requests = StopRequests(distributed, timeout_s)
+    requests = StopRequests()
     for sig in STOP_SIGNALS:
         signal.signal(sig, requests.handle)
     _sigterm_when_parent_dies(requests)
