@@ -177,9 +177,10 @@ def main() -> None:
         state = load_checkpoint(accelerator, resume_path, global_batch, max_steps)
         state.num_processes = accelerator.num_processes
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
-    if args.overwrite_output_dir and accelerator.is_main_process:  # only now: every check before has passed
-        clear_previous_run(args.output_dir)
-    accelerator.wait_for_everyone()
+    if args.overwrite_output_dir:  # only now: every check before has passed
+        if accelerator.is_main_process:
+            clear_previous_run(args.output_dir)
+        accelerator.wait_for_everyone()
     run_settings = {"strategy": strategy.value, "num_processes": accelerator.num_processes,
                     "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch,
                     "total_steps": max_steps, "parameters": num_parameters, **task.settings}
