@@ -26,6 +26,7 @@ exit_process(int(sum(t.sum() for t in gathered)))  # 8: both ranks' ones arrived
 def test_exit_runs_python_shutdown_but_skips_interpreter_teardown() -> None:
     script = textwrap.dedent("""
         import atexit, threading, time
+        from concurrent.futures import ThreadPoolExecutor
         from training.process_exit import exit_process
 
         class Teardown:
@@ -36,6 +37,8 @@ def test_exit_runs_python_shutdown_but_skips_interpreter_teardown() -> None:
         atexit.register(lambda: print("last words, not flushed by hand"))  # runs last: atexit is LIFO
         atexit.register(lambda: print("atexit ran", flush=True))
         threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished", flush=True))).start()
+        idle_pool = ThreadPoolExecutor(2)  # as torch.compile leaves them: workers stop only on threading's hooks
+        idle_pool.submit(time.sleep, 0).result()
         exit_process(75)
     """)
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)

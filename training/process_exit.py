@@ -16,7 +16,7 @@ Upstream: pytorch/pytorch#179291 (an atexit hook destroying process groups; aban
 since a group still referenced elsewhere keeps its threads anyway). `tests/test_clean_exit.py`
 reproduces the abort with a held group, and `scripts/stress_launch.py` counts it per config.
 
-So a rank ends the way Python would (non-daemon threads joined, atexit handlers run,
+So a rank ends the way Python would (threading shut down, atexit handlers run,
 streams flushed) and then leaves with `os._exit`, never entering the teardown. The exit
 code is the one given: a failed rank still exits non-zero.
 """
@@ -32,9 +32,10 @@ from typing import NoReturn
 
 def exit_process(code: int) -> NoReturn:
     """End this process with `code` after everything Python's own shutdown would run before teardown."""
-    for thread in threading.enumerate():  # what threading._shutdown does: wait for non-daemon threads
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # Py_FinalizeEx's own first step: run threading's atexit hooks (concurrent.futures stops
+    # its idle pool workers there; torch.compile's pools would otherwise never return), then
+    # wait for the non-daemon threads. Joining them by hand skips those hooks and deadlocks.
+    threading._shutdown()
     atexit._run_exitfuncs()  # logging.shutdown, trackers, temporary files, dataloader workers
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
