@@ -13,9 +13,16 @@ checks that what runs is what the config file asked for. The task never does eit
 from __future__ import annotations
 
 if __name__ == "__main__":  # first of all, before the libraries load: see training/preemption.py
+    import sys
+
     from training.preemption import install_stop_handlers
 
     install_stop_handlers()
+    if {"-h", "--help"} & set(sys.argv[1:]):  # answered before torch loads: under 2 s
+        from training.flags import build_parser
+
+        build_parser().print_help()
+        sys.exit(0)
 
 import math
 import os
@@ -37,7 +44,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from data import DataError
-from models import ModelError
+from models.language import ModelError
 from training.arguments import ArgumentError, parse_args
 from training.batchnorm import convert_sync_batchnorm
 from training.checkpoint import (
@@ -61,17 +68,19 @@ from training.distributed import (
     held_gradients,
     master_weight_dtypes,
     model_construction,
+    optimizer_offload_device,
     release_model_construction_hooks,
     tensor_parallel_size,
     verify_prepared,
     verify_strategy,
     write_effective_deepspeed_config,
 )
+from training.dry_run import dry_run
 from training.evaluation import evaluate
 from training.layer_split import split_layers
 from training.loss import NonFiniteGuard, NonFiniteLossError, accumulation_windows
 from training.metrics import MetricsLogger, to_float, tracker_config, write_summary
-from training.optim import build_optimizer, build_scheduler
+from training.optim import build_optimizer, build_scheduler, run_length
 from training.performance import (
     SpeedMeter,
     compute_dtype,
@@ -95,6 +104,10 @@ def main() -> None:
     stop_requests = install_stop_handlers()  # SIGTERM/SIGUSR1 (already, as __main__): finish the step, save, exit 75
     model_args, data_args, args = parse_args()
     quiet_third_party_output()
+    if args.dry_run:  # one process, no process group: see training/dry_run.py
+        if plan := dry_run(model_args, data_args, args):
+            print(plan)
+        return
     accelerator = build_accelerator(
         args.ddp_timeout,
         # Synchronise by step count only: train.py reads a whole window ahead (see
@@ -137,27 +150,18 @@ def main() -> None:
         logger.info(note, main_process_only=True)
     model_name = model_args.model_name_or_path or model_args.model_config
     num_parameters = parameter_count(model)
-    train_set, eval_set = task.build_datasets(raw, accelerator.main_process_first())
-    train_set, eval_set = first(train_set, data_args.max_train_samples), first(eval_set, data_args.max_eval_samples)
-    # Every optimizer step sees one full global batch: a partial last one would weigh less
-    # under accumulation, so the last len % global_batch sequences are left out every epoch.
+    train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
     global_batch = args.per_device_train_batch_size * data_parallel_size(accelerator) * args.gradient_accumulation_steps
-    steps_per_epoch = len(train_set) // global_batch
-    if steps_per_epoch == 0 or len(eval_set) == 0:
-        raise ArgumentError(
-            f"{len(train_set)} training and {len(eval_set)} validation examples: need at least one global batch of "
-            f"{global_batch} and one validation example; use more data or smaller batches"
-        )
+    steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
     train_set = train_set.select(range(steps_per_epoch * global_batch))
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking above).
     loading = {"collate_fn": task.collator, "num_workers": args.dataloader_num_workers,
                "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda"}
     train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True, **loading)
     eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, **loading)
-    max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
 
     align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
-    torch_optimizer = build_optimizer(model, args)
+    torch_optimizer = build_optimizer(model, args, offloaded=optimizer_offload_device(accelerator) != "none")
     scheduler = build_scheduler(torch_optimizer, args, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, torch_optimizer, train_loader, eval_loader, scheduler
@@ -166,8 +170,8 @@ def main() -> None:
     verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
     write_effective_deepspeed_config(accelerator, args.output_dir)
     logger.info(
-        f"model wrapped as {type(model).__name__}; optimizer master weights "
-        f"{', '.join(str(d) for d in master_weight_dtypes(model, optimizer))}",
+        f"model wrapped as {type(model).__name__}; optimizer {type(torch_optimizer).__name__} (--optim {args.optim}), "
+        f"master weights {', '.join(str(d) for d in master_weight_dtypes(model, optimizer))}",
         main_process_only=True,
     )
 
@@ -315,11 +319,6 @@ def main() -> None:
         write_summary(args.output_dir, summary)
         write_report(args.output_dir, report_title)
         print_summary(summary, final_dir, task)
-
-
-def first(dataset, count: int | None):
-    """The first `count` examples (--max_train_samples / --max_eval_samples), or all of them."""
-    return dataset if count is None or count >= len(dataset) else dataset.select(range(count))
 
 
 def due(strategy: str, every: int, step: int, epoch_end: bool) -> bool:

@@ -67,9 +67,23 @@ def load_raw_datasets(
     else:
         raw = DatasetDict({split: Dataset.from_dict({"text": docs}) for split, docs in default_splits().items()})
     if "validation" not in raw:
-        split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
-        raw = DatasetDict({"train": split["train"], "validation": split["test"]})
+        raw = hold_out(raw["train"], validation_split_percentage, seed)
     return raw
+
+
+def hold_out(train: Dataset, percentage: int, seed: int, stratify_by_column: str | None = None) -> DatasetDict:
+    """`percentage` of `train` as the validation split; the same share of every class when a
+    `stratify_by_column` is given and every class is large enough to give some."""
+    try:
+        split = train.train_test_split(test_size=percentage / 100, seed=seed, stratify_by_column=stratify_by_column)
+    except ValueError:  # a class too small to split, or a split that would leave either side empty
+        if stratify_by_column:
+            return hold_out(train, percentage, seed)
+        raise DataError(
+            f"{len(train)} training examples cannot give up --validation_split_percentage {percentage} for "
+            "validation; add data, change the percentage, or give a validation file or directory"
+        ) from None
+    return DatasetDict({"train": split["train"], "validation": split["test"]})
 
 
 def _cache_key(

@@ -19,7 +19,7 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict, load_dataset
 from transformers.image_processing_utils import BaseImageProcessor
 
-from data import DataError
+from data import DataError, hold_out
 from data.default_shapes import default_shape_splits
 
 
@@ -52,11 +52,7 @@ def load_raw_image_datasets(
     train = _as_class_labels(splits["train"], label_column)
     if "validation" in splits:
         return DatasetDict({"train": train, "validation": _same_classes(splits["validation"], train, label_column)})
-    try:  # the same share of every class held out
-        held_out = train.train_test_split(validation_split_percentage / 100, seed=seed, stratify_by_column=label_column)
-    except ValueError:  # a class too small to split
-        held_out = train.train_test_split(validation_split_percentage / 100, seed=seed)
-    return DatasetDict({"train": held_out["train"], "validation": held_out["test"]})
+    return hold_out(train, validation_split_percentage, seed, stratify_by_column=label_column)
 
 
 def _as_class_labels(dataset: Dataset, label_column: str) -> Dataset:

@@ -1,106 +1,15 @@
-"""Model and tokenizer construction: the one place that knows where weights come from.
+"""Models: where their weights come from, and the named configs trained from scratch.
 
-Language models live here, image classifiers in `models/vision.py`. Two ways in:
-- `--model_name_or_path`: a Hub id or a local directory holding any `AutoModelForCausalLM`
-  (continued pre-training or fine-tuning).
-- `--model_config NAME`: a named small config from `models/configs.py`, trained from
-  scratch with the tokenizer shipped in `models/tokenizer/` (the default job).
+- `models/language.py`: causal language models and their tokenizer. `--model_name_or_path`
+  loads any `AutoModelForCausalLM` (a Hub id or a local directory); `--model_config NAME`
+  trains a named config from scratch with the tokenizer shipped in `models/tokenizer/`
+  (the default job).
+- `models/vision.py`: image classifiers, the same two ways.
+- `models/configs.py`: the named configs. It imports nothing heavy, so that
+  `train.py --help` can list them at once.
 
 Adding your own model: register its config in `models/configs.py` (any `transformers`
 config class works), or save it as a directory with `save_pretrained` and pass it as
 `--model_name_or_path`. Sharded strategies wrap the classes listed in the model's
 `_no_split_modules`, which every `transformers` decoder defines.
 """
-
-from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
-
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
-
-from models.configs import build_named_config
-
-SHIPPED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer"
-
-
-class ModelError(ValueError):
-    """A model or tokenizer that cannot be loaded or used as asked; the message says how to fix it."""
-
-
-@contextmanager
-def loading(what: str, source: str) -> Iterator[None]:
-    """Turn `transformers` loading failures into one `ModelError` line."""
-    try:
-        yield
-    except (OSError, ValueError) as error:
-        if "trust_remote_code" in str(error):
-            raise ModelError(
-                f"{what} {source} needs its own Python code to load; pass --trust_remote_code only if you trust "
-                "that code (it runs on every rank)"
-            ) from None
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelError(f"cannot load {what} {source}: {first_line}") from None
-
-
-def build_tokenizer(
-    model_name_or_path: str | None, tokenizer_name: str | None, trust_remote_code: bool = False
-) -> PreTrainedTokenizerBase:
-    """The tokenizer named explicitly, else the pretrained model's own, else the shipped one."""
-    source = tokenizer_name or model_name_or_path or str(SHIPPED_TOKENIZER)
-    with loading("tokenizer", source):
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def build_model(
-    model_name_or_path: str | None,
-    model_config: str,
-    tokenizer: PreTrainedTokenizerBase,
-    trust_remote_code: bool = False,
-    gradient_checkpointing: bool = False,
-) -> PreTrainedModel:
-    """Load pretrained weights, or initialise a named config from scratch (seed first).
-
-    Weights are always fp32: mixed precision is applied by the strategy, which keeps
-    fp32 master weights (loading bf16 weights and training them directly learns worse).
-    """
-    if model_name_or_path:
-        with loading("model", model_name_or_path):
-            model = AutoModelForCausalLM.from_pretrained(
-                model_name_or_path, dtype=torch.float32, trust_remote_code=trust_remote_code
-            )
-    else:
-        config = build_named_config(model_config, tokenizer)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    rows = model.get_input_embeddings().num_embeddings
-    if len(tokenizer) > rows:  # token ids past the embedding would crash, or train on garbage rows
-        raise ModelError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows} rows; use the model's own "
-            "tokenizer, or resize on purpose (model.resize_token_embeddings(len(tokenizer)), then save_pretrained)"
-        )
-    if gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    return model
-
-
-def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
-    """Recompute activations in backward instead of storing them; a clear error if the model cannot."""
-    if not model.supports_gradient_checkpointing:
-        raise ModelError(f"{type(model).__name__} does not support --gradient_checkpointing; drop the flag")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-
-
-def resolve_block_size(requested: int | None, config: PretrainedConfig) -> int:
-    """The requested block size, or the model's maximum (at most 1024); never above the maximum."""
-    model_max = getattr(config, "max_position_embeddings", None)
-    if requested is None:
-        return min(model_max or 1024, 1024)
-    if model_max is not None and requested > model_max:
-        raise ModelError(f"--block_size {requested} exceeds the model's maximum of {model_max} positions")
-    return requested

@@ -4,17 +4,23 @@
 ResNets for `--task image-classification`, each sized for one job. To add your own, add
 an entry that returns any `transformers.PretrainedConfig` whose model type
 `AutoModelForCausalLM` (or `AutoModelForImageClassification`) knows.
+
+The config classes are imported when a config is made, not with this module: `train.py
+--help` lists these names without loading transformers' models (and with them torch).
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase, ResNetConfig
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase, ResNetConfig
 
 
 def _llama(hidden: int, layers: int, heads: int, intermediate: int, positions: int) -> Callable[[int, int], LlamaConfig]:
     def make(vocab_size: int, eos_token_id: int) -> LlamaConfig:
+        from transformers import LlamaConfig
+
         return LlamaConfig(
             vocab_size=vocab_size,
             hidden_size=hidden,
@@ -60,6 +66,8 @@ class ImageConfig(NamedTuple):
 
 def _resnet(embedding: int, widths: list[int], depths: list[int]) -> Callable[[list[str]], ResNetConfig]:
     def make(labels: list[str]) -> ResNetConfig:
+        from transformers import ResNetConfig
+
         return ResNetConfig(embedding_size=embedding, hidden_sizes=widths, depths=depths, layer_type="basic",
                             num_labels=len(labels), **label_maps(labels))
 

@@ -15,8 +15,8 @@ from transformers.image_processing_utils import BaseImageProcessor
 from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
 
-from models import ModelError, enable_gradient_checkpointing, loading
 from models.configs import IMAGE_CONFIGS, build_image_config, label_maps
+from models.language import ModelError, enable_gradient_checkpointing, loading
 
 
 def build_image_processor(model_name_or_path: str | None, model_config: str, image_size: int | None) -> BaseImageProcessor:

@@ -39,14 +39,15 @@ RUN_TIMEOUT_S = 1800  # a run that takes longer is stuck: stop it rather than ha
 
 def planned_model_state_bytes(config: str, args: argparse.Namespace, processes: int) -> float:
     """What the memory planner predicts per rank for `config`: parameters + gradients + optimizer state."""
-    from models import build_tokenizer
     from models.configs import build_named_config
+    from models.language import build_tokenizer
     from training.memory_plan import model_shape, model_state, read_layout
     from training.performance import compute_dtype
 
     dtype = compute_dtype(args.mixed_precision)
     shape = model_shape(build_named_config(args.model_config, build_tokenizer(None, None)), dtype)
-    planned = model_state(read_layout(REPO / "accelerate_configs" / f"{config}.yaml"), shape, processes, dtype.itemsize)
+    layout = read_layout(REPO / "accelerate_configs" / f"{config}.yaml")
+    planned = model_state(layout, shape.parameters, processes, dtype.itemsize)
     return planned["parameters"] + planned["gradients"] + planned["optimizer"]
 
 
@@ -111,7 +112,7 @@ def data_preparation_rate(block_size: int) -> float:
     import datasets
 
     from data import build_lm_datasets, load_raw_datasets
-    from models import build_tokenizer
+    from models.language import build_tokenizer
 
     with tempfile.TemporaryDirectory() as cache:
         datasets.config.HF_DATASETS_CACHE = cache

@@ -24,8 +24,8 @@ sys.path.insert(0, str(REPO))
 
 from transformers import AutoConfig  # noqa: E402
 
-from models import ModelError, build_tokenizer, loading, resolve_block_size  # noqa: E402
 from models.configs import NAMED_CONFIGS, build_named_config  # noqa: E402
+from models.language import ModelError, build_tokenizer, loading, resolve_block_size  # noqa: E402
 from training.memory_plan import (  # noqa: E402
     PREFERENCE,
     PlanError,
@@ -86,7 +86,7 @@ def plan(args: argparse.Namespace) -> dict:
     rows = {}
     for layout in layouts:
         processes = 1 if layout.strategy == "single" else args.num_gpus
-        state = model_state(layout, shape, processes, compute_bytes)
+        state = model_state(layout, shape.parameters, processes, compute_bytes)
         working = working_bytes(layout, shape, compute_bytes)
         runs = layout.runs_on(processes)
         gpu = state["parameters"] + state["gradients"] + state["optimizer"] - state["offloaded"] + activations + working

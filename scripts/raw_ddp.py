@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from transformers import default_data_collator
 
 from data import build_lm_datasets, load_raw_datasets
-from models import build_model, build_tokenizer
+from models.language import build_model, build_tokenizer
 from training.arguments import TrainArguments
 from training.optim import build_optimizer, build_scheduler
 

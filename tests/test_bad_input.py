@@ -24,8 +24,8 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models import SHIPPED_TOKENIZER
 from models.configs import build_named_config
+from models.language import SHIPPED_TOKENIZER
 from tests.conftest import CONFIGS, REPO, TINY_RUN, launch, split_args
 from training.arguments import ArgumentError, parse_args
 from training.distributed import StrategyError, check_launch_config, requested_strategy, tensor_parallel_plan

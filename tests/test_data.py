@@ -15,7 +15,7 @@ from data.default_corpus import default_splits, generate_documents
 from data.default_shapes import SHAPES, SPLIT_SIZES, default_shape_splits, draw_shape
 from data.images import build_image_datasets, load_raw_image_datasets
 from data.packing import pack_sequences, tokenize_and_pack
-from models import build_tokenizer
+from models.language import build_tokenizer
 from models.vision import build_image_processor
 
 

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from models import SHIPPED_TOKENIZER, ModelError, build_model, build_tokenizer
-from models.vision import build_image_model
 from models.configs import NAMED_CONFIGS
+from models.language import SHIPPED_TOKENIZER, ModelError, build_model, build_tokenizer
+from models.vision import build_image_model
 from tests.conftest import REPO
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from models import build_tokenizer
 from models.configs import build_named_config
+from models.language import build_tokenizer
 from tests.conftest import read_metrics
 from training.arguments import TrainArguments
 from training.optim import build_optimizer

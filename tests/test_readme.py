@@ -14,8 +14,8 @@ from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
-from models import build_tokenizer
 from models.configs import NAMED_CONFIGS, build_named_config
+from models.language import build_tokenizer
 from tests.conftest import REPO, TINY_RUN, launch
 
 README = (REPO / "README.md").read_text()

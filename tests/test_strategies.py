@@ -9,27 +9,30 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from data import build_lm_datasets, load_raw_datasets
 from tests.conftest import read_metrics
 
-# config -> (strategy line in the log, wrapper class around the model, a file only that strategy's checkpoint has)
+# config -> (strategy line in the log, wrapper class around the model, the optimizer that steps,
+#            a file only that strategy's checkpoint has). Under ZeRO optimizer offload the AdamW
+#            update runs on the CPU, as DeepSpeed's vectorised CPU Adam (training/optim.py).
 STRATEGIES = {
-    "single": ("strategy=single processes=1", "LlamaForCausalLM", "model.safetensors"),
-    "ddp": ("strategy=ddp processes=2 backend=gloo", "DistributedDataParallel", "model.safetensors"),
-    "fsdp": ("strategy=fsdp v2 processes=2 backend=gloo", "FSDPLlamaForCausalLM", "pytorch_model_fsdp_0"),
-    "deepspeed_zero1": ("strategy=deepspeed ZeRO-1 processes=2 backend=gloo", "DeepSpeedEngine", "pytorch_model"),
-    "deepspeed_zero2": ("strategy=deepspeed ZeRO-2 processes=2 backend=gloo", "DeepSpeedEngine", "pytorch_model"),
-    "deepspeed_zero3": ("strategy=deepspeed ZeRO-3 processes=2 backend=gloo", "DeepSpeedEngine", "pytorch_model"),
+    "single": ("strategy=single processes=1", "LlamaForCausalLM", "AdamW", "model.safetensors"),
+    "ddp": ("strategy=ddp processes=2 backend=gloo", "DistributedDataParallel", "AdamW", "model.safetensors"),
+    "fsdp": ("strategy=fsdp v2 processes=2 backend=gloo", "FSDPLlamaForCausalLM", "AdamW", "pytorch_model_fsdp_0"),
+    "deepspeed_zero1": ("strategy=deepspeed ZeRO-1 processes=2 backend=gloo", "DeepSpeedEngine", "AdamW", "pytorch_model"),
+    "deepspeed_zero2": ("strategy=deepspeed ZeRO-2 processes=2 backend=gloo", "DeepSpeedEngine", "AdamW", "pytorch_model"),
+    "deepspeed_zero3": ("strategy=deepspeed ZeRO-3 processes=2 backend=gloo", "DeepSpeedEngine", "AdamW", "pytorch_model"),
     "deepspeed_zero3_offload": (
-        "strategy=deepspeed ZeRO-3 offload=cpu processes=2 backend=gloo", "DeepSpeedEngine", "pytorch_model"
+        "strategy=deepspeed ZeRO-3 offload=cpu processes=2 backend=gloo", "DeepSpeedEngine", "DeepSpeedCPUAdam",
+        "pytorch_model",
     ),
 }
 
 
 @pytest.mark.parametrize("config", sorted(STRATEGIES))
 def test_config_trains_with_the_strategy_it_names(config: str, strategy_run) -> None:
-    strategy_line, wrapper, checkpoint_marker = STRATEGIES[config]
+    strategy_line, wrapper, optimizer, checkpoint_marker = STRATEGIES[config]
     run = strategy_run(config)
     log = (run / "launch.log").read_text()
     assert strategy_line in log
-    assert f"model wrapped as {wrapper}" in log
+    assert f"model wrapped as {wrapper}; optimizer {optimizer} (--optim adamw_torch_fused)" in log
 
     metrics = read_metrics(run)
     losses = [m["loss"] for m in metrics if "loss" in m]

@@ -10,162 +10,28 @@ import difflib
 import json
 import sys
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers import HfArgumentParser, SchedulerType
+from transformers import SchedulerType  # not in training/flags.py: it loads torch, and --help must not
 
 from data import check_data_file
-from models.configs import DEFAULT_CONFIGS, IMAGE_CONFIGS, NAMED_CONFIGS, TASK_CONFIGS
+from models.configs import DEFAULT_CONFIGS, TASK_CONFIGS
 from training.checkpoint import complete_checkpoints, newer_checkpoints, require_complete_checkpoint
 from training.distributed import Strategy, requested_strategy
-from training.layer_split import DEVICE_MAPS
+from training.flags import (
+    ALL_ARGUMENT_CLASSES,
+    KNOWN_KEYS,
+    ArgumentError,
+    DataArguments,
+    ModelArguments,
+    TrainArguments,
+    build_parser,
+)
 from training.metrics import TrackerError, resolve_trackers
-from training.optim import NEEDS_WHOLE_TENSORS, OPTIMIZERS, check_optimization
-
-
-INTERVALS = ["steps", "epoch", "no"]  # --eval_strategy and --save_strategy, as TrainingArguments
-
-
-@dataclass
-class ModelArguments:
-    task: str = field(
-        default="causal-lm", metadata={"help": "What to learn: next-token text, or image labels.", "choices": list(TASK_CONFIGS)}
-    )
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Hub id or local directory of a pretrained model for --task. Unset: train from scratch."}
-    )
-    model_config: str | None = field(
-        default=None,
-        metadata={"help": f"Named config to train from scratch. Default: {DEFAULT_CONFIGS}.",
-                  "choices": sorted(NAMED_CONFIGS | IMAGE_CONFIGS)},
-    )
-    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow model/tokenizer code from the Hub."})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations to save memory."})
-    ignore_mismatched_sizes: bool = field(
-        default=False, metadata={"help": "Images: replace a pretrained classification head made for other labels."}
-    )
-    device_map: str | None = field(
-        default=None,
-        metadata={"help": "Split the layers over this process's GPUs (single.yaml; see training/layer_split.py).",
-                  "choices": DEVICE_MAPS},
-    )
-    sync_batchnorm: bool = field(
-        default=False, metadata={"help": "BatchNorm statistics over all processes' batches (GPUs; see training/batchnorm.py)."}
-    )
-
-
-@dataclass
-class DataArguments:
-    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset id or local dataset directory."})
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
-    train_file: str | None = field(default=None, metadata={"help": "Local txt, json/jsonl, csv or parquet file."})
-    validation_file: str | None = field(default=None, metadata={"help": "Same format as --train_file."})
-    text_column: str = field(default="text", metadata={"help": "Column that holds the documents."})
-    train_dir: str | None = field(default=None, metadata={"help": "Images: a folder with one sub-folder per class."})
-    validation_dir: str | None = field(default=None, metadata={"help": "Images: same layout as --train_dir."})
-    image_column: str = field(default="image", metadata={"help": "Images: the column that holds the images."})
-    label_column: str = field(default="label", metadata={"help": "Images: the column that holds the labels."})
-    image_size: int | None = field(
-        default=None, metadata={"help": "Images: side in pixels the images are resized to. Default: the model's."}
-    )
-    validation_split_percentage: int = field(
-        default=5, metadata={"help": "Percent of train held out when there is no validation split."}
-    )
-    packing: bool = field(
-        default=True, metadata={"help": "Pack documents into full blocks; false: one padded sequence per document."}
-    )
-    block_size: int | None = field(
-        default=None, metadata={"help": "Tokens per training sequence. Default: the model's maximum, at most 1024."}
-    )
-    max_train_samples: int | None = field(
-        default=None, metadata={"help": "Train on the first N training examples only (packed sequences, or images)."}
-    )
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on the first N validation examples only."})
-
-
-@dataclass
-class TrainArguments:
-    output_dir: str = field(default="outputs/default", metadata={"help": "Checkpoints, metrics and the final model."})
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={"help": "Start afresh in an output_dir that holds a run: its checkpoints, final model, metrics and "
-                          "tracker logs are deleted just before training starts."},
-    )
-    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps to run; -1 means --num_train_epochs."})
-    num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs over the training set if max_steps is -1."})
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-step."})
-    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per process per eval step."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
-    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate."})
-    weight_decay: float = field(default=0.1, metadata={"help": "Decoupled weight decay; never on biases and norms."})
-    optim: str = field(
-        default="adamw_torch_fused", metadata={"help": "The optimizer (transformers' names).", "choices": list(OPTIMIZERS)}
-    )
-    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
-    adam_beta2: float = field(
-        default=0.95, metadata={"help": "AdamW beta2: 0.95 as in LLM pretraining (transformers' default is 0.999)."}
-    )
-    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
-    warmup_steps: int = field(default=30, metadata={"help": "Linear warmup, in optimizer steps."})
-    warmup_ratio: float = field(
-        default=0.0, metadata={"help": "Linear warmup as a fraction of the total steps, in [0, 1); replaces --warmup_steps when > 0."}
-    )
-    lr_scheduler_type: str = field(
-        default="cosine",
-        metadata={"help": "Decay after warmup (transformers' schedulers).", "choices": [s.value for s in SchedulerType]},
-    )
-    lr_scheduler_kwargs: str | None = field(
-        default=None,
-        metadata={"help": 'JSON object of the scheduler\'s own arguments, e.g. \'{"min_lr_rate": 0.1}\' for cosine_with_min_lr.'},
-    )
-    max_grad_norm: float = field(
-        default=1.0, metadata={"help": "Clip the global gradient norm to this on every strategy; 0 disables."}
-    )
-    seed: int = field(default=42, metadata={"help": "Seeds model init, data order and dropout."})
-    logging_steps: int = field(default=10, metadata={"help": "Log training metrics every N optimizer steps."})
-    logging_first_step: bool = field(default=False, metadata={"help": "Also log the run's first optimizer step."})
-    eval_strategy: str = field(
-        default="steps",
-        metadata={"help": "When to evaluate: every --eval_steps, at each epoch's end, or never; steps and epoch also at the end.",
-                  "choices": INTERVALS},
-    )
-    eval_steps: int = field(default=100, metadata={"help": "Evaluate every N optimizer steps (and at the end)."})
-    eval_on_start: bool = field(default=True, metadata={"help": "Evaluate before the first step (the step-0 baseline)."})
-    save_strategy: str = field(
-        default="steps",
-        metadata={"help": "When to save a checkpoint: every --save_steps, at each epoch's end, or never (a stop signal "
-                          "still saves).", "choices": INTERVALS},
-    )
-    save_steps: int = field(default=200, metadata={"help": "Save a resumable checkpoint every N optimizer steps."})
-    save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
-    resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "A checkpoint directory, or 'latest' for the newest in output_dir."}
-    )
-    ddp_timeout: int = field(
-        default=1800, metadata={"help": "Seconds a collective may wait before every rank aborts (a stalled rank)."}
-    )
-    torch_compile: bool = field(default=False, metadata={"help": "Compile the model with torch.compile (inductor)."})
-    dataloader_num_workers: int = field(default=0, metadata={"help": "Worker processes loading batches; 0: in the main process."})
-    dataloader_pin_memory: bool = field(default=True, metadata={"help": "Pin batches in page-locked memory (GPUs only)."})
-    report_to: list[str] = field(
-        default_factory=lambda: ["none"],
-        metadata={"help": "Trackers: tensorboard, wandb, trackio, mlflow (one or more), all (every one installed) or none."},
-    )
-    run_name: str | None = field(
-        default=None, metadata={"help": "The run's name in the trackers (wandb project, ...). Default: output_dir's name."}
-    )
-
-
-ALL_ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArguments)
-KNOWN_KEYS = {f.name for cls in ALL_ARGUMENT_CLASSES for f in fields(cls)}
-
-
-class ArgumentError(ValueError):
-    """A flag or recipe value the template cannot use; its message says how to fix it."""
+from training.optim import OPTIMIZERS, check_optimization
 
 
 # TrainingArguments flags that the launcher owns here: the accelerate config or `accelerate launch` sets them.
@@ -174,6 +40,8 @@ LAUNCHER_SETTINGS = {
     "fp16": "accelerate launch --mixed_precision fp16 ... train.py (GPUs only; bf16 is safer)",
     "deepspeed": "accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml train.py (or another ZeRO config)",
     "fsdp": "accelerate launch --config_file accelerate_configs/fsdp.yaml train.py",
+    "mixed_precision": "give it to the launcher, before train.py: accelerate launch --mixed_precision bf16 ... train.py",
+    "num_processes": "give it to the launcher, before train.py: accelerate launch --num_processes 8 ... train.py",
 }
 
 
@@ -205,9 +73,7 @@ def load_recipe(path: str) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, TrainArguments]:
     """Parse defaults, then `--config recipe.yaml`, then the command line."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = HfArgumentParser(ALL_ARGUMENT_CLASSES, allow_abbrev=False,  # --learning_rat is a typo, not --learning_rate
-                              description="Train a causal LM or an image classifier with any accelerate strategy.")
-    parser.add_argument("--config", help="Recipe YAML of flag values; the command line overrides it.")
+    parser = build_parser()
     pre_args, _ = parser.parse_known_args(argv)
     if pre_args.config:
         parser.set_defaults(**load_recipe(pre_args.config))
@@ -290,6 +156,9 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
 
 def check_optimization_flags(train_args: TrainArguments) -> None:
     """The optimizer and schedule settings work together, and with the launched strategy."""
+    if train_args.lr_scheduler_type not in (names := [s.value for s in SchedulerType]):
+        raise ArgumentError(f"--lr_scheduler_type {train_args.lr_scheduler_type!r} is not a transformers scheduler; "
+                            f"choose one of {names}")
     if not 0 <= train_args.warmup_ratio < 1:
         raise ArgumentError(f"--warmup_ratio must be in [0, 1), got {train_args.warmup_ratio}")
     if train_args.warmup_steps < 0:
@@ -304,7 +173,7 @@ def check_optimization_flags(train_args: TrainArguments) -> None:
     if not isinstance(kwargs, dict | None):
         raise ArgumentError(f"--lr_scheduler_kwargs must be a JSON object of argument names to values, got {kwargs!r}")
     train_args.lr_scheduler_kwargs = kwargs or {}
-    if train_args.optim in NEEDS_WHOLE_TENSORS and requested_strategy() in (Strategy.FSDP, Strategy.DEEPSPEED):
+    if OPTIMIZERS[train_args.optim].needs_whole_tensors and requested_strategy() in (Strategy.FSDP, Strategy.DEEPSPEED):
         raise ArgumentError(f"--optim {train_args.optim} factors whole weight matrices, but {requested_strategy().value} "
                             "hands the optimizer shards; use it with ddp.yaml or single.yaml, or pick adamw_torch_fused")
     try:

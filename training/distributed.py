@@ -74,8 +74,6 @@ def build_accelerator(ddp_timeout: int, **accelerator_kwargs) -> Accelerator:
     on_cpu = not has_accelerator_device()
     check_launch_config(strategy, on_cpu)
     if on_cpu and strategy is Strategy.FSDP:
-        if os.environ.get("FSDP_VERSION", "1") != "2":
-            raise StrategyError("FSDP1 cannot run on CPU; set `fsdp_version: 2` in the accelerate config")
         state = PartialState(backend="gloo", timeout=timeout)  # a gloo process group on device cpu, type NO
         state.distributed_type = DistributedType.MULTI_GPU  # so AcceleratorState turns on the FSDP plugin
     if on_cpu and strategy is Strategy.DEEPSPEED:
@@ -122,6 +120,8 @@ def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
             )
     if _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
         check_parallelism_config(strategy)
+    if on_cpu and strategy is Strategy.FSDP and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise StrategyError("FSDP1 cannot run on CPU; set `fsdp_version: 2` in the accelerate config")
     if on_cpu and os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16":
         raise StrategyError(
             "fp16 mixed precision needs a GPU (loss scaling runs on the device) and this machine has none; "
@@ -270,13 +270,20 @@ def _install_replicate_parallel() -> None:
     legacy.ReplicateParallel = ReplicateParallel
 
 
+def optimizer_offload_device(accelerator: Accelerator) -> str:
+    """Where ZeRO keeps and steps the optimizer: "cpu" or "nvme" under offload, else "none"."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return "none"
+    return plugin.deepspeed_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+
+
 def describe(accelerator: Accelerator, strategy: Strategy) -> str:
     """One line for the logs: strategy, processes, backend and device."""
     detail = ""
     if strategy is Strategy.DEEPSPEED:
-        plugin = accelerator.state.deepspeed_plugin
-        offload = plugin.deepspeed_config["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
-        detail = f" ZeRO-{plugin.zero_stage}" + (f" offload={offload}" if offload != "none" else "")
+        offload = optimizer_offload_device(accelerator)
+        detail = f" ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}" + (f" offload={offload}" if offload != "none" else "")
     elif strategy is Strategy.FSDP:
         detail = f" v{accelerator.state.fsdp_plugin.fsdp_version}"
         if (tp_size := tensor_parallel_size(accelerator)) > 1:
@@ -296,7 +303,7 @@ def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_gr
         if half is not None:
             _keep_batch_norm_in_fp32(model, accelerator)
     if accelerator.state.deepspeed_plugin is not None:
-        _align_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm, per_device_batch)
+        align_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm, per_device_batch)
         if half is not None:
             _batch_norm_statistics_in(model, half)
 
@@ -332,7 +339,7 @@ def _batch_norm_statistics_in(model: torch.nn.Module, dtype: torch.dtype) -> Non
         buffer.data = buffer.to(dtype)
 
 
-def _align_deepspeed_config(config: dict, max_grad_norm: float, per_device_batch: int) -> None:
+def align_deepspeed_config(config: dict, max_grad_norm: float, per_device_batch: int) -> None:
     """- DeepSpeed clips at `--max_grad_norm` like the other strategies: accelerate fills an
       `"auto"` (or missing) `gradient_clipping` with 1.0, so we write our value in; a number
       in the JSON that disagrees with the flag is an error rather than a silent difference.
@@ -417,9 +424,10 @@ def verify_prepared(
     - the optimizer updates fp32 master weights, also under bf16/fp16 (training bf16
       weights directly learns worse, and differs between FSDP and DeepSpeed);
     - DeepSpeed: no "auto" is left, and its micro-batch, accumulation, clipping and
-      precision equal train.py's. It also steps train.py's own optimizer: under CPU offload
-      accelerate 1.15 swaps the torch AdamW for a DeepSpeedCPUAdam that keeps only lr and
-      weight decay (betas and eps change, and the schedule no longer reaches it), which
+      precision equal train.py's. It also steps train.py's own optimizer (under offload,
+      the DeepSpeedCPUAdam that training/optim.py builds with --adam_beta1/2 and
+      --adam_epsilon): accelerate 1.15 would otherwise swap in a DeepSpeedCPUAdam of its own
+      that keeps only lr and weight decay (and the schedule no longer reaches it), which
       `"zero_force_ds_cpu_optimizer": false` in zero3_offload.json prevents.
     """
     verify_strategy(accelerator, model)

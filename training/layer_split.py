@@ -20,8 +20,6 @@ from accelerate.utils import get_balanced_memory
 
 from training.distributed import StrategyError
 
-DEVICE_MAPS = ["auto", "balanced", "balanced_low_0", "sequential"]  # "auto" is "balanced", as in transformers
-
 
 def split_layers(
     model: torch.nn.Module, device_map: str, max_memory: dict[int | str, int] | None = None

@@ -115,25 +115,31 @@ def read_layout(path: Path) -> Layout:
 
 def _deepspeed_layout(path: Path, accelerate_ds: dict) -> Layout:
     json_path = accelerate_ds.get("deepspeed_config_file")
-    if json_path:
-        # Relative to where you launch, as for accelerate; else to the repository the yaml sits in.
-        json_file = next((f for f in (Path(json_path), path.parents[1] / json_path) if f.is_file()), Path(json_path))
-        try:
-            zero = json.loads(json_file.read_text()).get("zero_optimization", {})
-        except FileNotFoundError:
-            raise PlanError(f"{path} names DeepSpeed config {json_path}, which does not exist") from None
-        except json.JSONDecodeError as error:
-            raise PlanError(f"DeepSpeed config {json_file} is not valid JSON ({error})") from None
-        offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") != "none"
-        offload_parameters = zero.get("offload_param", {}).get("device", "none") != "none"
-    else:  # the settings written inline in the accelerate yaml
-        zero = {"stage": accelerate_ds.get("zero_stage", 2)}
-        offload_optimizer = accelerate_ds.get("offload_optimizer_device", "none") != "none"
-        offload_parameters = accelerate_ds.get("offload_param_device", "none") != "none"
+    if not json_path:  # the settings written inline in the accelerate yaml
+        return deepspeed_layout(path.stem, {"zero_optimization": {
+            "stage": accelerate_ds.get("zero_stage", 2),
+            "offload_optimizer": {"device": accelerate_ds.get("offload_optimizer_device", "none")},
+            "offload_param": {"device": accelerate_ds.get("offload_param_device", "none")},
+        }})
+    # Relative to where you launch, as for accelerate; else to the repository the yaml sits in.
+    json_file = next((f for f in (Path(json_path), path.parents[1] / json_path) if f.is_file()), Path(json_path))
+    try:
+        return deepspeed_layout(path.stem, json.loads(json_file.read_text()))
+    except FileNotFoundError:
+        raise PlanError(f"{path} names DeepSpeed config {json_path}, which does not exist") from None
+    except json.JSONDecodeError as error:
+        raise PlanError(f"DeepSpeed config {json_file} is not valid JSON ({error})") from None
+
+
+def deepspeed_layout(name: str, config: dict) -> Layout:
+    """The layout a DeepSpeed config asks for: a JSON's contents, or accelerate's resolved plugin config."""
+    zero = config.get("zero_optimization", {})
+    offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") != "none"
+    offload_parameters = zero.get("offload_param", {}).get("device", "none") != "none"
     stage = int(zero.get("stage", 0))
     strategy = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3_offload" if offload_optimizer else "zero3"}[stage]
     return Layout(
-        path.stem,
+        name,
         strategy,
         sharded_parameters=stage == 3,
         deepspeed=True,
@@ -171,10 +177,10 @@ def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def model_state(layout: Layout, shape: ModelShape, processes: int, compute_bytes: int) -> dict[str, float]:
-    """Bytes of parameters, gradients and optimizer state per rank (the table above), and how
-    many of them live in CPU memory under offload."""
-    psi, n, c = shape.parameters, processes, compute_bytes
+def model_state(layout: Layout, parameters: int, processes: int, compute_bytes: int) -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer state per rank (the table above), for a
+    model of `parameters` values, and how many of them live in CPU memory under offload."""
+    psi, n, c = parameters, processes, compute_bytes
     if not layout.deepspeed:
         shards = n if layout.sharded_parameters else 1
         state = {"parameters": 4 * psi / shards, "gradients": 4 * psi / shards, "optimizer": 8 * psi / shards}

@@ -2,20 +2,26 @@
 
 `--optim` picks an entry of OPTIMIZERS (transformers' names); a new optimizer is one more
 entry. Defaults follow LLM pretraining rather than transformers: AdamW betas (0.9, 0.95).
+
+Under ZeRO optimizer offload the AdamW update runs on the CPU, and there DeepSpeed's
+vectorised `DeepSpeedCPUAdam` (the same AdamW, C++ with SIMD; built on first use, about a
+minute, then cached in ~/.cache/torch_extensions) takes the place of the torch AdamW, with
+the same betas, epsilon, weight decay groups and schedule.
+
+torch, transformers and DeepSpeed are imported inside the functions: `train.py --help`
+lists OPTIMIZERS without loading them.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
-from accelerate.logging import get_logger
-from transformers import get_scheduler
-from transformers.trainer_pt_utils import get_parameter_names
-
-logger = get_logger(__name__)
+if TYPE_CHECKING:
+    import torch
 
 # Hugging Face Trainer's rule: no weight decay on biases and normalisation weights. It goes
 # by name, not by tensor shape, because ZeRO-3 builds the model already partitioned (every
@@ -23,53 +29,95 @@ logger = get_logger(__name__)
 NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 
 
-def _adamw(fused: bool) -> Callable[[list[dict], Any], torch.optim.Optimizer]:
+@dataclass(frozen=True)
+class OptimizerChoice:
+    """An optimizer class (imported when built) and its settings from the TrainingArguments names."""
+
+    class_path: str  # "module.Class"
+    settings: Callable[[Any], dict[str, Any]]  # args -> keyword arguments
+    # Factors each weight matrix's second moment into row and column statistics: FSDP2 and
+    # ZeRO hand the optimizer shards (ZeRO: flat 1-D partitions), where it would compute
+    # something else than on one process.
+    needs_whole_tensors: bool = False
+    offloaded: OptimizerChoice | None = None  # what runs instead under ZeRO optimizer offload
+
+    @property
+    def class_name(self) -> str:
+        return self.class_path.rsplit(".", 1)[1]
+
+    def build(self, groups: list[dict], args) -> torch.optim.Optimizer:
+        module, name = self.class_path.rsplit(".", 1)
+        return getattr(importlib.import_module(module), name)(groups, **self.settings(args))
+
+
+def _adamw(args) -> dict[str, Any]:
+    return {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+
+
+DEEPSPEED_CPU_ADAMW = OptimizerChoice("deepspeed.ops.adam.DeepSpeedCPUAdam", lambda args: _adamw(args) | {"adamw_mode": True})
+
+OPTIMIZERS: dict[str, OptimizerChoice] = {
     # fused: one kernel for the whole update (CUDA and CPU), instead of a few per parameter.
-    return lambda groups, args: torch.optim.AdamW(
-        groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, fused=fused
-    )
-
-
-def _adafactor(groups: list[dict], args) -> torch.optim.Optimizer:
-    from transformers.optimization import Adafactor
-
+    "adamw_torch_fused": OptimizerChoice("torch.optim.AdamW", lambda args: _adamw(args) | {"fused": True},
+                                         offloaded=DEEPSPEED_CPU_ADAMW),
+    "adamw_torch": OptimizerChoice("torch.optim.AdamW", _adamw, offloaded=DEEPSPEED_CPU_ADAMW),
+    "sgd": OptimizerChoice("torch.optim.SGD", lambda args: {"lr": args.learning_rate}),
     # As Trainer's "adafactor": the given learning rate, not Adafactor's own relative step size.
-    return Adafactor(groups, lr=args.learning_rate, scale_parameter=False, relative_step=False)
-
-
-OPTIMIZERS: dict[str, Callable[[list[dict], Any], torch.optim.Optimizer]] = {
-    "adamw_torch_fused": _adamw(fused=True),
-    "adamw_torch": _adamw(fused=False),
-    "sgd": lambda groups, args: torch.optim.SGD(groups, lr=args.learning_rate),
-    "adafactor": _adafactor,
+    "adafactor": OptimizerChoice("transformers.optimization.Adafactor",
+                                 lambda args: {"lr": args.learning_rate, "scale_parameter": False, "relative_step": False},
+                                 needs_whole_tensors=True),
 }
-# Adafactor factors each weight matrix's second moment into row and column statistics. FSDP2
-# and ZeRO hand the optimizer shards (ZeRO: flat 1-D partitions), so it would compute
-# something else than on one process.
-NEEDS_WHOLE_TENSORS = {"adafactor"}
 
 
-def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
+def optimizer_for(name: str, offloaded: bool = False) -> OptimizerChoice:
+    """`--optim`'s entry, or what runs instead when ZeRO steps the optimizer on the CPU."""
+    return (offloaded and OPTIMIZERS[name].offloaded) or OPTIMIZERS[name]
+
+
+def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> torch.optim.Optimizer:
     """`args.optim` over two groups: weights that decay, and biases/norm scales that do not.
 
     `args` holds the TrainArguments names: optim, learning_rate, weight_decay, adam_beta1,
-    adam_beta2, adam_epsilon.
+    adam_beta2, adam_epsilon. `offloaded`: ZeRO steps the optimizer on the CPU.
     """
+    import torch
+    from transformers.trainer_pt_utils import get_parameter_names
+
     decay = set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY_PATTERNS))
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for name, p in named if name in decay], "weight_decay": args.weight_decay},
         {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0},
     ]
-    return OPTIMIZERS[args.optim](groups, args)
+    return optimizer_for(args.optim, offloaded).build(groups, args)
 
 
 def check_optimization(args) -> None:
     """Build the optimizer and schedule once on a dummy parameter, so that a setting they reject
     (a beta of 1, a scheduler keyword that does not exist) fails before any model is built."""
+    import torch
+    from transformers import get_scheduler
+
     optimizer = build_optimizer(torch.nn.Linear(1, 1), args)
     get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=1, num_training_steps=10,
                   scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+
+
+def run_length(train_examples: int, eval_examples: int, global_batch: int, args) -> tuple[int, int]:
+    """Optimizer steps per epoch, and in the run (`--max_steps`, else `--num_train_epochs`).
+
+    Every step sees one full global batch: a partial last one would weigh less under
+    accumulation, so the last `train_examples % global_batch` examples are left out every epoch.
+    """
+    from training.flags import ArgumentError  # here: training.flags imports this module
+
+    steps_per_epoch = train_examples // global_batch
+    if steps_per_epoch == 0 or eval_examples == 0:
+        raise ArgumentError(
+            f"{train_examples} training and {eval_examples} validation examples: need at least one global batch of "
+            f"{global_batch} and one validation example; use more data or smaller batches"
+        )
+    return steps_per_epoch, args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
 
 
 def warmup_steps(args, total_steps: int) -> int:
@@ -83,9 +131,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args, total_steps: int) ->
     train.py steps it once per optimizer step (`step_scheduler_with_optimizer=False`), so
     the schedule does not depend on the number of processes or on accumulation.
     """
+    from accelerate.logging import get_logger
+    from transformers import get_scheduler
+
     warmup = warmup_steps(args, total_steps)
     if warmup >= total_steps > 1 and args.lr_scheduler_type != "constant":
-        logger.warning(
+        get_logger(__name__).warning(
             f"warmup of {warmup} steps covers the whole run of {total_steps}: the learning rate never reaches "
             f"--learning_rate {args.learning_rate}; lower --warmup_steps or use --warmup_ratio",
             main_process_only=True,

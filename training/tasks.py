@@ -33,7 +33,7 @@ from transformers import (
 
 from data import build_lm_datasets, load_raw_datasets, make_collator
 from data.images import build_image_datasets, class_names, load_raw_image_datasets, pixel_values
-from models import build_model, build_tokenizer, resolve_block_size
+from models.language import build_model, build_tokenizer, resolve_block_size
 from models.vision import build_image_model, build_image_processor
 from training.distributed import floating_input_dtype
 from training.loss import class_loss_sums, correct_next_tokens, count_target_tokens, token_loss_sums
@@ -87,6 +87,15 @@ class Task(ABC):
 
     def eval_metrics(self, eval_loss: float, accuracy: float) -> dict[str, float]:
         return {"eval_loss": eval_loss, "eval_accuracy": accuracy}
+
+    def datasets(self, raw: DatasetDict, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]:
+        """`build_datasets`, cut to the first --max_train_samples / --max_eval_samples examples."""
+        train_set, eval_set = self.build_datasets(raw, main_process_first)
+        return _first(train_set, self.data_args.max_train_samples), _first(eval_set, self.data_args.max_eval_samples)
+
+
+def _first(dataset: Dataset, count: int | None) -> Dataset:
+    return dataset if count is None or count >= len(dataset) else dataset.select(range(count))
 
 
 class CausalLM(Task):

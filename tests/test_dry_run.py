@@ -1,0 +1,90 @@
+"""`--dry_run` prints the plan of a launch from one process and trains nothing, and the mistakes
+a run would stop on are its one `error:` line and exit 2 (training/dry_run.py); `--help` is
+answered before torch loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import CONFIGS, REPO, TINY_RUN, launch
+from training.memory_plan import model_state, read_layout
+
+MIB = 2**20
+
+
+def test_dry_run_of_a_two_process_offload_launch_prints_its_plan_and_trains_nothing(tmp_path) -> None:
+    output_dir = tmp_path / "run"
+    result = launch("deepspeed_zero3_offload", "train.py", *TINY_RUN, "--output_dir", str(output_dir), "--dry_run",
+                    "--gradient_accumulation_steps", "3", "--max_steps", "5", "--block_size", "64", timeout=180)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("===== dry run: checked, nothing trained =====") == 1  # rank 0 alone
+    plan = dict(line.split(":", 1) for line in result.stdout.split("=====\n", 2)[-1].strip().splitlines())
+    assert plan["launch"].strip() == "zero3_offload, 2 process(es), 2 data-parallel, mixed precision no"
+    assert plan["global batch"].strip() == "24 = 4 per device x 2 data-parallel x 3 accumulation"
+    assert plan["steps"].strip().startswith("5 (")
+    assert "--optim adamw_torch_fused (DeepSpeedCPUAdam)" in plan["steps"]
+    assert "sequences of up to 64 tokens" in plan["data"]
+    parameters = int(plan["model"].split(", ")[1].split(" parameters")[0].replace(",", ""))
+    expected = model_state(read_layout(CONFIGS / "deepspeed_zero3_offload.yaml"), parameters, 2, 4)
+    total = (expected["parameters"] + expected["gradients"] + expected["optimizer"]) / MIB
+    assert plan["memory/rank"].strip().startswith(f"model state {total:,.1f} MiB"), plan["memory/rank"]
+    assert "activations ~" in plan["memory/rank"] and "(estimates)" in plan["memory/rank"]
+    assert "training:" not in result.stderr and "step 1" not in result.stdout  # nothing trained
+    assert not [p.name for p in output_dir.iterdir()]  # no checkpoints, metrics or final model
+
+
+def dry_run(tmp_path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python train.py --dry_run`, as one process of a launch with `env` (what `accelerate launch` sets)."""
+    return subprocess.run([sys.executable, "train.py", *TINY_RUN, "--output_dir", str(tmp_path / "run"), "--dry_run",
+                           *args], cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)} | (env or {}),
+                          capture_output=True, text=True, timeout=180)
+
+
+def _files(tmp_path) -> dict[str, str]:
+    (tmp_path / "chat.jsonl").write_text(20 * (json.dumps({"text": [{"role": "user", "content": "hi"}]}) + "\n"))
+    (tmp_path / "one.txt").write_text("a single document\n")
+    zero2 = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    (tmp_path / "clipping.json").write_text(json.dumps(zero2 | {"gradient_clipping": 1.0}))
+    return {name: str(tmp_path / name.strip("{}")) for name in ("{chat.jsonl}", "{one.txt}", "{clipping.json}")}
+
+
+# case -> (train.py flags, launcher environment, what the one error line says); one per stage that refuses
+MISTAKES = {
+    "scheduler name": (["--lr_scheduler_type", "cosin"], {}, "--lr_scheduler_type 'cosin' is not a transformers scheduler"),
+    "DeepSpeed JSON against a flag": (
+        ["--max_grad_norm", "0.5"], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "{clipping.json}"},
+        "gradient_clipping is 1.0 in the DeepSpeed JSON but --max_grad_norm is 0.5",
+    ),
+    "chat data in the text column": (["--train_file", "{chat.jsonl}"], {}, "looks like chat data"),
+    "too little data to hold out a validation split": (
+        ["--train_file", "{one.txt}"], {}, "1 training examples cannot give up --validation_split_percentage 5"
+    ),
+}
+
+
+@pytest.mark.parametrize(("args", "env", "message"), MISTAKES.values(), ids=MISTAKES.keys())
+def test_a_mistake_is_one_error_line_and_exit_2(tmp_path, args, env, message) -> None:
+    files = _files(tmp_path)
+    fill = lambda text: files.get(text, text)  # noqa: E731
+    result = dry_run(tmp_path, *map(fill, args), env={key: fill(value) for key, value in env.items()})
+    assert result.returncode == 2, result.stderr[-4000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-4000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_help_lists_every_flag_before_torch_loads() -> None:
+    probe = ("import atexit, runpy, sys; sys.argv = ['train.py', '--max_steps', '3', '--help']; "
+             "atexit.register(lambda: print('torch loaded:', 'torch' in sys.modules)); "
+             "runpy.run_path('train.py', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("torch loaded: False")
+    for flag in ("--optim {adamw_torch_fused,adamw_torch,sgd,adafactor}", "--lr_scheduler_type", "--dry_run",
+                 "--config CONFIG", "--model_config {llama-125m,llama-small,llama-tiny,resnet-18,resnet-tiny}"):
+        assert flag in result.stdout

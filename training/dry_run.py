@@ -1,0 +1,94 @@
+"""`train.py --dry_run`: what a run checks and decides before its first step, without training.
+
+Launch it exactly as the run (`accelerate launch --config_file ... train.py ... --dry_run`):
+rank 0 alone does the work, in one process, and the other processes exit at once. It
+reads the launcher's settings from the environment `accelerate launch` sets, so it starts
+no process group and needs no GPU (plan an 8-GPU job on a login node with
+`--num_processes 8`). It checks the flags (already parsed), the launcher config and its
+DeepSpeed JSON, loads and tokenizes the data, builds the model, and prints the plan:
+strategy, global batch, steps, and the memory per rank that `training/memory_plan.py`
+computes for this layout. Any problem is the error line (exit 2) the real run would give.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+
+from accelerate.utils import DeepSpeedPlugin, set_seed
+
+from training.distributed import (
+    Strategy,
+    align_deepspeed_config,
+    check_launch_config,
+    has_accelerator_device,
+    requested_strategy,
+)
+from training.memory_plan import Layout, activation_bytes, deepspeed_layout, model_shape, model_state, working_bytes
+from training.optim import optimizer_for, run_length, warmup_steps
+from training.performance import compute_dtype, parameter_count
+from training.tasks import TASKS
+
+MIB = 2**20
+
+
+def launched_layout(strategy: Strategy, args) -> Layout:
+    """How the launched config lays out model state, read from `accelerate launch`'s environment.
+
+    DeepSpeed's config is resolved and aligned with the flags as training does it, so a JSON
+    value that disagrees with a flag is refused here too."""
+    if strategy is Strategy.DEEPSPEED:
+        config = DeepSpeedPlugin().deepspeed_config
+        align_deepspeed_config(config, args.max_grad_norm, args.per_device_train_batch_size)
+        return deepspeed_layout("launched", config)
+    if strategy is Strategy.FSDP:
+        tp_size = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
+        offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+        return Layout("launched", "fsdp_tp" if tp_size > 1 else "fsdp", sharded_parameters=True,
+                      offload_optimizer=offload, offload_parameters=offload, tp_size=tp_size)
+    return Layout("launched", strategy.value)
+
+
+def dry_run(model_args, data_args, args) -> str | None:
+    """The plan of this launch, as lines to print; None on every rank but 0."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    strategy, processes = requested_strategy(), int(os.environ.get("WORLD_SIZE", "1"))
+    check_launch_config(strategy, on_cpu=not has_accelerator_device())
+    layout = launched_layout(strategy, args)
+    mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    set_seed(args.seed)
+
+    task = TASKS[model_args.task](model_args, data_args)
+    raw = task.load_raw_datasets(args.seed)
+    model = task.build_model(raw)
+    train_set, eval_set = task.datasets(raw, nullcontext())
+    data_parallel = processes // layout.tp_size
+    global_batch = args.per_device_train_batch_size * data_parallel * args.gradient_accumulation_steps
+    steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
+
+    offloaded = layout.deepspeed and layout.offload_optimizer  # ZeRO steps the optimizer on the CPU
+    dtype = compute_dtype(mixed_precision)
+    state = model_state(layout, parameter_count(model), processes, dtype.itemsize)
+    memory = (f"model state {(state['parameters'] + state['gradients'] + state['optimizer']) / MIB:,.1f} MiB "
+              f"(parameters {state['parameters'] / MIB:,.1f}, gradients {state['gradients'] / MIB:,.1f}, "
+              f"optimizer {state['optimizer'] / MIB:,.1f}; {state['offloaded'] / MIB:,.1f} of it in CPU memory)")
+    if "block_size" in task.settings:  # the activation estimate traces a causal LM (training/memory_plan.py)
+        shape = model_shape(model.config, dtype, model_args.trust_remote_code)
+        activations = activation_bytes(shape, args.per_device_train_batch_size, task.settings["block_size"],
+                                       model_args.gradient_checkpointing)
+        memory += (f", activations ~{activations / MIB:,.1f} MiB and working buffers "
+                   f"~{working_bytes(layout, shape, dtype.itemsize) / MIB:,.1f} MiB (estimates)")
+    return (
+        "\n===== dry run: checked, nothing trained =====\n"
+        f"launch:          {layout.strategy}, {processes} process(es), {data_parallel} data-parallel, "
+        f"mixed precision {mixed_precision}\n"
+        f"model:           {model_args.model_name_or_path or model_args.model_config}, "
+        f"{parameter_count(model):,} parameters ({type(model).__name__})\n"
+        f"data:            {task.describe_data(train_set)}, {len(eval_set)} examples for evaluation\n"
+        f"global batch:    {global_batch} = {args.per_device_train_batch_size} per device x {data_parallel} "
+        f"data-parallel x {args.gradient_accumulation_steps} accumulation\n"
+        f"steps:           {max_steps} ({steps_per_epoch} per epoch), warmup {warmup_steps(args, max_steps)}, "
+        f"{args.lr_scheduler_type}, --optim {args.optim} ({optimizer_for(args.optim, offloaded).class_name})\n"
+        f"memory/rank:     {memory}"
+    )

@@ -1,0 +1,180 @@
+"""Every flag of train.py: Hugging Face `TrainingArguments` and example-script names, defaults and help.
+
+This module imports nothing heavy, so that `train.py --help` prints at once (before torch
+loads). `training/arguments.py` parses these with a recipe YAML and checks the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import NoReturn
+
+from transformers.hf_argparser import HfArgumentParser
+
+from models.configs import DEFAULT_CONFIGS, IMAGE_CONFIGS, NAMED_CONFIGS, TASK_CONFIGS
+from training.optim import OPTIMIZERS
+
+class ArgumentError(ValueError):
+    """A flag or recipe value the template cannot use; its message says how to fix it."""
+
+
+class FlagParser(HfArgumentParser):
+    """`HfArgumentParser` whose own errors (an unknown choice, a missing value) are ArgumentErrors:
+    train.py prints them as one `error:` line per machine, like every other bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ArgumentError(f"{message}; see train.py --help")
+
+
+DEVICE_MAPS = ["auto", "balanced", "balanced_low_0", "sequential"]  # "auto" is "balanced", as in transformers
+INTERVALS = ["steps", "epoch", "no"]  # --eval_strategy and --save_strategy, as TrainingArguments
+
+
+@dataclass
+class ModelArguments:
+    task: str = field(
+        default="causal-lm", metadata={"help": "What to learn: next-token text, or image labels.", "choices": list(TASK_CONFIGS)}
+    )
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Hub id or local directory of a pretrained model for --task. Unset: train from scratch."}
+    )
+    model_config: str | None = field(
+        default=None,
+        metadata={"help": f"Named config to train from scratch. Default: {DEFAULT_CONFIGS}.",
+                  "choices": sorted(NAMED_CONFIGS | IMAGE_CONFIGS)},
+    )
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow model/tokenizer code from the Hub."})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations to save memory."})
+    ignore_mismatched_sizes: bool = field(
+        default=False, metadata={"help": "Images: replace a pretrained classification head made for other labels."}
+    )
+    device_map: str | None = field(
+        default=None,
+        metadata={"help": "Split the layers over this process's GPUs (single.yaml; see training/layer_split.py).",
+                  "choices": DEVICE_MAPS},
+    )
+    sync_batchnorm: bool = field(
+        default=False, metadata={"help": "BatchNorm statistics over all processes' batches (GPUs; see training/batchnorm.py)."}
+    )
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset id or local dataset directory."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
+    train_file: str | None = field(default=None, metadata={"help": "Local txt, json/jsonl, csv or parquet file."})
+    validation_file: str | None = field(default=None, metadata={"help": "Same format as --train_file."})
+    text_column: str = field(default="text", metadata={"help": "Column that holds the documents."})
+    train_dir: str | None = field(default=None, metadata={"help": "Images: a folder with one sub-folder per class."})
+    validation_dir: str | None = field(default=None, metadata={"help": "Images: same layout as --train_dir."})
+    image_column: str = field(default="image", metadata={"help": "Images: the column that holds the images."})
+    label_column: str = field(default="label", metadata={"help": "Images: the column that holds the labels."})
+    image_size: int | None = field(
+        default=None, metadata={"help": "Images: side in pixels the images are resized to. Default: the model's."}
+    )
+    validation_split_percentage: int = field(
+        default=5, metadata={"help": "Percent of train held out when there is no validation split."}
+    )
+    packing: bool = field(
+        default=True, metadata={"help": "Pack documents into full blocks; false: one padded sequence per document."}
+    )
+    block_size: int | None = field(
+        default=None, metadata={"help": "Tokens per training sequence. Default: the model's maximum, at most 1024."}
+    )
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Train on the first N training examples only (packed sequences, or images)."}
+    )
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on the first N validation examples only."})
+
+
+@dataclass
+class TrainArguments:
+    output_dir: str = field(default="outputs/default", metadata={"help": "Checkpoints, metrics and the final model."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start afresh in an output_dir that holds a run: its checkpoints, final model, metrics and "
+                          "tracker logs are deleted just before training starts."},
+    )
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps to run; -1 means --num_train_epochs."})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs over the training set if max_steps is -1."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-step."})
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per process per eval step."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate."})
+    weight_decay: float = field(default=0.1, metadata={"help": "Decoupled weight decay; never on biases and norms."})
+    optim: str = field(
+        default="adamw_torch_fused", metadata={"help": "The optimizer (transformers' names). Under ZeRO optimizer offload, the AdamW ones run as "
+                  "DeepSpeed's CPU Adam with the same settings.", "choices": list(OPTIMIZERS)}
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(
+        default=0.95, metadata={"help": "AdamW beta2: 0.95 as in LLM pretraining (transformers' default is 0.999)."}
+    )
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    warmup_steps: int = field(default=30, metadata={"help": "Linear warmup, in optimizer steps."})
+    warmup_ratio: float = field(
+        default=0.0, metadata={"help": "Linear warmup as a fraction of the total steps, in [0, 1); replaces --warmup_steps when > 0."}
+    )
+    lr_scheduler_type: str = field(
+        default="cosine",
+        metadata={"help": "Decay after warmup: a transformers scheduler (SchedulerType), e.g. linear, cosine, constant, "
+                          "cosine_with_min_lr (with --lr_scheduler_kwargs), warmup_stable_decay."},
+    )
+    lr_scheduler_kwargs: str | None = field(
+        default=None,
+        metadata={"help": 'JSON object of the scheduler\'s own arguments, e.g. \'{"min_lr_rate": 0.1}\' for cosine_with_min_lr.'},
+    )
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Clip the global gradient norm to this on every strategy; 0 disables."}
+    )
+    seed: int = field(default=42, metadata={"help": "Seeds model init, data order and dropout."})
+    logging_steps: int = field(default=10, metadata={"help": "Log training metrics every N optimizer steps."})
+    logging_first_step: bool = field(default=False, metadata={"help": "Also log the run's first optimizer step."})
+    eval_strategy: str = field(
+        default="steps",
+        metadata={"help": "When to evaluate: every --eval_steps, at each epoch's end, or never; steps and epoch also at the end.",
+                  "choices": INTERVALS},
+    )
+    eval_steps: int = field(default=100, metadata={"help": "Evaluate every N optimizer steps (and at the end)."})
+    eval_on_start: bool = field(default=True, metadata={"help": "Evaluate before the first step (the step-0 baseline)."})
+    save_strategy: str = field(
+        default="steps",
+        metadata={"help": "When to save a checkpoint: every --save_steps, at each epoch's end, or never (a stop signal "
+                          "still saves).", "choices": INTERVALS},
+    )
+    save_steps: int = field(default=200, metadata={"help": "Save a resumable checkpoint every N optimizer steps."})
+    save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "A checkpoint directory, or 'latest' for the newest in output_dir."}
+    )
+    ddp_timeout: int = field(
+        default=1800, metadata={"help": "Seconds a collective may wait before every rank aborts (a stalled rank)."}
+    )
+    torch_compile: bool = field(default=False, metadata={"help": "Compile the model with torch.compile (inductor)."})
+    dataloader_num_workers: int = field(default=0, metadata={"help": "Worker processes loading batches; 0: in the main process."})
+    dataloader_pin_memory: bool = field(default=True, metadata={"help": "Pin batches in page-locked memory (GPUs only)."})
+    report_to: list[str] = field(
+        default_factory=lambda: ["none"],
+        metadata={"help": "Trackers: tensorboard, wandb, trackio, mlflow (one or more), all (every one installed) or none."},
+    )
+    dry_run: bool = field(
+        default=False,
+        metadata={"help": "Check the flags, the launcher config, the data and the model, and print the plan (strategy, "
+                          "global batch, steps, memory per rank) without training: rank 0 alone, no process group."},
+    )
+    run_name: str | None = field(
+        default=None, metadata={"help": "The run's name in the trackers (wandb project, ...). Default: output_dir's name."}
+    )
+
+
+ALL_ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArguments)
+KNOWN_KEYS = {f.name for cls in ALL_ARGUMENT_CLASSES for f in fields(cls)}
+
+
+def build_parser() -> FlagParser:
+    """train.py's parser: the three dataclasses, and `--config` for a recipe YAML."""
+    parser = FlagParser(ALL_ARGUMENT_CLASSES, allow_abbrev=False,  # --learning_rat is a typo, not --learning_rate
+                        description="Train a causal LM or an image classifier with any accelerate strategy.")
+    parser.add_argument("--config", help="Recipe YAML of flag values; the command line overrides it.")
+    return parser
