@@ -66,6 +66,7 @@ from training.distributed import (
     data_parallel_size,
     describe,
     held_gradients,
+    idle_gpu_warning,
     master_weight_dtypes,
     model_construction,
     optimizer_offload_device,
@@ -132,6 +133,8 @@ def main() -> None:
     run_description = describe(accelerator, strategy)
     logger.info(run_description, main_process_only=True)
     logger.info(preflight(accelerator, args.ddp_timeout), main_process_only=True)
+    if warning := idle_gpu_warning(accelerator, owns_every_gpu=bool(model_args.device_map)):
+        logger.warning(warning, main_process_only=True)
     stop_requests.connect(accelerator, args.ddp_timeout)  # ranks agree on a stop at every step
     set_seed(args.seed)  # identical initial weights on every rank and strategy
 
@@ -209,7 +212,7 @@ def main() -> None:
     peak = peak_flops(accelerator.device, compute_dtype(accelerator.mixed_precision))
     speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit, tensor_parallel_size(accelerator))
     interval_loss, interval_steps = torch.zeros((), device=accelerator.device), 0
-    nonfinite = NonFiniteGuard(accelerator.device)
+    nonfinite = NonFiniteGuard(accelerator.device, loss_scaling=accelerator.mixed_precision == "fp16")
     grad_norm = math.nan  # set at every optimizer step
     # One bar, on the main process: steps, ETA, and the last logged loss, lr and tokens/s.
     only_the_training_bar()
@@ -269,7 +272,8 @@ def main() -> None:
                     interval_loss.zero_()
                     interval_steps = 0
                     speed_now = speed.report(accelerator.gather)
-                    metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), **speed_now)
+                    metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), **speed_now,
+                                **nonfinite.logged())
                     progress.set_postfix({"loss": f"{train_loss:.3f}", "lr": f"{lr:.2e}",
                                           f"{task.unit}_per_s": f"{speed_now[f'{task.unit}_per_sec']:,.0f}"})
                 if eval_now:

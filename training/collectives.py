@@ -4,6 +4,7 @@ agreements, and a collective that timed out turned into one clear error."""
 from __future__ import annotations
 
 import functools
+import os
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -71,11 +72,27 @@ def preflight(accelerator: Accelerator, ddp_timeout: int) -> str:
         raise CollectiveTimeoutError(
             f"preflight: rank {accelerator.process_index} could not complete a collective with the other ranks "
             f"({detail}); check that every node started, --main_process_ip/--main_process_port, firewalls, and "
-            "NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME on multi-node runs"
+            f"NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME on multi-node runs{loopback_hint()}"
         ) from None
     if total != accelerator.num_processes:
         raise CollectiveTimeoutError(f"preflight: an all-reduce of ones over {accelerator.num_processes} ranks gave {total}")
     return f"preflight: all-reduce over {accelerator.num_processes} processes OK\n" + "\n".join(gather_object([me]))
+
+
+def loopback_hint() -> str:
+    """Why other nodes may not reach this one: without GLOO_SOCKET_IFNAME, gloo advertises the
+    address its host name resolves to, which some distributions map to 127.0.1.1 in /etc/hosts."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return ""
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return f"; this host's name {host} does not resolve: set GLOO_SOCKET_IFNAME to the interface the nodes share"
+    if address.startswith("127."):
+        return (f"; this host's name {host} resolves to {address}, a loopback address the other nodes cannot reach: "
+                "set GLOO_SOCKET_IFNAME to the interface the nodes share (e.g. ib0, eth0)")
+    return ""
 
 
 @contextmanager

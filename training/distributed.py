@@ -201,6 +201,25 @@ def verify_strategy(accelerator: Accelerator, prepared_model: torch.nn.Module | 
     return requested
 
 
+def idle_gpu_warning(accelerator: Accelerator, owns_every_gpu: bool) -> str | None:
+    """A warning when this machine has more GPUs than processes on it (every config says
+    `num_processes: 2`, which leaves 6 of an 8-GPU node idle unless the launch says otherwise).
+    `owns_every_gpu`: one process spreads the model over all of them (`--device_map`)."""
+    if accelerator.device.type == "cpu" or owns_every_gpu:
+        return None
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return idle_gpus(local_processes, torch.accelerator.device_count(), accelerator.num_processes // local_processes)
+
+
+def idle_gpus(local_processes: int, local_gpus: int, machines: int) -> str | None:
+    """`idle_gpu_warning`'s decision, from the counts."""
+    if local_processes >= local_gpus:
+        return None
+    return (f"this machine has {local_gpus} GPUs but {local_processes} process(es) run on it: {local_gpus - local_processes} "
+            f"sit idle. Launch with `accelerate launch --num_processes {local_gpus * machines} ...` (the total over "
+            "all machines)")
+
+
 def tensor_parallel_size(accelerator: Accelerator) -> int:
     """Processes that share one batch, each computing a slice of every layer (`parallelism_config_tp_size`)."""
     config = accelerator.parallelism_config

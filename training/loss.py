@@ -62,26 +62,51 @@ class NonFiniteGuard:
 
     `check` (a collective: call it on every rank) runs before anything is logged, saved or
     exported, so poisoned weights never reach a checkpoint.
+
+    Under fp16 (`loss_scaling`) an infinite gradient norm is normal now and then: the loss
+    scaler (torch's GradScaler, or DeepSpeed's) found the scaled gradients overflowed, skipped
+    the update (the fused AdamW inside its kernel, so `optimizer_step_was_skipped` cannot
+    see it) and halved its scale. Those steps are counted (`skipped_steps`) and stop the
+    run only MAX_SKIPPED_IN_A_ROW times in a row: by then the scale has fallen from 2**16
+    to below 2**-4, and the gradients themselves are not finite. A non-finite loss always stops it.
     """
 
     NONE = 2**62
+    MAX_SKIPPED_IN_A_ROW = 20
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, loss_scaling: bool = False) -> None:
+        self.loss_scaling = loss_scaling
         self.first_bad_step = torch.full((), self.NONE, dtype=torch.long, device=device)
+        self.skipped_steps = torch.zeros((), dtype=torch.long, device=device)
+        self.skipped_in_a_row = torch.zeros((), dtype=torch.long, device=device)
 
-    def update(self, step: int, *values: torch.Tensor | float) -> None:
-        """Record `step` if any value (the loss, the gradient norm) is NaN or infinite."""
-        device = self.first_bad_step.device
-        # FSDP2 returns the norm as a replicated DTensor: its local value is the whole norm.
-        tensors = [torch.as_tensor(v.to_local() if hasattr(v, "to_local") else v, device=device) for v in values]
-        bad_now = torch.stack([~torch.isfinite(t.detach().float()) for t in tensors]).any()
+    def update(self, step: int, loss: torch.Tensor | float, grad_norm: torch.Tensor | float) -> None:
+        """Record `step` if the loss, or (without loss scaling) the gradient norm, is NaN or infinite."""
+        loss_bad, norm_bad = (~torch.isfinite(self._tensor(value)) for value in (loss, grad_norm))
+        if self.loss_scaling:
+            skipped = norm_bad & ~loss_bad
+            self.skipped_steps += skipped
+            self.skipped_in_a_row = torch.where(skipped, self.skipped_in_a_row + 1, 0)
+            bad_now = loss_bad | (self.skipped_in_a_row >= self.MAX_SKIPPED_IN_A_ROW)
+        else:
+            bad_now = loss_bad | norm_bad
         self.first_bad_step = torch.where(bad_now, torch.clamp(self.first_bad_step, max=step), self.first_bad_step)
+
+    def _tensor(self, value: torch.Tensor | float) -> torch.Tensor:
+        # FSDP2 returns the norm as a replicated DTensor: its local value is the whole norm.
+        value = value.to_local() if hasattr(value, "to_local") else value
+        return torch.as_tensor(value, device=self.first_bad_step.device).detach().float()
+
+    def logged(self) -> dict[str, int]:
+        """What goes with the training metrics: under fp16, the steps the loss scaler skipped so far."""
+        return {"skipped_steps": int(self.skipped_steps)} if self.loss_scaling else {}
 
     def check(self, accelerator) -> None:
         first = int(accelerator.gather(self.first_bad_step.reshape(1)).min())
         if first != self.NONE:
+            what = (f"the loss became non-finite, or fp16 overflowed {self.MAX_SKIPPED_IN_A_ROW} steps in a row "
+                    "(bf16 does not overflow)" if self.loss_scaling else "the loss or gradient norm became non-finite")
             raise NonFiniteLossError(
-                f"the loss or gradient norm became non-finite (NaN or inf) at step {first}; stopped without saving "
-                "anything from that step on. Lower --learning_rate, keep --max_grad_norm > 0, or resume from an "
-                "earlier checkpoint"
+                f"{what} (NaN or inf) at step {first}; stopped without saving anything from that step on. "
+                "Lower --learning_rate, keep --max_grad_norm > 0, or resume from an earlier checkpoint"
             )
