@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
+
+# The suite tests CPU semantics (gloo, the CPU accommodation, the fp16 and SyncBatchNorm
+# refusals): GPUs are hidden from it and from every launch, before torch can see them.
+# Tests marked `gpu` get them back (`launch(..., gpu=True)`) and are skipped without one.
+# (Hence the imports below this line.)
+VISIBLE_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import json
 import random
 import socket
 import subprocess
@@ -61,21 +69,44 @@ def with_processes(config: str, num_processes: int, directory: Path) -> Path:
     return path
 
 
+def gpu_count() -> int:
+    """GPUs the tests may use, counted with nvidia-smi (this process never initialises CUDA)."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    gpus = sum(line.startswith("GPU ") for line in listed.splitlines())
+    return gpus if VISIBLE_GPUS is None else min(gpus, len([g for g in VISIBLE_GPUS.split(",") if g.strip()]))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the `gpu` tests on a machine without a GPU (`pytest -m gpu` then skips them all)."""
+    gpu_tests = [item for item in items if "gpu" in item.keywords]
+    if gpu_tests and gpu_count() == 0:
+        for item in gpu_tests:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; this machine has none"))
+
+
 def launch_command(
-    config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = ()
+    config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), gpu: bool = False
 ) -> tuple[list[str], dict[str, str]]:
-    """The command and environment of `accelerate launch --config_file <config> <launcher_args> <script> <args>`."""
+    """The command and environment of `accelerate launch --config_file <config> <launcher_args> <script> <args>`;
+    `gpu`: with the machine's GPUs visible."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path(config)),
                "--main_process_port", str(free_port()), *launcher_args, str(script), *args]
     env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    if gpu:
+        env.pop("CUDA_VISIBLE_DEVICES")
+        env |= {"CUDA_VISIBLE_DEVICES": VISIBLE_GPUS} if VISIBLE_GPUS is not None else {}
     return command, env
 
 
 def launch(
-    config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), timeout: int = 300
+    config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), timeout: int = 300,
+    gpu: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run `accelerate launch` for real and wait for it."""
-    command, env = launch_command(config, script, *args, launcher_args=launcher_args)
+    command, env = launch_command(config, script, *args, launcher_args=launcher_args, gpu=gpu)
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

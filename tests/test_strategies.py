@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import build_lm_datasets, load_raw_datasets
 from tests.conftest import read_metrics
+from training.distributed import Strategy, requested_strategy
 
 # config -> (strategy line in the log, wrapper class around the model, the optimizer that steps,
 #            a file only that strategy's checkpoint has). Under ZeRO optimizer offload the AdamW
@@ -72,3 +73,19 @@ def exported_eval_loss(model, tokenizer) -> float:
     losses = [model(input_ids=chunk, labels=chunk).loss for chunk in blocks.split(16)]
     sizes = [len(chunk) for chunk in blocks.split(16)]
     return float(sum(loss * size for loss, size in zip(losses, sizes)) / sum(sizes))
+
+
+@pytest.mark.parametrize(
+    ("launch_env", "expected"),
+    [({}, Strategy.SINGLE),  # single.yaml: accelerate runs train.py directly
+     ({"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "1"}, Strategy.DDP),  # ddp.yaml --num_processes 1: torchrun, DDP of one
+     ({"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "2"}, Strategy.DDP),
+     ({"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "1", "ACCELERATE_USE_FSDP": "true"}, Strategy.FSDP),
+     ({"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "1", "ACCELERATE_USE_DEEPSPEED": "true"}, Strategy.DEEPSPEED)],
+)
+def test_the_launch_environment_names_the_strategy(monkeypatch, launch_env, expected) -> None:
+    for key in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in launch_env.items():
+        monkeypatch.setenv(key, value)
+    assert requested_strategy() is expected

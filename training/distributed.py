@@ -55,7 +55,9 @@ def requested_strategy() -> Strategy:
         return Strategy.DEEPSPEED
     if _env_flag("ACCELERATE_USE_FSDP"):
         return Strategy.FSDP
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    # torchrun starts every multi-process config, also with one process (`ddp.yaml --num_processes 1`):
+    # that is DDP of one, while single.yaml runs train.py directly.
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
         return Strategy.DDP
     return Strategy.SINGLE
 
