@@ -89,6 +89,9 @@ LAUNCHER_CASES = {  # case -> (environment from accelerate launch, what the erro
         "not found from",
     ),
     "fp16 on a CPU-only machine": ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "fp16 mixed precision needs a GPU"),
+    "the launcher's torch.compile, which train.py would replace": (
+        {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, "dynamo backend inductor, which train.py would replace"
+    ),
     "DeepSpeed JSON with its own optimizer section": (
         {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "{own-optimizer.json}"},
         "has its own optimizer section: train.py builds the optimizer",

@@ -120,6 +120,12 @@ def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
                 "(--optim, --learning_rate, --adam_beta1/2, --weight_decay) and the schedule (--lr_scheduler_type, "
                 "--warmup_steps) the same way on every strategy; remove the section and set those flags"
             )
+    if (backend := os.environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper()) != "NO":
+        raise StrategyError(
+            f"the launcher asks for torch.compile with dynamo backend {backend.lower()}, which train.py would replace: "
+            "it compiles with its own --torch_compile (inductor); drop --dynamo_backend (or dynamo_config in the yaml) "
+            "and pass --torch_compile to train.py"
+        )
     if _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
         check_parallelism_config(strategy)
     if on_cpu and strategy is Strategy.FSDP and os.environ.get("FSDP_VERSION", "1") != "2":
