@@ -255,12 +255,12 @@ def main() -> None:
                 interval_loss += step_loss
                 nonfinite.update(state.completed_steps, step_loss, grad_norm)
                 interval_steps += 1
-                speed.end_step(sum(task.count_units(batch) for batch in window))
-                progress.update(1)
                 step = state.completed_steps
+                log_now = step % args.logging_steps == 0 or step == max_steps or (args.logging_first_step and step == 1)
+                speed.end_step(sum(task.count_units(batch) for batch in window), synchronize=log_now)
+                progress.update(1)
                 stop_signal = stop_requests.agreed()  # every rank stops after the same step
                 epoch_end = state.steps_in_epoch == steps_per_epoch
-                log_now = step % args.logging_steps == 0 or step == max_steps or (args.logging_first_step and step == 1)
                 eval_now = args.eval_strategy != "no" and (due(args.eval_strategy, args.eval_steps, step, epoch_end)
                                                            or step == max_steps)
                 save_now = due(args.save_strategy, args.save_steps, step, epoch_end) or stop_signal is not None

@@ -162,7 +162,11 @@ class SpeedMeter:
     def start_step(self) -> None:
         self._started = time.perf_counter()
 
-    def end_step(self, units: int) -> None:
+    def end_step(self, units: int, synchronize: bool = False) -> None:
+        """`synchronize` on the steps that report: the GPU work still queued then belongs to the
+        interval's clock (the report's own wait comes after it), as scripts/raw_ddp.py times each step."""
+        if synchronize and self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
         elapsed = time.perf_counter() - self._started
         self.units, self.steps, self.seconds = self.units + units, self.steps + 1, self.seconds + elapsed
         self.total_units, self.total_seconds = self.total_units + units, self.total_seconds + elapsed
