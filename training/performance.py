@@ -12,11 +12,18 @@ import torch
 # Dense peak FLOP/s (no sparsity) from NVIDIA's datasheets, by a fragment of
 # `torch.cuda.get_device_name()`; the first fragment found in the name wins. fp32 is true
 # fp32 (torch's default matmul precision), not TF32.
+def _peaks(half: float, fp32: float) -> dict[torch.dtype, float]:
+    return {torch.bfloat16: half, torch.float16: half, torch.float32: fp32}  # fp16 runs at bf16's rate
+
+
+# Dense tensor-core peaks from NVIDIA's datasheets (no 2:4 sparsity); the first name fragment
+# that the device name contains wins, so the H100 variants come before plain "H100" (SXM).
 GPU_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
-    "H200": {torch.bfloat16: 989.4e12, torch.float32: 66.9e12},
-    "H100 PCIe": {torch.bfloat16: 756.0e12, torch.float32: 51.2e12},
-    "H100": {torch.bfloat16: 989.4e12, torch.float32: 66.9e12},  # SXM
-    "A100": {torch.bfloat16: 312.0e12, torch.float32: 19.5e12},
+    "H200": _peaks(989.4e12, 66.9e12),
+    "H100 NVL": _peaks(835.5e12, 60.0e12),
+    "H100 PCIe": _peaks(756.0e12, 51.2e12),
+    "H100": _peaks(989.4e12, 66.9e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    "A100": _peaks(312.0e12, 19.5e12),
 }
 
 
