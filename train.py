@@ -63,6 +63,7 @@ from training.distributed import (
     align_with_strategy,
     apply_tensor_parallel,
     build_accelerator,
+    clip_gradients,
     data_parallel_size,
     describe,
     held_gradients,
@@ -244,7 +245,7 @@ def main() -> None:
                         # over data-parallel ranks only, and its tp ranks each counted the window's targets.)
                         accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
                         if accelerator.sync_gradients:
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm)
+                            grad_norm = clip_gradients(accelerator, model, clip_norm)
                         optimizer.step()
                         optimizer.zero_grad()
                     step_loss += loss.detach()  # stays on device: no host sync in the hot loop

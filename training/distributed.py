@@ -384,6 +384,17 @@ def align_deepspeed_config(config: dict, max_grad_norm: float, per_device_batch:
         )
 
 
+def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor | float:
+    """Clip the global gradient norm to `max_norm`; return the norm before clipping, still on the device.
+
+    DeepSpeed clips inside its own step (`gradient_clipping`, set from --max_grad_norm), and
+    accelerate's `clip_grad_norm_` reads its norm with `.item()`, a wait for the GPU at every
+    step: the engine's value is taken as it is instead."""
+    if wrapped_strategy(model) is Strategy.DEEPSPEED:
+        return model.get_global_grad_norm()
+    return accelerator.clip_grad_norm_(model.parameters(), max_norm)
+
+
 def floating_input_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype for floating-point inputs (pixels): DeepSpeed's bf16/fp16 engines hold the whole
     model in that dtype and do not autocast, so inputs must match (as Trainer casts them); every
