@@ -56,6 +56,7 @@ def _files(tmp_path) -> dict[str, str]:
 # case -> (train.py flags, launcher environment, what the one error line says); one per stage that refuses
 MISTAKES = {
     "scheduler name": (["--lr_scheduler_type", "cosin"], {}, "--lr_scheduler_type 'cosin' is not a transformers scheduler"),
+    "optimizer name (argparse's choices)": (["--optim", "adamw"], {}, "argument --optim: invalid choice: 'adamw' (choose from"),
     "DeepSpeed JSON against a flag": (
         ["--max_grad_norm", "0.5"], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "{clipping.json}"},
         "gradient_clipping is 1.0 in the DeepSpeed JSON but --max_grad_norm is 0.5",
