@@ -24,7 +24,15 @@ from training.distributed import (
     has_accelerator_device,
     requested_strategy,
 )
-from training.memory_plan import Layout, activation_bytes, deepspeed_layout, model_shape, model_state, working_bytes
+from training.memory_plan import (
+    Layout,
+    activation_bytes,
+    deepspeed_layout,
+    fsdp_layout,
+    model_shape,
+    model_state,
+    working_bytes,
+)
 from training.optim import optimizer_for, run_length, warmup_steps
 from training.performance import compute_dtype, parameter_count
 from training.tasks import TASKS
@@ -44,8 +52,7 @@ def launched_layout(strategy: Strategy, args) -> Layout:
     if strategy is Strategy.FSDP:
         tp_size = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
         offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
-        return Layout("launched", "fsdp_tp" if tp_size > 1 else "fsdp", sharded_parameters=True,
-                      offload_optimizer=offload, offload_parameters=offload, tp_size=tp_size)
+        return fsdp_layout("launched", offload, tp_size)
     return Layout("launched", strategy.value)
 
 

@@ -106,11 +106,16 @@ def read_layout(path: Path) -> Layout:
     if kind == "FSDP":
         offload = bool(config.get("fsdp_config", {}).get("fsdp_offload_params", False))
         tp_size = int((config.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1))
-        return Layout(path.stem, "fsdp_tp" if tp_size > 1 else "fsdp", sharded_parameters=True,
-                      offload_optimizer=offload, offload_parameters=offload, tp_size=tp_size)
+        return fsdp_layout(path.stem, offload, tp_size)
     if kind == "DEEPSPEED":
         return _deepspeed_layout(path, config.get("deepspeed_config", {}))
     raise PlanError(f"{path}: distributed_type {kind} is not one the planner knows (NO, MULTI_GPU, FSDP, DEEPSPEED)")
+
+
+def fsdp_layout(name: str, offload: bool, tp_size: int) -> Layout:
+    """FSDP2's layout: everything sharded; `fsdp_offload_params` moves all of it to CPU memory."""
+    return Layout(name, "fsdp_tp" if tp_size > 1 else "fsdp", sharded_parameters=True,
+                  offload_optimizer=offload, offload_parameters=offload, tp_size=tp_size)
 
 
 def _deepspeed_layout(path: Path, accelerate_ds: dict) -> Layout:
