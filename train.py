@@ -136,7 +136,7 @@ def main() -> None:
     logger.info(preflight(accelerator, args.ddp_timeout), main_process_only=True)
     if warning := idle_gpu_warning(accelerator, owns_every_gpu=bool(model_args.device_map)):
         logger.warning(warning, main_process_only=True)
-    stop_requests.connect(accelerator, args.ddp_timeout)  # ranks agree on a stop at every step
+    stop_requests.connect(accelerator, args.ddp_timeout)  # from now on ranks agree on a stop
     set_seed(args.seed)  # identical initial weights on every rank and strategy
 
     # ---- model and data ----
@@ -260,11 +260,13 @@ def main() -> None:
                 log_now = step % args.logging_steps == 0 or step == max_steps or (args.logging_first_step and step == 1)
                 speed.end_step(sum(task.count_units(batch) for batch in window), synchronize=log_now)
                 progress.update(1)
-                stop_signal = stop_requests.agreed()  # every rank stops after the same step
                 epoch_end = state.steps_in_epoch == steps_per_epoch
                 eval_now = args.eval_strategy != "no" and (due(args.eval_strategy, args.eval_steps, step, epoch_end)
                                                            or step == max_steps)
-                save_now = due(args.save_strategy, args.save_steps, step, epoch_end) or stop_signal is not None
+                save_due = due(args.save_strategy, args.save_steps, step, epoch_end)
+                # every rank stops after the same step: agreed every few steps, and on the steps that wait anyway
+                stop_signal = stop_requests.agreed(step, now=log_now or eval_now or save_due or epoch_end)
+                save_now = save_due or stop_signal is not None
                 if log_now or eval_now or save_now:
                     nonfinite.check(accelerator)  # before anything is logged, saved or exported
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
 
 import psutil
 import pytest
 
 from tests.conftest import (
     MAX_STEPS,
+    REPO,
     assert_continues_exactly,
+    free_port,
     rank_processes,
     read_metrics,
     split_args,
@@ -20,13 +25,14 @@ from tests.conftest import (
     wait_for,
 )
 from training.checkpoint import complete_checkpoints
+from training.preemption import StopRequests
 
 CASES = {
     # torchrun's agent forwards SIGTERM to every rank and waits for them
     "SIGTERM to the launcher of 2 DDP ranks": ("ddp", "launcher", signal.SIGTERM, "SIGTERM"),
     # what train.sbatch does at the time limit: the node script makes torchrun forward SIGUSR1 too
     "SIGUSR1 to the SLURM node script's launcher": ("deepspeed_zero2", "node script", signal.SIGUSR1, "SIGUSR1"),
-    # one rank only: the other learns it from the per-step agreement and stops at the same step
+    # one rank only: the other learns it from the ranks' agreement and stops at the same step
     "SIGUSR1 to FSDP2 rank 1 only": ("fsdp", "rank 1", signal.SIGUSR1, "SIGUSR1"),
     # the launcher dies of SIGUSR1 without forwarding it: the kernel sends its rank SIGTERM
     "SIGUSR1 to the launcher of one process": ("single", "launcher", signal.SIGUSR1, "SIGTERM"),
@@ -115,3 +121,32 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_to_resume_from(unev
     resumed_loss = next(m["loss"] for m in read_metrics(tmp_path) if m["step"] == killed_at and "loss" in m)
     assert resumed_loss == pytest.approx(killed_loss, rel=1e-6)  # the step redone from the checkpoint is the same step
     assert [p.name for p in complete_checkpoints(str(tmp_path))] == ["step_60"]  # the half-written save was replaced
+
+
+AGREEMENT = """
+import json, signal, sys, torch.distributed as dist
+from training.preemption import StopRequests
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2)
+requests = StopRequests()
+requests.distributed, requests.timeout_s = True, 60
+seen = {}
+for step in range(1, 13):
+    if rank == 1 and step == 2:
+        requests.handle(signal.SIGUSR1, None)  # rank 1 alone is signalled during step 2
+    seen[step] = requests.agreed(step, now=step == 7)
+print(json.dumps(seen))
+"""
+
+
+def test_ranks_agree_on_a_stop_every_few_steps_and_when_told_to() -> None:
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", AGREEMENT, str(rank), port], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), outputs
+    every = StopRequests.AGREE_EVERY
+    for stdout, _ in outputs:  # both ranks learn it at the same step: the first agreement after the signal
+        seen = {int(step): name for step, name in json.loads(stdout).items()}
+        assert [step for step, name in seen.items() if name] == [s for s in range(every, 13) if s % every == 0 or s == 7]
+        assert seen[every] == "SIGUSR1" and not any(seen[step] for step in range(1, every))

@@ -40,7 +40,16 @@ class Preempted(Exception):
 
 
 class StopRequests:
-    """Records stop signals; `agreed()` tells every rank whether any rank received one."""
+    """Records stop signals; `agreed()` tells every rank whether any rank received one.
+
+    Agreeing is an all-reduce over the CPU (gloo) group, a network round trip across nodes:
+    it runs every AGREE_EVERY optimizer steps and on the steps that wait for the other ranks
+    anyway (logging, evaluation, saving, an epoch's end). So a stop takes effect within
+    AGREE_EVERY steps (a 300 s SLURM warning or a 30 s grace period leaves room for a few).
+    A single process stops after the step it was signalled in.
+    """
+
+    AGREE_EVERY = 5
 
     def __init__(self) -> None:
         self.received = 0  # the signal number, 0 for none
@@ -57,8 +66,12 @@ class StopRequests:
         if self.distributed:
             cpu_group(timeout_s)  # made now, on every rank, if this run needs a separate one
 
-    def agreed(self) -> str | None:
-        """The name of a stop signal any rank received, or None. A collective: call it on every rank."""
+    def agreed(self, step: int, now: bool = False) -> str | None:
+        """After optimizer step `step`: the name of a stop signal any rank received, or None
+        (also between agreements). A collective on agreement steps (every AGREE_EVERY, or `now`):
+        call it on every rank with the same arguments."""
+        if self.distributed and not now and step % self.AGREE_EVERY:
+            return None
         import torch
         import torch.distributed as dist
 
