@@ -126,6 +126,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_to_resume_from(unev
 AGREEMENT = """
 import json, signal, sys, torch.distributed as dist
 from training.preemption import StopRequests
+from training.process_exit import exit_process
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2)
 requests = StopRequests()
@@ -136,6 +137,8 @@ for step in range(1, 13):
         requests.handle(signal.SIGUSR1, None)  # rank 1 alone is signalled during step 2
     seen[step] = requests.agreed(step, now=step == 7)
 print(json.dumps(seen))
+dist.destroy_process_group()
+exit_process(0)  # as train.py's ranks end: gloo's threads would otherwise race the interpreter's teardown
 """
 
 
