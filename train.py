@@ -82,7 +82,7 @@ from training.evaluation import evaluate
 from training.layer_split import split_layers
 from training.loss import NonFiniteGuard, NonFiniteLossError, accumulation_windows
 from training.metrics import MetricsLogger, to_float, tracker_config, write_summary
-from training.optim import build_optimizer, build_scheduler, run_length
+from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
 from training.performance import (
     SpeedMeter,
     compute_dtype,
@@ -155,7 +155,7 @@ def main() -> None:
     model_name = model_args.model_name_or_path or model_args.model_config
     num_parameters = parameter_count(model)
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
-    global_batch = args.per_device_train_batch_size * data_parallel_size(accelerator) * args.gradient_accumulation_steps
+    global_batch = global_batch_size(args, data_parallel_size(accelerator))
     steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
     train_set = train_set.select(range(steps_per_epoch * global_batch))
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking above).

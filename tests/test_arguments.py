@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers.optimization import Adafactor
 
 from training.arguments import ArgumentError, parse_args
+from tests.conftest import REPO
 from training.optim import build_optimizer, build_scheduler
 
 
@@ -97,6 +102,21 @@ def test_each_optimizer_name_builds_its_optimizer(tmp_path, optim, kind) -> None
     optimizer = build_optimizer(torch.nn.Linear(4, 4), args)
     assert type(optimizer) is kind
     assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]  # no decay on the bias
+
+
+def test_a_cpu_adam_that_cannot_build_is_one_clear_error(tmp_path) -> None:
+    """Under ZeRO offload DeepSpeed compiles its CPU Adam on first use; without a compiler that is a StrategyError
+    (train.py's one error line), not DeepSpeed's chained tracebacks. A real build, with a compiler that fails."""
+    probe = ("import sys, torch; from training.arguments import parse_args; from training.optim import build_optimizer\n"
+             "from training.distributed import StrategyError\n"
+             f"_, _, args = parse_args(['--output_dir', {str(tmp_path)!r}])\n"
+             "try: build_optimizer(torch.nn.Linear(2, 2), args, offloaded=True)\n"
+             "except StrategyError as error: print('StrategyError:', error)")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=os.environ | {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ops"), "CXX": "/bin/false"})
+    assert "StrategyError: DeepSpeed's CPU Adam, which steps the optimizer under ZeRO optimizer offload, failed to " \
+           "build (" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "install a C++ compiler and ninja" in result.stdout
 
 
 @pytest.mark.parametrize("strategy", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])

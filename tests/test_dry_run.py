@@ -79,6 +79,14 @@ def test_a_mistake_is_one_error_line_and_exit_2(tmp_path, args, env, message) ->
     assert "Traceback" not in result.stderr
 
 
+def test_a_gpu_plan_made_on_a_machine_without_gpus_is_a_plan_with_a_note(tmp_path) -> None:
+    """fp16 needs a GPU: planned on a login node, the dry run plans it and notes what a CPU machine would refuse."""
+    result = dry_run(tmp_path, env={"ACCELERATE_MIXED_PRECISION": "fp16"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "mixed precision fp16" in result.stdout
+    assert "no GPU here; on CPU machines the run would stop: fp16 mixed precision needs a GPU" in result.stdout
+
+
 def test_help_lists_every_flag_before_torch_loads() -> None:
     probe = ("import atexit, runpy, sys; sys.argv = ['train.py', '--max_steps', '3', '--help']; "
              "atexit.register(lambda: print('torch loaded:', 'torch' in sys.modules)); "

@@ -60,6 +60,7 @@ def test_a_custom_model_without_attention_fields_is_counted_as_6n() -> None:
         ("NVIDIA H100 NVL", torch.float16, 835.5e12),
         ("NVIDIA H100 80GB HBM3", torch.float16, 989.4e12),
         ("NVIDIA H200", torch.float32, 66.9e12),
+        ("NVIDIA H200 NVL", torch.bfloat16, 835.5e12),
         ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0e12),
         ("Tesla T4", torch.bfloat16, None),  # not in the table: no MFU rather than a wrong one
     ],

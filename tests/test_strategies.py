@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import build_lm_datasets, load_raw_datasets
 from tests.conftest import read_metrics
-from training.distributed import Strategy, requested_strategy
+from training.distributed import Strategy, StrategyError, requested_strategy, verify_strategy
 
 # config -> (strategy line in the log, wrapper class around the model, the optimizer that steps,
 #            a file only that strategy's checkpoint has). Under ZeRO optimizer offload the AdamW
@@ -89,3 +92,18 @@ def test_the_launch_environment_names_the_strategy(monkeypatch, launch_env, expe
     for key, value in launch_env.items():
         monkeypatch.setenv(key, value)
     assert requested_strategy() is expected
+
+
+@pytest.mark.parametrize(("processes", "accepted"), [(1, True), (2, False)])
+def test_one_gpu_ddp_process_runs_the_plain_model(monkeypatch, processes, accepted) -> None:
+    """On a GPU accelerate wraps a single MULTI_GPU process in no DDP: that is DDP of one, not a mismatch."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
+    monkeypatch.setenv("WORLD_SIZE", str(processes))
+    for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(key, raising=False)
+    one_gpu = SimpleNamespace(num_processes=processes, distributed_type=DistributedType.MULTI_GPU)
+    if accepted:
+        assert verify_strategy(one_gpu, torch.nn.Linear(2, 2)) is Strategy.DDP
+    else:
+        with pytest.raises(StrategyError, match="wrapped for single"):
+            verify_strategy(one_gpu, torch.nn.Linear(2, 2))

@@ -202,7 +202,10 @@ def verify_strategy(accelerator: Accelerator, prepared_model: torch.nn.Module | 
         )
     if prepared_model is not None:
         wrapped = wrapped_strategy(prepared_model)
-        if wrapped is not requested:
+        # accelerate wraps one GPU process in no DDP (`use_distributed` needs 2), while on CPU it does:
+        # DDP of one is then the plain model.
+        ddp_of_one = requested is Strategy.DDP and wrapped is Strategy.SINGLE and accelerator.num_processes == 1
+        if wrapped is not requested and not ddp_of_one:
             raise StrategyError(f"the config asked for {requested.value} but the model is wrapped for {wrapped.value}")
         if requested is Strategy.FSDP and accelerator.is_fsdp2 is not (os.environ.get("FSDP_VERSION") == "2"):
             raise StrategyError("the FSDP version in use differs from the config's fsdp_version")

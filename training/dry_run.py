@@ -4,7 +4,8 @@ Launch it exactly as the run (`accelerate launch --config_file ... train.py ... 
 rank 0 alone does the work, in one process, and the other processes exit at once. It
 reads the launcher's settings from the environment `accelerate launch` sets, so it starts
 no process group and needs no GPU (plan an 8-GPU job on a login node with
-`--num_processes 8`). It checks the flags (already parsed), the launcher config and its
+`--num_processes 8`; what only a GPU can run, such as fp16, is then a note). It builds the
+model as rank 0 of the run does, in CPU memory (a pretrained 7B model needs about 28 GB). It checks the flags (already parsed), the launcher config and its
 DeepSpeed JSON, loads and tokenizes the data, builds the model, and prints the plan:
 strategy, global batch, steps, and the memory per rank that `training/memory_plan.py`
 computes for this layout. Any problem is the error line (exit 2) the real run would give.
@@ -19,6 +20,7 @@ from accelerate.utils import DeepSpeedPlugin, set_seed
 
 from training.distributed import (
     Strategy,
+    StrategyError,
     align_deepspeed_config,
     check_launch_config,
     has_accelerator_device,
@@ -33,7 +35,7 @@ from training.memory_plan import (
     model_state,
     working_bytes,
 )
-from training.optim import optimizer_for, run_length, warmup_steps
+from training.optim import global_batch_size, optimizer_for, run_length, warmup_steps
 from training.performance import compute_dtype, parameter_count
 from training.tasks import TASKS
 
@@ -61,7 +63,14 @@ def dry_run(model_args, data_args, args) -> str | None:
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     strategy, processes = requested_strategy(), int(os.environ.get("WORLD_SIZE", "1"))
-    check_launch_config(strategy, on_cpu=not has_accelerator_device())
+    # Planned on a login node for GPU machines: check as on a GPU, and say what this machine would refuse.
+    check_launch_config(strategy, on_cpu=False)
+    cpu_note = ""
+    if not has_accelerator_device():
+        try:
+            check_launch_config(strategy, on_cpu=True)
+        except StrategyError as error:
+            cpu_note = f"\nnote:            no GPU here; on CPU machines the run would stop: {error}"
     layout = launched_layout(strategy, args)
     mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     set_seed(args.seed)
@@ -71,7 +80,7 @@ def dry_run(model_args, data_args, args) -> str | None:
     model = task.build_model(raw)
     train_set, eval_set = task.datasets(raw, nullcontext())
     data_parallel = processes // layout.tp_size
-    global_batch = args.per_device_train_batch_size * data_parallel * args.gradient_accumulation_steps
+    global_batch = global_batch_size(args, data_parallel)
     steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
 
     offloaded = layout.deepspeed and layout.offload_optimizer  # ZeRO steps the optimizer on the CPU
@@ -97,5 +106,5 @@ def dry_run(model_args, data_args, args) -> str | None:
         f"data-parallel x {args.gradient_accumulation_steps} accumulation\n"
         f"steps:           {max_steps} ({steps_per_epoch} per epoch), warmup {warmup_steps(args, max_steps)}, "
         f"{args.lr_scheduler_type}, --optim {args.optim} ({optimizer_for(args.optim, offloaded).class_name})\n"
-        f"memory/rank:     {memory}"
+        f"memory/rank:     {memory}{cpu_note}"
     )

@@ -89,7 +89,20 @@ def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> to
         {"params": [p for name, p in named if name in decay], "weight_decay": args.weight_decay},
         {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0},
     ]
-    return optimizer_for(args.optim, offloaded).build(groups, args)
+    choice = optimizer_for(args.optim, offloaded)
+    try:
+        return choice.build(groups, args)
+    except RuntimeError as error:
+        if choice is not DEEPSPEED_CPU_ADAMW:
+            raise
+        from training.distributed import StrategyError
+
+        cause = str(error.__cause__ or error).strip().splitlines()[-1]
+        raise StrategyError(
+            f"DeepSpeed's CPU Adam, which steps the optimizer under ZeRO optimizer offload, failed to build ({cause}); "
+            "it compiles on first use: install a C++ compiler and ninja (`pip install ninja`), or use a config "
+            "without offload_optimizer (accelerate_configs/deepspeed_zero3.yaml)"
+        ) from error
 
 
 def check_optimization(args) -> None:
@@ -101,6 +114,11 @@ def check_optimization(args) -> None:
     optimizer = build_optimizer(torch.nn.Linear(1, 1), args)
     get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=1, num_training_steps=10,
                   scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+
+
+def global_batch_size(args, data_parallel: int) -> int:
+    """Examples per optimizer step: per device x data-parallel ranks x accumulation."""
+    return args.per_device_train_batch_size * data_parallel * args.gradient_accumulation_steps
 
 
 def run_length(train_examples: int, eval_examples: int, global_batch: int, args) -> tuple[int, int]:

@@ -9,16 +9,16 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-# Dense peak FLOP/s (no sparsity) from NVIDIA's datasheets, by a fragment of
-# `torch.cuda.get_device_name()`; the first fragment found in the name wins. fp32 is true
-# fp32 (torch's default matmul precision), not TF32.
 def _peaks(half: float, fp32: float) -> dict[torch.dtype, float]:
     return {torch.bfloat16: half, torch.float16: half, torch.float32: fp32}  # fp16 runs at bf16's rate
 
 
-# Dense tensor-core peaks from NVIDIA's datasheets (no 2:4 sparsity); the first name fragment
-# that the device name contains wins, so the H100 variants come before plain "H100" (SXM).
+# Dense peak FLOP/s from NVIDIA's datasheets (no 2:4 sparsity), by a fragment of
+# `torch.cuda.get_device_name()`: the first fragment the name contains wins, so the NVL and
+# PCIe variants come before plain "H200"/"H100" (SXM). fp32 is true fp32 (torch's default
+# matmul precision), not TF32.
 GPU_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
+    "H200 NVL": _peaks(835.5e12, 60.0e12),
     "H200": _peaks(989.4e12, 66.9e12),
     "H100 NVL": _peaks(835.5e12, 60.0e12),
     "H100 PCIe": _peaks(756.0e12, 51.2e12),

@@ -8,9 +8,9 @@ The signal may reach the launcher, some ranks or all of them:
   `PET_SHUTDOWN_TIMEOUT` seconds (default 30) before it kills them;
 - a launcher that dies without forwarding (one process, or a signal torchrun does not
   handle) still reaches the ranks: each asks the kernel for SIGTERM when its parent dies.
-Ranks may see the signal at different steps, or only one rank may see it, so at the end of
-every optimizer step they agree with a one-number all-reduce on a CPU (gloo) group, which
-never waits for the GPU.
+Ranks may see the signal at different steps, or only one rank may see it, so every few
+optimizer steps (`StopRequests.AGREE_EVERY`) they agree with a one-number all-reduce on a CPU
+(gloo) group, which never waits for the GPU.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ class StopRequests:
 
     Agreeing is an all-reduce over the CPU (gloo) group, a network round trip across nodes:
     it runs every AGREE_EVERY optimizer steps and on the steps that wait for the other ranks
-    anyway (logging, evaluation, saving, an epoch's end). So a stop takes effect within
-    AGREE_EVERY steps (a 300 s SLURM warning or a 30 s grace period leaves room for a few).
-    A single process stops after the step it was signalled in.
+    anyway (logging, evaluation, saving, an epoch's end). So a stop takes up to AGREE_EVERY
+    steps and a save: the scheduler's warning (`--signal=B:USR1@300`) or grace period must
+    hold that. A single process stops after the step it was signalled in.
     """
 
     AGREE_EVERY = 5
@@ -87,7 +87,8 @@ class StopRequests:
 def install_stop_handlers() -> StopRequests:
     """From now until the process exits, SIGTERM and SIGUSR1 only set a flag (once per process).
 
-    A signal during set-up stops the run after its first step; one during the final export
+    A signal during set-up stops the run at its first agreement (after the first step for one
+    process, within AGREE_EVERY steps for several); one during the final export
     lets the export finish (within the scheduler's grace period). A second signal, as
     torchrun and SLURM both send one, changes nothing. Installed as train.py starts, so a
     rank that finds bad input still prints its error line: when the first rank exits,

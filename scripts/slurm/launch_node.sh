@@ -39,7 +39,7 @@ if [ -n "$MIXED_PRECISION" ]; then precision=(--mixed_precision "$MIXED_PRECISIO
 export PET_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-300}"
 
-exec accelerate launch --config_file "$CONFIG" "${precision[@]}" \
+exec accelerate launch --config_file "$CONFIG" ${precision[@]+"${precision[@]}"} \
   --num_machines "$NNODES" --num_processes "$((NNODES * PROCS_PER_NODE))" --machine_rank "$NODE_RANK" \
   --rdzv_backend c10d --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
   train.py "$@"
