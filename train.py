@@ -56,7 +56,13 @@ from training.checkpoint import (
     resolve_resume_path,
     save_checkpoint,
 )
-from training.collectives import CollectiveTimeoutError, collective_timeouts_reported, end_collectives, preflight
+from training.collectives import (
+    CollectiveTimeoutError,
+    collective_timeouts_reported,
+    end_collectives,
+    gather_scalars,
+    preflight,
+)
 from training.console import one_voice, only_the_training_bar, quiet_third_party_output
 from training.distributed import (
     StrategyError,
@@ -81,7 +87,7 @@ from training.dry_run import dry_run
 from training.evaluation import evaluate
 from training.layer_split import split_layers
 from training.loss import NonFiniteGuard, NonFiniteLossError, accumulation_windows
-from training.metrics import MetricsLogger, to_float, tracker_config, write_summary
+from training.metrics import MetricsLogger, tracker_config, write_summary
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
 from training.performance import (
     SpeedMeter,
@@ -268,15 +274,18 @@ def main() -> None:
                 stop_signal = stop_requests.agreed(step, now=log_now or eval_now or save_due or epoch_end)
                 save_now = save_due or stop_signal is not None
                 if log_now or eval_now or save_now:
-                    nonfinite.check(accelerator)  # before anything is logged, saved or exported
+                    # One collective and one wait for the device: the non-finite check, and the logged figures.
+                    logged = {"loss": interval_loss, "grad_norm": grad_norm} | speed.interval() if log_now else {}
+                    ranks = gather_scalars(accelerator, nonfinite.local() | logged)
+                    nonfinite.check(ranks)  # before anything is logged, saved or exported
 
                 if log_now:
-                    train_loss = accelerator.reduce(interval_loss, "sum").item() / interval_steps
+                    train_loss = float(ranks["loss"].sum()) / interval_steps
                     interval_loss.zero_()
                     interval_steps = 0
-                    speed_now = speed.report(accelerator.gather)
-                    metrics.log(step, loss=train_loss, lr=lr, grad_norm=to_float(grad_norm), **speed_now,
-                                **nonfinite.logged())
+                    speed_now = speed.report(ranks)
+                    metrics.log(step, loss=train_loss, lr=lr, grad_norm=float(ranks["grad_norm"].max()), **speed_now,
+                                **nonfinite.logged(ranks))
                     progress.set_postfix({"loss": f"{train_loss:.3f}", "lr": f"{lr:.2e}",
                                           f"{task.unit}_per_s": f"{speed_now[f'{task.unit}_per_sec']:,.0f}"})
                 if eval_now:
@@ -315,7 +324,7 @@ def main() -> None:
         "steps": steps_run,
         "total_steps": state.completed_steps,
         "wall_time_s": time.time() - psutil.Process().create_time(),
-        **speed.run_report(accelerator.gather, steps_run),
+        **speed.report(gather_scalars(accelerator, speed.whole_run(steps_run))),
         "model_state_bytes_per_rank": max_over_ranks(model_state, accelerator),
         "train_loss": train_loss,
         **eval_result,

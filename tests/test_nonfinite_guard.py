@@ -12,12 +12,9 @@ from training.loss import NonFiniteGuard, NonFiniteLossError
 INF, NAN = math.inf, math.nan
 
 
-class OneProcess:
-    """What `check` needs of the Accelerator on one process."""
-
-    @staticmethod
-    def gather(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+def one_process(guard: NonFiniteGuard) -> dict[str, torch.Tensor]:
+    """`gather_scalars` of the guard's state, on one process."""
+    return {name: value.reshape(1).double() for name, value in guard.local().items()}
 
 
 def guard_after(steps: list[tuple[float, float]], loss_scaling: bool) -> NonFiniteGuard:
@@ -29,7 +26,7 @@ def guard_after(steps: list[tuple[float, float]], loss_scaling: bool) -> NonFini
 
 def first_bad_step(guard: NonFiniteGuard) -> int | None:
     try:
-        guard.check(OneProcess())
+        guard.check(one_process(guard))
     except NonFiniteLossError as error:
         return int(str(error).split(" at step ")[1].split(";")[0])
     return None
@@ -41,13 +38,13 @@ FP16_OVERFLOWS = [(2.5, 1.0), (2.4, INF), (2.4, INF), (2.3, 0.9), (2.2, INF), (2
 def test_fp16_overflow_steps_are_counted_not_fatal() -> None:
     guard = guard_after(FP16_OVERFLOWS, loss_scaling=True)
     assert first_bad_step(guard) is None
-    assert guard.logged() == {"skipped_steps": 3}
+    assert guard.logged(one_process(guard)) == {"skipped_steps": 3}
 
 
 def test_without_loss_scaling_an_infinite_gradient_norm_stops_at_its_step() -> None:
     guard = guard_after(FP16_OVERFLOWS, loss_scaling=False)
     assert first_bad_step(guard) == 2
-    assert guard.logged() == {}
+    assert guard.logged(one_process(guard)) == {}
 
 
 @pytest.mark.parametrize("loss_scaling", [True, False])
@@ -61,6 +58,6 @@ def test_fp16_stops_after_too_many_overflows_in_a_row() -> None:
     broken = [(2.5, 1.0), *[(2.5, INF)] * (streak - 1), (2.5, 1.0), *[(2.5, INF)] * streak]
     guard = guard_after(broken, loss_scaling=True)
     assert first_bad_step(guard) == 1 + (streak - 1) + 1 + streak  # the streak's last step, not the earlier run
-    assert guard.logged() == {"skipped_steps": 2 * streak - 1}
+    assert guard.logged(one_process(guard)) == {"skipped_steps": 2 * streak - 1}
     with pytest.raises(NonFiniteLossError, match="fp16 overflowed 20 steps in a row"):
-        guard.check(OneProcess())
+        guard.check(one_process(guard))

@@ -37,6 +37,18 @@ def cpu_group(timeout_s: int) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
+def gather_scalars(accelerator: Accelerator, values: dict[str, torch.Tensor | float]) -> dict[str, torch.Tensor]:
+    """Every rank's value of each named scalar (a CPU float64 tensor, one value per rank), in one
+    collective and one wait for the device, however many figures a step reports.
+
+    Values may be device tensors, DTensors (FSDP2's gradient norm) or numbers."""
+    local = [value.full_tensor() if hasattr(value, "full_tensor") else value for value in values.values()]
+    row = torch.stack([torch.as_tensor(value, device=accelerator.device).detach().to(torch.float64).reshape(())
+                       for value in local])
+    everyone = accelerator.gather(row.unsqueeze(0)).cpu()  # (ranks, values)
+    return {name: everyone[:, column] for column, name in enumerate(values)}
+
+
 def end_collectives(accelerator: Accelerator) -> None:
     """Finish the trackers and destroy every process group (the default one, ours and the libraries'),
     in reverse order of creation, on every rank; then drop our own reference to the CPU group.

@@ -60,7 +60,7 @@ class NonFiniteLossError(RuntimeError):
 class NonFiniteGuard:
     """Remembers the first step whose loss was not finite, without a host sync per step.
 
-    `check` (a collective: call it on every rank) runs before anything is logged, saved or
+    `check`, on every rank's `local()` state gathered, runs before anything is logged, saved or
     exported, so poisoned weights never reach a checkpoint.
 
     Under fp16 (`loss_scaling`) an infinite gradient norm is normal now and then: the loss
@@ -97,12 +97,18 @@ class NonFiniteGuard:
         value = value.to_local() if hasattr(value, "to_local") else value
         return torch.as_tensor(value, device=self.first_bad_step.device).detach().float()
 
-    def logged(self) -> dict[str, int]:
-        """What goes with the training metrics: under fp16, the steps the loss scaler skipped so far."""
-        return {"skipped_steps": int(self.skipped_steps)} if self.loss_scaling else {}
+    def local(self) -> dict[str, torch.Tensor]:
+        """This rank's state, for `collectives.gather_scalars` (still on the device: no wait)."""
+        return {"first_bad_step": self.first_bad_step, "skipped_steps": self.skipped_steps}
 
-    def check(self, accelerator) -> None:
-        first = int(accelerator.gather(self.first_bad_step.reshape(1)).min())
+    def logged(self, ranks: dict[str, torch.Tensor]) -> dict[str, int]:
+        """What goes with the training metrics: under fp16, the steps the loss scaler skipped so far.
+        `ranks`: `gather_scalars` of `local()`."""
+        return {"skipped_steps": int(ranks["skipped_steps"].max())} if self.loss_scaling else {}
+
+    def check(self, ranks: dict[str, torch.Tensor]) -> None:
+        """Raise if any rank saw a non-finite step. `ranks`: `gather_scalars` of `local()`."""
+        first = int(ranks["first_bad_step"].min())
         if first != self.NONE:
             what = (f"the loss became non-finite, or fp16 overflowed {self.MAX_SKIPPED_IN_A_ROW} steps in a row "
                     "(bf16 does not overflow)" if self.loss_scaling else "the loss or gradient norm became non-finite")

@@ -7,7 +7,6 @@ import json
 from importlib.metadata import version
 from pathlib import Path
 
-import torch
 from accelerate import Accelerator
 
 
@@ -55,13 +54,6 @@ def resolve_trackers(names: list[str]) -> list[str]:
 def tracker_config(settings: dict) -> dict[str, bool | int | float | str]:
     """The run's settings as trackers take them: scalars and strings only (None and lists as text)."""
     return {key: value if isinstance(value, (bool, int, float, str)) else str(value) for key, value in settings.items()}
-
-
-def to_float(value: torch.Tensor | float) -> float:
-    """A Python float from a tensor, a DTensor (FSDP2 grad norms) or a number."""
-    if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    return float(value)
 
 
 METRICS_FILE = "metrics.jsonl"

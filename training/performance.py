@@ -178,29 +178,32 @@ class SpeedMeter:
         self.units, self.steps, self.seconds = self.units + units, self.steps + 1, self.seconds + elapsed
         self.total_units, self.total_seconds = self.total_units + units, self.total_seconds + elapsed
 
-    def report(self, gather) -> dict[str, float]:
-        """Figures since the last report for all ranks together; a collective (`gather` is `accelerator.gather`)."""
-        figures = self._figures(gather, self.units, self.steps, self.seconds)
+    def interval(self) -> dict[str, float]:
+        """This rank's figures since the last call, for `collectives.gather_scalars`; starts the next interval."""
+        figures = self._local(self.units, self.steps, self.seconds)
         self.units = self.steps = 0
         self.seconds = 0.0
         return figures
 
-    def run_report(self, gather, steps: int) -> dict[str, float]:
-        """Figures over the whole run; a collective."""
-        return self._figures(gather, self.total_units, steps, self.total_seconds)
+    def whole_run(self, steps: int) -> dict[str, float]:
+        """This rank's figures over the whole run, for `collectives.gather_scalars`."""
+        return self._local(self.total_units, steps, self.total_seconds)
 
-    def _figures(self, gather, units: int, steps: int, seconds: float) -> dict[str, float]:
+    def _local(self, units: int, steps: int, seconds: float) -> dict[str, float]:
         seconds = max(seconds, 1e-9)
-        mine = [units / seconds, seconds / max(steps, 1), self.peak or float("nan"), peak_memory_bytes(self.device)]
-        everyone = gather(torch.tensor([mine], dtype=torch.float64, device=self.device)).cpu()
-        units_per_sec = float(everyone[:, 0].sum()) / self.ranks_per_batch
+        return {"units_per_sec": units / seconds, "step_time": seconds / max(steps, 1),
+                "peak_flops": self.peak or float("nan"), "peak_memory": peak_memory_bytes(self.device)}
+
+    def report(self, ranks: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The figures of all ranks together, from `gather_scalars` of `interval()` or `whole_run()`."""
+        units_per_sec = float(ranks["units_per_sec"].sum()) / self.ranks_per_batch
         report = {
             f"{self.unit}_per_sec": units_per_sec,
-            "step_time": float(everyone[:, 1].max()),  # the slowest rank sets the pace
-            "peak_memory_gb": float(everyone[:, 3].max()) / 2**30,
+            "step_time": float(ranks["step_time"].max()),  # the slowest rank sets the pace
+            "peak_memory_gb": float(ranks["peak_memory"].max()) / 2**30,
         }
         if self.peak and self.flops_per_unit:  # unknown GPUs have no MFU
-            report["mfu"] = units_per_sec * self.flops_per_unit / float(everyone[:, 2].sum())
+            report["mfu"] = units_per_sec * self.flops_per_unit / float(ranks["peak_flops"].sum())
         return report
 
 
