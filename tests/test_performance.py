@@ -14,6 +14,7 @@ from tests.conftest import read_metrics
 from training.arguments import TrainArguments
 from training.optim import build_optimizer
 from training.performance import (
+    SpeedMeter,
     flops_per_token,
     gpu_peak_flops,
     measured_matmul_flops,
@@ -71,6 +72,14 @@ def test_gpu_peaks_come_from_the_datasheet_table(name, dtype, peak) -> None:
 
 def test_the_cpu_peak_is_measured() -> None:
     assert 1e8 < measured_matmul_flops(torch.float32, seconds=0.1) < 1e14
+
+
+@pytest.mark.parametrize(("probed_peak", "mfu"), [(1e9, 0.5), (1e8, 1.0)])  # a probe slowed 10x by another process
+def test_cpu_mfu_never_exceeds_100_percent(probed_peak, mfu) -> None:
+    speed = SpeedMeter(torch.device("cpu"), flops_per_unit=1e6, peak_flops_per_device=probed_peak)
+    speed.units, speed.steps, speed.seconds = 500, 1, 1.0  # 500 tokens/s x 1e6 FLOPs = 5e8 FLOP/s
+    one_rank = {name: torch.tensor([value], dtype=torch.float64) for name, value in speed.interval().items()}
+    assert speed.report(one_rank)["mfu"] == pytest.approx(mfu)
 
 
 def test_model_state_bytes_are_counted_from_the_tensors(tiny_model) -> None:

@@ -191,8 +191,13 @@ class SpeedMeter:
 
     def _local(self, units: int, steps: int, seconds: float) -> dict[str, float]:
         seconds = max(seconds, 1e-9)
+        peak = self.peak or float("nan")
+        if self.device.type == "cpu" and self.peak and self.flops_per_unit:
+            # A CPU's peak is a 0.3 s probe, a lower bound: another process may have slowed it. The
+            # run's own FLOP/s are a lower bound too, so MFU stays at most 100%.
+            peak = max(peak, units / seconds * self.flops_per_unit / self.ranks_per_batch)
         return {"units_per_sec": units / seconds, "step_time": seconds / max(steps, 1),
-                "peak_flops": self.peak or float("nan"), "peak_memory": peak_memory_bytes(self.device)}
+                "peak_flops": peak, "peak_memory": peak_memory_bytes(self.device)}
 
     def report(self, ranks: dict[str, torch.Tensor]) -> dict[str, float]:
         """The figures of all ranks together, from `gather_scalars` of `interval()` or `whole_run()`."""
