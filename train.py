@@ -70,6 +70,7 @@ from training.distributed import (
     apply_tensor_parallel,
     build_accelerator,
     clip_gradients,
+    gradient_reduction_dtypes,
     data_parallel_size,
     describe,
     held_gradients,
@@ -181,7 +182,8 @@ def main() -> None:
     write_effective_deepspeed_config(accelerator, args.output_dir)
     logger.info(
         f"model wrapped as {type(model).__name__}; optimizer {type(torch_optimizer).__name__} (--optim {args.optim}), "
-        f"master weights {', '.join(str(d) for d in master_weight_dtypes(model, optimizer))}",
+        f"master weights {', '.join(str(d) for d in master_weight_dtypes(model, optimizer))}, "
+        f"gradients averaged in {', '.join(str(d) for d in gradient_reduction_dtypes(model))}",
         main_process_only=True,
     )
 

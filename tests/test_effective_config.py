@@ -1,4 +1,5 @@
-"""What ran is what was asked: under bf16, every strategy keeps fp32 master weights, and
+"""What ran is what was asked: under bf16, every strategy keeps fp32 master weights (and the
+documented gradient-reduction dtype), and
 DeepSpeed's effective config (after `prepare`) has no "auto" and train.py's values."""
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ def test_bf16_keeps_fp32_master_weights_and_deepspeed_runs_our_values(config: st
                    launcher_args=("--mixed_precision", "bf16"))
     assert "mixed_precision=bf16" in result.stderr
     assert "master weights torch.float32" in result.stderr
+    # FSDP2 reduces in fp32 (train.py's policy), as DDP; DeepSpeed in bf16, its communication_data_type default
+    reduced = "torch.bfloat16" if config.startswith("deepspeed") else "torch.float32"
+    assert f"gradients averaged in {reduced}" in result.stderr
 
     effective = tmp_path / "deepspeed_config.json"
     assert effective.exists() == config.startswith("deepspeed")

@@ -19,6 +19,7 @@ On a GPU machine none of this applies: the same config files run unmodified over
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -332,6 +333,7 @@ def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_gr
         _answer_none_for_missing_embeddings(model)
         if half is not None:
             _keep_batch_norm_in_fp32(model, accelerator)
+            _reduce_gradients_in_fp32(accelerator)
     if accelerator.state.deepspeed_plugin is not None:
         align_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm, per_device_batch)
         if half is not None:
@@ -345,6 +347,26 @@ def _answer_none_for_missing_embeddings(model: torch.nn.Module) -> None:
         model.get_input_embeddings()
     except NotImplementedError:
         model.get_input_embeddings = lambda: None
+
+
+def _reduce_gradients_in_fp32(accelerator: Accelerator) -> None:
+    """accelerate's FSDP2 policy for bf16/fp16 also reduces gradients in that dtype: a sum over
+    many ranks in 8 bits of mantissa. Compute stays in half precision; the reduce-scatter runs in
+    fp32, as torchtitan's default, and as DDP's (whose gradients are the fp32 parameters')."""
+    plugin = accelerator.state.fsdp_plugin
+    if plugin.fsdp_version == 2 and plugin.mixed_precision_policy is not None:
+        plugin.mixed_precision_policy = dataclasses.replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32)
+
+
+def gradient_reduction_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+    """The dtypes the ranks average gradients in: FSDP2's policy per unit, DeepSpeed's
+    `communication_data_type` (bf16 under bf16, DeepSpeed's default), else the parameters'."""
+    if wrapped_strategy(model) is Strategy.DEEPSPEED:
+        return {model.communication_data_type}
+    states = [module._get_fsdp_state() for module in model.modules() if hasattr(module, "_get_fsdp_state")]
+    if states:  # no reduce_dtype: the param_dtype, else the (fp32) parameters'
+        return {state._mp_policy.reduce_dtype or state._mp_policy.param_dtype or torch.float32 for state in states}
+    return {param.dtype for param in model.parameters() if param.requires_grad}
 
 
 def _keep_batch_norm_in_fp32(model: torch.nn.Module, accelerator: Accelerator) -> None:
