@@ -64,6 +64,7 @@ from training.collectives import (
     preflight,
 )
 from training.console import one_voice, only_the_training_bar, quiet_third_party_output
+from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.distributed import (
     StrategyError,
     align_with_strategy,
@@ -138,7 +139,8 @@ def main() -> None:
     )
     strategy = verify_strategy(accelerator)
     one_voice(accelerator.is_main_process)  # the other ranks report errors only
-    run_description = describe(accelerator, strategy)
+    tf32 = use_tf32(args.tf32, accelerator.device, accelerator.mixed_precision)
+    run_description = f"{describe(accelerator, strategy)} tf32={'on' if tf32 else 'off'}"
     logger.info(run_description, main_process_only=True)
     logger.info(preflight(accelerator, args.ddp_timeout), main_process_only=True)
     if warning := idle_gpu_warning(accelerator, owns_every_gpu=bool(model_args.device_map)):
@@ -148,6 +150,7 @@ def main() -> None:
 
     # ---- model and data ----
     task = TASKS[model_args.task](model_args, data_args)
+    tune_convolutions(accelerator.device, task.fixed_input_shapes)
     with accelerator.main_process_first():  # the main process downloads; the others then read its cache
         raw = task.load_raw_datasets(args.seed)
     with model_construction(accelerator):
@@ -166,7 +169,8 @@ def main() -> None:
     steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
     train_set = train_set.select(range(steps_per_epoch * global_batch))
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking above).
-    loading = {"collate_fn": task.collator, "num_workers": args.dataloader_num_workers,
+    workers = loader_workers(args.dataloader_num_workers, accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    loading = {"collate_fn": task.collator, "num_workers": workers,
                "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda"}
     train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True, **loading)
     eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, **loading)
@@ -218,7 +222,7 @@ def main() -> None:
     if state.completed_steps == 0 and args.eval_on_start and args.eval_strategy != "no":
         metrics.log(0, **evaluate(model, eval_loader, accelerator, task))
     clip_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf  # inf: measure, never clip
-    peak = peak_flops(accelerator.device, compute_dtype(accelerator.mixed_precision))
+    peak = peak_flops(accelerator.device, compute_dtype(accelerator.mixed_precision), tf32)
     speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit, tensor_parallel_size(accelerator))
     interval_loss, interval_steps = torch.zeros((), device=accelerator.device), 0
     nonfinite = NonFiniteGuard(accelerator.device, loss_scaling=accelerator.mixed_precision == "fp16")

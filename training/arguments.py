@@ -108,7 +108,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
             raise ArgumentError(f"--{name} must be at least 1, got {value}")
     if data_args.block_size is not None and data_args.block_size < 2:
         raise ArgumentError(f"--block_size must be at least 2, got {data_args.block_size}")
-    if train_args.dataloader_num_workers < 0:
+    if train_args.dataloader_num_workers is not None and train_args.dataloader_num_workers < 0:
         raise ArgumentError(f"--dataloader_num_workers must be >= 0, got {train_args.dataloader_num_workers}")
     if train_args.max_grad_norm < 0:
         raise ArgumentError("--max_grad_norm must be >= 0 (0 disables clipping)")

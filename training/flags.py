@@ -152,7 +152,16 @@ class TrainArguments:
         default=1800, metadata={"help": "Seconds a collective may wait before every rank aborts (a stalled rank)."}
     )
     torch_compile: bool = field(default=False, metadata={"help": "Compile the model with torch.compile (inductor)."})
-    dataloader_num_workers: int = field(default=0, metadata={"help": "Worker processes loading batches; 0: in the main process."})
+    dataloader_num_workers: int | None = field(
+        default=None,
+        metadata={"help": "Worker processes loading batches per process; 0: in the main process. Default: 0 on CPU "
+                          "(the ranks need the cores), up to 4 on GPUs (training/cuda_settings.py)."},
+    )
+    tf32: bool | None = field(
+        default=None,
+        metadata={"help": "TF32 tensor cores for fp32 matmuls and convolutions (Ampere and newer GPUs). Default: on "
+                          "when training on GPUs without --mixed_precision bf16/fp16; no effect on CPU."},
+    )
     dataloader_pin_memory: bool = field(default=True, metadata={"help": "Pin batches in page-locked memory (GPUs only)."})
     report_to: list[str] = field(
         default_factory=lambda: ["none"],

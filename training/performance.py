@@ -9,21 +9,24 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-def _peaks(half: float, fp32: float) -> dict[torch.dtype, float]:
-    return {torch.bfloat16: half, torch.float16: half, torch.float32: fp32}  # fp16 runs at bf16's rate
+TF32 = "tf32"  # fp32 matmuls on tensor cores (--tf32)
+
+
+def _peaks(half: float, tf32: float, fp32: float) -> dict[torch.dtype | str, float]:
+    return {torch.bfloat16: half, torch.float16: half, TF32: tf32, torch.float32: fp32}  # fp16 runs at bf16's rate
 
 
 # Dense peak FLOP/s from NVIDIA's datasheets (no 2:4 sparsity), by a fragment of
 # `torch.cuda.get_device_name()`: the first fragment the name contains wins, so the NVL and
 # PCIe variants come before plain "H200"/"H100" (SXM). fp32 is true fp32 (torch's default
-# matmul precision), not TF32.
-GPU_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
-    "H200 NVL": _peaks(835.5e12, 60.0e12),
-    "H200": _peaks(989.4e12, 66.9e12),
-    "H100 NVL": _peaks(835.5e12, 60.0e12),
-    "H100 PCIe": _peaks(756.0e12, 51.2e12),
-    "H100": _peaks(989.4e12, 66.9e12),  # SXM: "NVIDIA H100 80GB HBM3"
-    "A100": _peaks(312.0e12, 19.5e12),
+# matmul precision); TF32 is the tensor-core rate for fp32 under --tf32.
+GPU_PEAK_FLOPS: dict[str, dict[torch.dtype | str, float]] = {
+    "H200 NVL": _peaks(835.5e12, 417.5e12, 60.0e12),
+    "H200": _peaks(989.4e12, 494.7e12, 66.9e12),
+    "H100 NVL": _peaks(835.5e12, 417.5e12, 60.0e12),
+    "H100 PCIe": _peaks(756.0e12, 378.0e12, 51.2e12),
+    "H100": _peaks(989.4e12, 494.7e12, 66.9e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    "A100": _peaks(312.0e12, 156.0e12, 19.5e12),
 }
 
 
@@ -65,16 +68,17 @@ def counted_flops_per_example(model: torch.nn.Module, example: torch.Tensor, inp
     return counter.get_total_flops() / 2
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The device's peak FLOP/s for matmuls in `dtype`: the datasheet on known GPUs, a short probe on CPU."""
+def peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """The device's peak FLOP/s for matmuls in `dtype` (fp32 as TF32 under `tf32`): the datasheet
+    on known GPUs, a short probe on CPU."""
     if device.type == "cuda":
-        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype)
+        return gpu_peak_flops(torch.cuda.get_device_name(device), TF32 if tf32 and dtype == torch.float32 else dtype)
     if device.type == "cpu":
         return measured_matmul_flops(dtype)
     return None
 
 
-def gpu_peak_flops(name: str, dtype: torch.dtype) -> float | None:
+def gpu_peak_flops(name: str, dtype: torch.dtype | str) -> float | None:
     """The datasheet peak for a GPU called `name`, or None if the table does not know it."""
     return next((peaks.get(dtype) for fragment, peaks in GPU_PEAK_FLOPS.items() if fragment in name), None)
 

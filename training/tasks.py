@@ -47,6 +47,7 @@ class Task(ABC):
 
     name: str
     unit: str  # what throughput counts: "tokens" or "samples"
+    fixed_input_shapes = False  # every batch the same shape: cuDNN may tune its convolutions once (GPUs)
 
     def __init__(self, model_args, data_args) -> None:
         self.model_args, self.data_args = model_args, data_args
@@ -160,6 +161,7 @@ class ImageClassification(Task):
     """One label per image; targets are images."""
 
     name, unit = "image-classification", "samples"
+    fixed_input_shapes = True
     SAMPLE_IMAGES = 8
 
     def __init__(self, model_args, data_args) -> None:
@@ -196,7 +198,8 @@ class ImageClassification(Task):
         return (logits.argmax(dim=-1) == batch["labels"]).long()
 
     def count_targets(self, batch: Batch) -> torch.Tensor:
-        return torch.tensor(batch["labels"].numel(), device=batch["labels"].device)
+        # a fill on the device, not a copy from the host per micro-batch
+        return torch.full((), batch["labels"].numel(), device=batch["labels"].device)
 
     def count_units(self, batch: Batch) -> int:
         return batch["labels"].numel()

@@ -1,0 +1,46 @@
+"""GPU defaults (training/cuda_settings.py): each decision from its inputs, and torch's switches set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training.cuda_settings import MAX_DEFAULT_WORKERS, loader_workers, tune_convolutions, use_tf32
+from training.performance import TF32, gpu_peak_flops
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "mixed_precision", "enabled"),
+    [(None, CUDA, "no", True),  # fp32 training on a GPU: tensor cores by default
+     (None, CUDA, "bf16", False), (True, CUDA, "bf16", True), (False, CUDA, "no", False),
+     (None, CPU, "no", False), (True, CPU, "no", False)],  # CPUs have no TF32
+)
+def test_tf32_is_on_for_fp32_gpu_runs_unless_told(requested, device, mixed_precision, enabled) -> None:
+    try:
+        assert use_tf32(requested, device, mixed_precision) is enabled
+        assert torch.backends.cuda.matmul.allow_tf32 is enabled and torch.backends.cudnn.allow_tf32 is enabled
+    finally:
+        use_tf32(False, CPU, "no")
+
+
+def test_mfu_counts_tf32_runs_against_the_tensor_core_peak() -> None:
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", TF32) == 494.7e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", TF32) == 156.0e12
+
+
+@pytest.mark.parametrize(("device", "fixed_shapes", "benchmark"), [(CUDA, True, True), (CUDA, False, False),
+                                                                  (CPU, True, False)])
+def test_cudnn_tunes_convolutions_only_for_fixed_shapes_on_gpus(device, fixed_shapes, benchmark) -> None:
+    try:
+        tune_convolutions(device, fixed_shapes)
+        assert torch.backends.cudnn.benchmark is benchmark
+    finally:
+        tune_convolutions(CPU, False)
+
+
+def test_loader_workers_default_to_none_on_cpu_and_a_few_on_gpus() -> None:
+    assert loader_workers(None, CPU, local_processes=2) == 0
+    assert 0 <= loader_workers(None, CUDA, local_processes=1) <= MAX_DEFAULT_WORKERS
+    assert loader_workers(3, CPU, local_processes=2) == 3  # the flag wins
