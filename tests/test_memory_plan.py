@@ -108,3 +108,20 @@ def test_a_model_that_needs_its_own_code_is_one_clear_line(tmp_path) -> None:
     result, _ = plan(tmp_path, "--model_name_or_path", str(model))
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "--trust_remote_code" in result.stderr
     assert "Traceback" not in result.stderr and "remote code ran" not in result.stderr + result.stdout
+
+
+def test_activations_count_the_logits_and_the_loss_backward() -> None:
+    """A language model's peak is at the loss: fp32 log-probabilities (saved) and, in backward,
+    their gradient and the logits' (tokens x vocabulary floats each)."""
+    import torch
+
+    from models.configs import build_named_config
+    from models.language import build_tokenizer
+    from training.memory_plan import activation_bytes, model_shape
+
+    config = build_named_config("llama-tiny", build_tokenizer(None, None))
+    batch, seq_len = 2, 64
+    logits_fp32 = 4 * batch * seq_len * config.vocab_size
+    for checkpointing in (False, True):
+        estimate = activation_bytes(model_shape(config, torch.bfloat16), batch, seq_len, checkpointing)
+        assert estimate > 3 * logits_fp32

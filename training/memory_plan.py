@@ -222,7 +222,8 @@ def pick(rows: dict[str, dict], num_gpus: int, usable_bytes: float) -> str | Non
 
 
 def activation_bytes(shape: ModelShape, batch: int, seq_len: int, gradient_checkpointing: bool) -> float:
-    """What autograd keeps for backward from one micro-batch's forward and loss: an estimate.
+    """What autograd keeps for backward from one micro-batch's forward and loss, and the loss's
+    backward on top: an estimate.
 
     The forward runs on the meta device in the compute dtype and the saved tensors are
     counted. Attention score matrices (... x seq_len x seq_len) are left out: the fused
@@ -255,7 +256,11 @@ def activation_bytes(shape: ModelShape, batch: int, seq_len: int, gradient_check
         for hook in hooks:
             hook.remove()
     outside, inside = sum(saved[False].values()), sum(saved[True].values())
+    # The loss keeps fp32 log-probabilities (counted above: tokens x vocabulary); its backward adds
+    # their fp32 gradient and the logits' beside them, the peak of a language model's step.
+    loss_backward = 2 * 4 * batch * seq_len * model.config.vocab_size
     if not gradient_checkpointing:
-        return outside + inside
+        return outside + inside + loss_backward
     dtype_bytes = next(model.parameters()).element_size()
-    return outside + shape.layers * batch * seq_len * shape.hidden_size * dtype_bytes + inside / max(shape.layers, 1)
+    return (outside + shape.layers * batch * seq_len * shape.hidden_size * dtype_bytes + inside / max(shape.layers, 1)
+            + loss_backward)
