@@ -167,3 +167,12 @@ def test_a_text_column_that_does_not_hold_text_is_named(tmp_path, tokenizer, rec
     raw = load_raw_datasets(None, None, str(train_file), None, 10, seed=0)
     with pytest.raises(DataError, match=re.escape(message)):
         build_lm_datasets(raw, tokenizer, "messages", block_size=32)
+
+
+def test_unpacked_documents_pad_to_a_multiple_of_8_with_ignored_labels(tokenizer) -> None:
+    from data import make_collator
+
+    batch = make_collator(tokenizer, packing=False)([{"input_ids": [5] * n, "labels": [5] * n} for n in (3, 11)])
+    assert batch["input_ids"].shape == (2, 16) and batch["labels"].shape == (2, 16)
+    assert (batch["labels"][0, 3:] == -100).all() and (batch["labels"][1, 11:] == -100).all()
+    assert batch["attention_mask"].sum().item() == 3 + 11
