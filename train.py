@@ -223,7 +223,9 @@ def main() -> None:
         metrics.log(0, **evaluate(model, eval_loader, accelerator, task))
     clip_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf  # inf: measure, never clip
     peak = peak_flops(accelerator.device, compute_dtype(accelerator.mixed_precision), tf32)
-    speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit, tensor_parallel_size(accelerator))
+    model_devices = sorted({p.device for p in model.parameters()}, key=str) if model_args.device_map else None
+    speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit, tensor_parallel_size(accelerator),
+                       memory_devices=model_devices)
     interval_loss, interval_steps = torch.zeros((), device=accelerator.device), 0
     nonfinite = NonFiniteGuard(accelerator.device, loss_scaling=accelerator.mixed_precision == "fp16")
     grad_norm = math.nan  # set at every optimizer step
@@ -361,12 +363,14 @@ def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
     model_state = summary["model_state_bytes_per_rank"]
     state = f"{sum(model_state.values()) / 2**20:,.1f} MiB" if model_state else "not measured (needs 2 optimizer steps)"
     mfu = f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (unknown device peak)"
+    per_device = "".join(f", {key.removeprefix('peak_memory_gb_')} {gb:.2f}" for key, gb in summary.items()
+                         if key.startswith("peak_memory_gb_"))
     evaluation = ", ".join(f"{key} {value:.4f}" for key, value in summary.items() if key.startswith("eval_") or key == "perplexity")
     print(
         "\n===== training summary =====\n"
         f"steps:           {summary['steps']}\n"
         f"{task.unit + '/s:':<17}{summary[f'{task.unit}_per_sec']:,.0f} ({summary['step_time'] * 1000:,.0f} ms/step, MFU {mfu})\n"
-        f"memory/rank:     peak {summary['peak_memory_gb']:.2f} GiB, model state {state}\n"
+        f"memory/rank:     peak {summary['peak_memory_gb']:.2f} GiB{per_device}, model state {state}\n"
         f"final eval:      {evaluation or 'none (--eval_strategy no)'}\n"
         f"model:           {final_dir}\n"
         f"sample:          {sample}"

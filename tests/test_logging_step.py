@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO, free_port
 
 LOGGING_STEP = """
@@ -22,7 +24,7 @@ accelerator = Accelerator(cpu=True)  # DDP on CPU: gloo over the 2 processes
 rank = accelerator.process_index
 guard = NonFiniteGuard(accelerator.device, loss_scaling=True)
 guard.update(1, torch.tensor(2.0), torch.tensor(math.inf if rank == 1 else 1.0))  # rank 1's step overflowed
-speed = SpeedMeter(accelerator.device, flops_per_unit=10.0, peak_flops_per_device=1000.0)  # per rank
+speed = SpeedMeter(accelerator.device, flops_per_unit=10.0, peak_flops_per_device=1e15)  # per rank
 speed.start_step()
 speed.end_step(units=100 * (rank + 1))
 calls = []
@@ -58,4 +60,4 @@ def test_a_logging_step_is_one_collective_for_every_figure() -> None:
         assert seen["skipped"] == {"skipped_steps": 1}  # one rank's overflow counts for the step
         rate_0, rate_1 = seen["unit_rates"]
         assert rate_0 > 0 and rate_1 > 0 and seen["tokens_per_sec"] == rate_0 + rate_1  # the ranks add up
-        assert seen["mfu"] == (rate_0 + rate_1) * 10.0 / 2000.0
+        assert seen["mfu"] == pytest.approx((rate_0 + rate_1) * 10.0 / 2e15)

@@ -135,3 +135,13 @@ def test_model_state_is_measured_at_the_second_step_and_never_reported_as_zero(t
     psi = sum(p.numel() for p in tiny_model.parameters())
     assert probe["parameters"] == 4 * psi and probe["gradients"] == 4 * psi
     assert probe["optimizer"] == pytest.approx(8 * psi if optim.startswith("adamw") else 0, rel=1e-3)  # + step counters
+
+
+def test_a_model_split_over_gpus_reports_each_gpus_peak() -> None:
+    """--device_map: one process, layers on two GPUs; the report names each (peaks as gathered)."""
+    speed = SpeedMeter(torch.device("cuda:0"), None, None, memory_devices=[torch.device("cuda:0"), torch.device("cuda:1")])
+    gathered = {"units_per_sec": torch.tensor([10.0]), "step_time": torch.tensor([0.1]), "peak_flops": torch.tensor([1.0]),
+                "peak_memory 0": torch.tensor([2.0 * 2**30]), "peak_memory 1": torch.tensor([5.0 * 2**30])}
+    report = speed.report(gathered)
+    assert report["peak_memory_gb"] == 5.0  # the fullest device
+    assert (report["peak_memory_gb_cuda0"], report["peak_memory_gb_cuda1"]) == (2.0, 5.0)

@@ -97,7 +97,7 @@ def measured_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: allocated GPU memory on GPUs, resident memory (RSS) on CPU."""
+    """Peak memory of this process on `device`: allocated memory on a GPU, resident memory (RSS) on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
@@ -162,9 +162,11 @@ class SpeedMeter:
 
     def __init__(
         self, device: torch.device, flops_per_unit: float | None, peak_flops_per_device: float | None,
-        unit: str = "tokens", ranks_per_batch: int = 1,
+        unit: str = "tokens", ranks_per_batch: int = 1, memory_devices: list[torch.device] | None = None,
     ) -> None:
         self.device, self.flops_per_unit, self.peak, self.unit = device, flops_per_unit, peak_flops_per_device, unit
+        # --device_map: one process holds layers on several GPUs, each with its own peak
+        self.memory_devices = memory_devices or [device]
         self.ranks_per_batch = ranks_per_batch  # tensor parallelism: a group of ranks works on one batch
         self.units = self.steps = self.total_units = 0
         self.seconds = self.total_seconds = 0.0
@@ -200,17 +202,21 @@ class SpeedMeter:
             # A CPU's peak is a 0.3 s probe, a lower bound: another process may have slowed it. The
             # run's own FLOP/s are a lower bound too, so MFU stays at most 100%.
             peak = max(peak, units / seconds * self.flops_per_unit / self.ranks_per_batch)
-        return {"units_per_sec": units / seconds, "step_time": seconds / max(steps, 1),
-                "peak_flops": peak, "peak_memory": peak_memory_bytes(self.device)}
+        # by position, not device name: every rank must send the same names (rank 1's GPU is its cuda:1)
+        peaks = {f"peak_memory {i}": peak_memory_bytes(device) for i, device in enumerate(self.memory_devices)}
+        return {"units_per_sec": units / seconds, "step_time": seconds / max(steps, 1), "peak_flops": peak, **peaks}
 
     def report(self, ranks: dict[str, torch.Tensor]) -> dict[str, float]:
         """The figures of all ranks together, from `gather_scalars` of `interval()` or `whole_run()`."""
         units_per_sec = float(ranks["units_per_sec"].sum()) / self.ranks_per_batch
+        peaks = {str(device): float(ranks[f"peak_memory {i}"].max()) / 2**30 for i, device in enumerate(self.memory_devices)}
         report = {
             f"{self.unit}_per_sec": units_per_sec,
             "step_time": float(ranks["step_time"].max()),  # the slowest rank sets the pace
-            "peak_memory_gb": float(ranks["peak_memory"].max()) / 2**30,
+            "peak_memory_gb": max(peaks.values()),  # the fullest device of the fullest rank
         }
+        if len(peaks) > 1:
+            report |= {f"peak_memory_gb_{device.replace(':', '')}": gb for device, gb in peaks.items()}
         if self.peak and self.flops_per_unit:  # unknown GPUs have no MFU
             report["mfu"] = units_per_sec * self.flops_per_unit / float(ranks["peak_flops"].sum())
         return report
