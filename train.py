@@ -153,8 +153,9 @@ def main() -> None:
     tune_convolutions(accelerator.device, task.fixed_input_shapes)
     with accelerator.main_process_first():  # the main process downloads; the others then read its cache
         raw = task.load_raw_datasets(args.seed)
-    with model_construction(accelerator):
-        model = task.build_model(raw)
+    with model_construction(accelerator, bool(model_args.model_name_or_path), task.can_build_empty) as empty:
+        model = task.build_model(raw, empty)
+    set_seed(args.seed)  # ranks that built the model empty drew no random numbers: every rank goes on level
     model = apply_tensor_parallel(accelerator, model)  # with a parallelism_config tp_size in the accelerate config
     if model_args.device_map:  # one process owning several GPUs: each holds some of the layers
         model, note = split_layers(model, model_args.device_map)

@@ -9,11 +9,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.initialization import no_init_weights
 
 from models.configs import build_named_config
 
@@ -57,20 +58,30 @@ def build_model(
     tokenizer: PreTrainedTokenizerBase,
     trust_remote_code: bool = False,
     gradient_checkpointing: bool = False,
+    empty: bool = False,
 ) -> PreTrainedModel:
     """Load pretrained weights, or initialise a named config from scratch (seed first).
 
     Weights are always fp32: mixed precision is applied by the strategy, which keeps
     fp32 master weights (loading bf16 weights and training them directly learns worse).
+    `empty`: the architecture only, no weights read or initialised (they arrive later from
+    another rank: training/distributed.py `model_construction`).
     """
-    if model_name_or_path:
+    if model_name_or_path and not empty:
         with loading("model", model_name_or_path):
             model = AutoModelForCausalLM.from_pretrained(
                 model_name_or_path, dtype=torch.float32, trust_remote_code=trust_remote_code
             )
     else:
-        config = build_named_config(model_config, tokenizer)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if model_name_or_path:
+            with loading("model", model_name_or_path):
+                config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+        else:
+            config = build_named_config(model_config, tokenizer)
+        # Allocated, never written: no resident memory until the broadcast fills them. (Not the meta device:
+        # accelerate maps the optimizer's parameters to the sharded ones by their distinct addresses.)
+        with no_init_weights() if empty else nullcontext():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:  # token ids past the embedding would crash, or train on garbage rows
         raise ModelError(

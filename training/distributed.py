@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.logging import get_logger
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 
 
@@ -40,6 +41,9 @@ class Strategy(str, Enum):
     DDP = "ddp"
     FSDP = "fsdp"
     DEEPSPEED = "deepspeed"
+
+
+logger = get_logger(__name__)
 
 
 class StrategyError(RuntimeError):
@@ -331,6 +335,12 @@ def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_gr
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
     if accelerator.distributed_type is DistributedType.FSDP:
         _answer_none_for_missing_embeddings(model)
+        if accelerator.state.fsdp_plugin.cpu_ram_efficient_loading and (buffers := persistent_buffers(model)):
+            raise StrategyError(
+                f"fsdp_cpu_ram_efficient_loading broadcasts only parameters from rank 0, and this model has buffers "
+                f"that are saved with it ({', '.join(buffers[:3])}...); set `fsdp_cpu_ram_efficient_loading: false` "
+                "in the accelerate config (every rank then builds the whole model)"
+            )
         if half is not None:
             _keep_batch_norm_in_fp32(model, accelerator)
             _reduce_gradients_in_fp32(accelerator)
@@ -338,6 +348,12 @@ def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_gr
         align_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm, per_device_batch)
         if half is not None:
             _batch_norm_statistics_in(model, half)
+
+
+def persistent_buffers(model: torch.nn.Module) -> list[str]:
+    """Names of the buffers in the model's state dict (BatchNorm statistics; not rotary tables)."""
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return [name for name in model.state_dict() if name not in parameters]
 
 
 def _answer_none_for_missing_embeddings(model: torch.nn.Module) -> None:
@@ -532,24 +548,42 @@ def write_effective_deepspeed_config(accelerator: Accelerator, output_dir: str) 
 
 
 @contextmanager
-def model_construction(accelerator: Accelerator) -> Iterator[None]:
-    """Build the model as the config's `zero3_init_flag` says.
+def model_construction(accelerator: Accelerator, pretrained: bool, can_build_empty: bool) -> Iterator[bool]:
+    """Build the model so that no rank holds the whole fp32 model in host memory when it need
+    not (a 7B model is 28 GB per rank, 224 GB on an 8-GPU node); yields whether this rank
+    builds it empty (allocated, never written, so not resident).
 
-    Under ZeRO-3 accelerate registers the DeepSpeed config with `transformers` even when
-    `zero3_init_flag` is false (accelerate 1.15), and `transformers` then builds every
-    model already partitioned (`deepspeed.zero.Init`). That saves memory for models too
-    big for one process, but initialises the weights differently from every other
-    strategy. We honour the flag: false builds the model whole, exactly as DDP and FSDP do.
+    - FSDP2 with `fsdp_cpu_ram_efficient_loading` (fsdp.yaml): rank 0 loads or initialises
+      the model, every other rank builds it empty; `prepare` shards it and broadcasts rank
+      0's weights (accelerate's `fsdp2_load_full_state_dict`). Every rank ends with the
+      weights rank 0 built, which seeded ranks build identically anyway. A task that cannot
+      build empty (`can_build_empty` false: image models) is built whole on every rank, and
+      nothing is broadcast.
+    - ZeRO-3: pretrained weights load partitioned (`deepspeed.zero.Init`: each rank keeps its
+      partition), the same weights. A model initialised from scratch is built whole on every
+      rank, as DDP and FSDP build it, unless the config's `zero3_init_flag` asks for
+      zero.Init: random weights built partitioned differ from the other strategies'.
+      (accelerate 1.15 registers the DeepSpeed config with `transformers` even when the flag
+      is false, which would partition every model: that registration is lifted meanwhile.)
     """
     from transformers.integrations import unset_hf_deepspeed_config
 
+    fsdp = accelerator.state.fsdp_plugin if accelerator.distributed_type is DistributedType.FSDP else None
+    if fsdp is not None:
+        fsdp.cpu_ram_efficient_loading = bool(fsdp.cpu_ram_efficient_loading) and can_build_empty
+        if fsdp.cpu_ram_efficient_loading:
+            logger.info("model built on rank 0 only; `prepare` broadcasts its weights (fsdp_cpu_ram_efficient_loading)")
+        yield fsdp.cpu_ram_efficient_loading and accelerator.process_index != 0
+        return
     plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero3_init_flag:
-        yield
+    if plugin is None or plugin.zero3_init_flag or (pretrained and plugin.zero_stage == 3):
+        if plugin is not None and plugin.zero_stage == 3:
+            logger.info("model built partitioned over the ranks (deepspeed.zero.Init)")
+        yield False
         return
     unset_hf_deepspeed_config()
     try:
-        yield
+        yield False
     finally:
         plugin.set_deepspeed_weakref()
 

@@ -48,6 +48,7 @@ class Task(ABC):
     name: str
     unit: str  # what throughput counts: "tokens" or "samples"
     fixed_input_shapes = False  # every batch the same shape: cuDNN may tune its convolutions once (GPUs)
+    can_build_empty = True  # build_model honours `empty` (training/distributed.py `model_construction`)
 
     def __init__(self, model_args, data_args) -> None:
         self.model_args, self.data_args = model_args, data_args
@@ -60,7 +61,8 @@ class Task(ABC):
     def load_raw_datasets(self, seed: int) -> DatasetDict: ...
 
     @abstractmethod
-    def build_model(self, raw: DatasetDict) -> PreTrainedModel: ...
+    def build_model(self, raw: DatasetDict, empty: bool = False) -> PreTrainedModel:
+        """The model, fp32; `empty`: not initialised, its weights to come from rank 0 in `prepare`."""
 
     @abstractmethod
     def build_datasets(self, raw: DatasetDict, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]: ...
@@ -116,9 +118,10 @@ class CausalLM(Task):
         return load_raw_datasets(d.dataset_name, d.dataset_config_name, d.train_file, d.validation_file,
                                  d.validation_split_percentage, seed)
 
-    def build_model(self, raw: DatasetDict) -> PreTrainedModel:
+    def build_model(self, raw: DatasetDict, empty: bool = False) -> PreTrainedModel:
         m = self.model_args
-        model = build_model(m.model_name_or_path, m.model_config, self.processor, m.trust_remote_code, m.gradient_checkpointing)
+        model = build_model(m.model_name_or_path, m.model_config, self.processor, m.trust_remote_code,
+                            m.gradient_checkpointing, empty)
         self.block_size = resolve_block_size(self.data_args.block_size, model.config)
         self.flops_per_unit = flops_per_token(model, self.block_size)
         self.settings = {"block_size": self.block_size}
@@ -162,6 +165,8 @@ class ImageClassification(Task):
 
     name, unit = "image-classification", "samples"
     fixed_input_shapes = True
+    # Small models; and accelerate broadcasts parameters only, not BatchNorm's statistics.
+    can_build_empty = False
     SAMPLE_IMAGES = 8
 
     def __init__(self, model_args, data_args) -> None:
@@ -175,7 +180,7 @@ class ImageClassification(Task):
         return load_raw_image_datasets(d.dataset_name, d.dataset_config_name, d.train_dir, d.validation_dir,
                                        d.validation_split_percentage, seed, d.image_column, d.label_column)
 
-    def build_model(self, raw: DatasetDict) -> PreTrainedModel:
+    def build_model(self, raw: DatasetDict, empty: bool = False) -> PreTrainedModel:
         m, d = self.model_args, self.data_args
         self.labels, self.raw_validation = class_names(raw, d.label_column), raw["validation"]
         model = build_image_model(m.model_name_or_path, m.model_config, self.labels, m.trust_remote_code,
