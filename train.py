@@ -71,9 +71,9 @@ from training.distributed import (
     apply_tensor_parallel,
     build_accelerator,
     clip_gradients,
-    gradient_reduction_dtypes,
     data_parallel_size,
     describe,
+    gradient_reduction_dtypes,
     held_gradients,
     idle_gpu_warning,
     master_weight_dtypes,
@@ -352,10 +352,8 @@ def due(strategy: str, every: int, step: int, epoch_end: bool) -> bool:
 
 
 def max_over_ranks(values: dict[str, int], accelerator) -> dict[str, int]:
-    """Each value's largest over the ranks (a collective); empty if nothing was measured."""
-    keys = sorted(values)
-    mine = torch.tensor([[values[key] for key in keys]], dtype=torch.float64, device=accelerator.device)
-    return {key: int(value) for key, value in zip(keys, accelerator.gather(mine).max(dim=0).values.tolist())}
+    """Each value's largest over the ranks (a collective, unless nothing was measured: the same on every rank)."""
+    return {key: int(column.max()) for key, column in gather_scalars(accelerator, values).items()} if values else {}
 
 
 def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
