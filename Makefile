@@ -1,11 +1,16 @@
 # Shortcuts for the README's commands. `make setup` once, then `make train`, `make test` or `make bench`.
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
+# A stamp file, newer than requirements.txt once those are installed: setup runs pip only when they change.
+INSTALLED := $(VENV)/.installed
 
 .PHONY: setup train test bench
-setup:  ## create the virtual environment and install the pinned requirements
+setup: $(INSTALLED)  ## create the virtual environment and install the pinned requirements (again only if they changed)
+
+$(INSTALLED): requirements.txt
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -r requirements.txt
+	touch $(INSTALLED)
 
 train: setup  ## the default job: one process, default model and corpus
 	$(VENV)/bin/accelerate launch train.py
