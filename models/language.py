@@ -82,6 +82,8 @@ def build_model(
         # accelerate maps the optimizer's parameters to the sharded ones by their distinct addresses.)
         with no_init_weights() if empty else nullcontext():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        if empty:
+            model.tie_weights()  # transformers ties inside init_weights, which no_init_weights skips
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:  # token ids past the embedding would crash, or train on garbage rows
         raise ModelError(

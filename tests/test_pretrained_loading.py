@@ -19,11 +19,14 @@ LOADING = {"ddp": None, "fsdp": "model built on rank 0 only", "deepspeed_zero3":
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-    """A tiny Llama saved in bf16, as published checkpoints are, with its tokenizer."""
+    """A tiny Llama saved in bf16, as published checkpoints are, with its tokenizer; its output layer
+    is tied to the input embedding, as in many small models (the random-init runs elsewhere are untied)."""
     directory = tmp_path_factory.mktemp("pretrained")
     tokenizer = build_tokenizer(None, None)
+    config = build_named_config("llama-tiny", tokenizer)
+    config.tie_word_embeddings = True
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(build_named_config("llama-tiny", tokenizer), dtype=torch.bfloat16).save_pretrained(directory)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
