@@ -66,7 +66,6 @@ from training.collectives import (
 from training.console import one_voice, only_the_training_bar, quiet_third_party_output
 from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.distributed import (
-    StrategyError,
     align_with_strategy,
     apply_tensor_parallel,
     build_accelerator,
@@ -86,6 +85,7 @@ from training.distributed import (
     write_effective_deepspeed_config,
 )
 from training.dry_run import dry_run
+from training.errors import StrategyError
 from training.evaluation import evaluate
 from training.layer_split import split_layers
 from training.loss import NonFiniteGuard, NonFiniteLossError, accumulation_windows

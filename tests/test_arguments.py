@@ -108,7 +108,7 @@ def test_a_cpu_adam_that_cannot_build_is_one_clear_error(tmp_path) -> None:
     """Under ZeRO offload DeepSpeed compiles its CPU Adam on first use; without a compiler that is a StrategyError
     (train.py's one error line), not DeepSpeed's chained tracebacks. A real build, with a compiler that fails."""
     probe = ("import sys, torch; from training.arguments import parse_args; from training.optim import build_optimizer\n"
-             "from training.distributed import StrategyError\n"
+             "from training.errors import StrategyError\n"
              f"_, _, args = parse_args(['--output_dir', {str(tmp_path)!r}])\n"
              "try: build_optimizer(torch.nn.Linear(2, 2), args, offloaded=True)\n"
              "except StrategyError as error: print('StrategyError:', error)")

@@ -11,7 +11,7 @@ import pytest
 from models.vision import build_image_model
 from tests.conftest import TINY_RUN, train
 from training.arguments import ArgumentError, parse_args
-from training.distributed import StrategyError
+from training.errors import StrategyError
 from training.layer_split import split_layers
 
 

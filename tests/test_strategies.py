@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import build_lm_datasets, load_raw_datasets
 from tests.conftest import read_metrics
-from training.distributed import Strategy, StrategyError, requested_strategy, verify_strategy
+from training.distributed import Strategy, requested_strategy, verify_strategy
+from training.errors import StrategyError
 
 # config -> (strategy line in the log, wrapper class around the model, the optimizer that steps,
 #            a file only that strategy's checkpoint has). Under ZeRO optimizer offload the AdamW

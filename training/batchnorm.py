@@ -21,7 +21,7 @@ import torch
 from accelerate import Accelerator
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from training.distributed import StrategyError
+from training.errors import StrategyError
 
 
 def batch_norm_layers(model: torch.nn.Module) -> list[_BatchNorm]:

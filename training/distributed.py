@@ -35,6 +35,9 @@ from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 
+from training.batchnorm import batch_norm_layers, running_statistics
+from training.errors import StrategyError
+
 
 class Strategy(str, Enum):
     SINGLE = "single"
@@ -44,10 +47,6 @@ class Strategy(str, Enum):
 
 
 logger = get_logger(__name__)
-
-
-class StrategyError(RuntimeError):
-    """The strategy in use differs from the one configured; training would silently be wrong."""
 
 
 def _env_flag(name: str) -> bool:
@@ -391,8 +390,6 @@ def _keep_batch_norm_in_fp32(model: torch.nn.Module, accelerator: Accelerator) -
     unit computing in fp32, as autocast runs it under DDP; accelerate wraps the rest as usual."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from training.batchnorm import batch_norm_layers  # here: training.batchnorm imports this module
-
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for layer in batch_norm_layers(model):
         fully_shard(layer, mp_policy=fp32, reshard_after_forward=accelerator.state.fsdp_plugin.reshard_after_forward)
@@ -401,8 +398,6 @@ def _keep_batch_norm_in_fp32(model: torch.nn.Module, accelerator: Accelerator) -
 def _batch_norm_statistics_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """DeepSpeed's bf16/fp16 engines cast the parameters but not the buffers, and BatchNorm needs
     its running statistics in its weights' dtype."""
-    from training.batchnorm import running_statistics  # here: training.batchnorm imports this module
-
     for buffer in running_statistics(model):
         buffer.data = buffer.to(dtype)
 

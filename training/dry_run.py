@@ -20,12 +20,12 @@ from accelerate.utils import DeepSpeedPlugin, set_seed
 
 from training.distributed import (
     Strategy,
-    StrategyError,
     align_deepspeed_config,
     check_launch_config,
     has_accelerator_device,
     requested_strategy,
 )
+from training.errors import StrategyError
 from training.memory_plan import (
     Layout,
     activation_bytes,

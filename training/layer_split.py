@@ -18,7 +18,7 @@ import torch
 from accelerate import dispatch_model, infer_auto_device_map
 from accelerate.utils import get_balanced_memory
 
-from training.distributed import StrategyError
+from training.errors import StrategyError
 
 
 def split_layers(

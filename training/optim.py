@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from training.errors import StrategyError
+
 if TYPE_CHECKING:
     import torch
 
@@ -95,8 +97,6 @@ def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> to
     except RuntimeError as error:
         if choice is not DEEPSPEED_CPU_ADAMW:
             raise
-        from training.distributed import StrategyError
-
         cause = str(error.__cause__ or error).strip().splitlines()[-1]
         raise StrategyError(
             f"DeepSpeed's CPU Adam, which steps the optimizer under ZeRO optimizer offload, failed to build ({cause}); "

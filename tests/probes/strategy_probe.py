@@ -17,7 +17,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
-from training.distributed import StrategyError, build_accelerator, verify_strategy
+from training.distributed import build_accelerator, verify_strategy
+from training.errors import StrategyError
 
 scenario, out_dir = sys.argv[1], Path(sys.argv[2])
 builders = {
