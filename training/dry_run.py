@@ -4,9 +4,10 @@ Launch it exactly as the run (`accelerate launch --config_file ... train.py ... 
 rank 0 alone does the work, in one process, and the other processes exit at once. It
 reads the launcher's settings from the environment `accelerate launch` sets, so it starts
 no process group and needs no GPU (plan an 8-GPU job on a login node with
-`--num_processes 8`; what only a GPU can run, such as fp16, is then a note). It builds the
-model as rank 0 of the run does, in CPU memory (a pretrained 7B model needs about 28 GB). It checks the flags (already parsed), the launcher config and its
-DeepSpeed JSON, loads and tokenizes the data, builds the model, and prints the plan:
+`--num_processes 8`; what only a GPU can run, such as fp16, is then a note). It checks the
+flags (already parsed), the launcher config and its DeepSpeed JSON, loads and tokenizes the
+data, builds the model as rank 0 of the run does, in CPU memory (a pretrained 7B model
+needs about 28 GB), and prints the plan:
 strategy, global batch, steps, and the memory per rank that `training/memory_plan.py`
 computes for this layout. Any problem is the error line (exit 2) the real run would give.
 """
