@@ -78,8 +78,6 @@ IMAGE_CONFIGS: dict[str, ImageConfig] = {
     "resnet-tiny": ImageConfig(_resnet(16, [16, 32, 64, 128], [1, 1, 1, 1]), 32),  # 0.3M: tests, the default image job
     "resnet-18": ImageConfig(_resnet(64, [64, 128, 256, 512], [2, 2, 2, 2]), 224),  # ResNet-18's shape (11M)
 }
-TASK_CONFIGS = {"causal-lm": NAMED_CONFIGS, "image-classification": IMAGE_CONFIGS}  # --task -> its named configs
-DEFAULT_CONFIGS = {"causal-lm": "llama-small", "image-classification": "resnet-tiny"}
 
 
 def build_image_config(name: str, labels: list[str]) -> ResNetConfig:

@@ -65,7 +65,7 @@ def build_model(
     Weights are always fp32: mixed precision is applied by the strategy, which keeps
     fp32 master weights (loading bf16 weights and training them directly learns worse).
     `empty`: the architecture only, no weights read or initialised (they arrive later from
-    another rank: training/distributed.py `model_construction`).
+    another rank: training/accelerator.py `model_construction`).
     """
     if model_name_or_path and not empty:
         with loading("model", model_name_or_path):

@@ -74,13 +74,14 @@ def measure(train_flags: list[str]) -> None:
     from accelerate.utils import gather_object
 
     from training.arguments import parse_args
-    from training.distributed import align_with_strategy, build_accelerator, model_construction, optimizer_offload_device
+    from training.accelerator import build_accelerator, model_construction
+    from training.strategy_adapters import align_with_strategy, optimizer_offload_device
     from training.optim import build_optimizer
-    from training.tasks import TASKS
+    from training.task_registry import build_task
 
     model_args, data_args, args = parse_args(train_flags)
     accelerator = build_accelerator(args.ddp_timeout)
-    task = TASKS[model_args.task](model_args, data_args)
+    task = build_task(model_args, data_args)
     before = _peak_rss()  # libraries and process group: what every rank holds without a model
     with model_construction(accelerator, pretrained=True, can_build_empty=task.can_build_empty) as empty:
         model = task.build_model(None, empty)

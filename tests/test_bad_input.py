@@ -28,7 +28,8 @@ from models.configs import build_named_config
 from models.language import SHIPPED_TOKENIZER
 from tests.conftest import CONFIGS, REPO, TINY_RUN, launch, split_args
 from training.arguments import ArgumentError, parse_args
-from training.distributed import check_launch_config, requested_strategy, tensor_parallel_plan
+from training.strategy import check_launch_config, requested_strategy
+from training.tensor_parallel import tensor_parallel_plan
 from training.errors import StrategyError
 
 RESUME = ("--resume_from_checkpoint", "latest")  # so the previous run in output_dir is a legitimate target

@@ -1,8 +1,8 @@
-"""The CPU accommodation in training/distributed.py, and the silent fallbacks it guards against.
+"""The CPU accommodation in training/cpu_accommodations.py, and the silent fallbacks it guards against.
 
 These run real 2-process launches. If a new accelerate changes how it treats FSDP on a
 machine without a GPU, the `plain`/`gloo_kwarg`/`cpu_flag` expectations fail first: read
-training/distributed.py's docstring and re-measure before changing the accommodation.
+training/cpu_accommodations.py's docstring and re-measure before changing the accommodation.
 """
 
 from __future__ import annotations

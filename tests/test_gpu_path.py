@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import TINY_RUN, launch, read_metrics, train, with_processes
-from training.distributed import idle_gpus
+from training.accelerator import idle_gpus
 
 
 @pytest.mark.parametrize(

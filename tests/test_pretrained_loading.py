@@ -1,6 +1,6 @@
 """Fine-tuning a pretrained directory: FSDP2 builds the model on rank 0 only and broadcasts it
 (fsdp_cpu_ram_efficient_loading), ZeRO-3 loads it partitioned (deepspeed.zero.Init); both train
-exactly as DDP, which builds it whole on every rank (training/distributed.py `model_construction`)."""
+exactly as DDP, which builds it whole on every rank (training/accelerator.py `model_construction`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from models.configs import build_named_config
 from models.language import build_tokenizer
 from tests.conftest import read_metrics, train
-from training.distributed import persistent_buffers
+from training.strategy_adapters import persistent_buffers
 
 # config -> what its log says of how the model was built
 LOADING = {"ddp": None, "fsdp": "model built on rank 0 only", "deepspeed_zero3": "model built partitioned"}

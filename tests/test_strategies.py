@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import build_lm_datasets, load_raw_datasets
 from tests.conftest import read_metrics
-from training.distributed import Strategy, requested_strategy, verify_strategy
+from training.strategy import Strategy, requested_strategy, verify_strategy
 from training.errors import StrategyError
 
 # config -> (strategy line in the log, wrapper class around the model, the optimizer that steps,

@@ -18,9 +18,8 @@ import yaml
 from transformers import SchedulerType  # not in training/flags.py: it loads torch, and --help must not
 
 from data import check_data_file
-from models.configs import DEFAULT_CONFIGS, TASK_CONFIGS
 from training.checkpoint import complete_checkpoints, newer_checkpoints, require_complete_checkpoint
-from training.distributed import Strategy, requested_strategy
+from training.strategy import Strategy, requested_strategy
 from training.flags import (
     ALL_ARGUMENT_CLASSES,
     KNOWN_KEYS,
@@ -32,6 +31,7 @@ from training.flags import (
 )
 from training.metrics import TrackerError, resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
+from training.task_registry import TASKS
 
 
 # TrainingArguments flags that the launcher owns here: the accelerate config or `accelerate launch` sets them.
@@ -185,26 +185,20 @@ def check_optimization_flags(train_args: TrainArguments) -> None:
                             "--lr_scheduler_kwargs") from None
 
 
-# Flags that only one task reads: set for the other, they would be silently ignored.
-TASK_ONLY_FLAGS = {
-    "causal-lm": ["tokenizer_name", "train_file", "validation_file", "text_column", "block_size", "packing"],
-    "image-classification": ["train_dir", "validation_dir", "image_column", "label_column", "image_size",
-                             "ignore_mismatched_sizes"],
-}
 FIELD_DEFAULTS = {f.name: f.default for cls in ALL_ARGUMENT_CLASSES for f in fields(cls)}
 
 
 def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> None:
     """The named config belongs to the task (default: the task's own), and no flag is meant for the other task."""
     task = model_args.task
-    configs = TASK_CONFIGS[task]
-    model_args.model_config = model_args.model_config or DEFAULT_CONFIGS[task]
+    configs = TASKS[task].configs
+    model_args.model_config = model_args.model_config or TASKS[task].default_config
     if not model_args.model_name_or_path and model_args.model_config not in configs:
         raise ArgumentError(f"unknown model_config {model_args.model_config!r} for --task {task}; choose one of {sorted(configs)}")
-    for other, flags in TASK_ONLY_FLAGS.items():
+    for other, entry in TASKS.items():
         if other == task:
             continue
-        for flag in flags:
+        for flag in entry.own_flags:
             if getattr(model_args, flag, getattr(data_args, flag, None)) != FIELD_DEFAULTS[flag]:
                 raise ArgumentError(f"--{flag} is for --task {other}, not {task}; drop it or set --task {other}")
     if data_args.dataset_name and (data_args.train_dir or data_args.train_file):

@@ -124,3 +124,8 @@ def collective_timeouts_reported(accelerator: Accelerator, ddp_timeout: int, cur
             f"at step {current_step()}: a rank stalled or died. Check the other ranks' logs; raise --ddp_timeout "
             "if a step (or a save) legitimately takes that long"
         ) from None
+
+
+def max_over_ranks(values: dict[str, int], accelerator: Accelerator) -> dict[str, int]:
+    """Each value's largest over the ranks (a collective, unless nothing was measured: the same on every rank)."""
+    return {key: int(column.max()) for key, column in gather_scalars(accelerator, values).items()} if values else {}

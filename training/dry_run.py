@@ -19,13 +19,8 @@ from contextlib import nullcontext
 
 from accelerate.utils import DeepSpeedPlugin, set_seed
 
-from training.distributed import (
-    Strategy,
-    align_deepspeed_config,
-    check_launch_config,
-    has_accelerator_device,
-    requested_strategy,
-)
+from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
+from training.strategy_adapters import align_deepspeed_config
 from training.errors import StrategyError
 from training.memory_plan import (
     Layout,
@@ -38,7 +33,7 @@ from training.memory_plan import (
 )
 from training.optim import global_batch_size, optimizer_for, run_length, warmup_steps
 from training.performance import compute_dtype, parameter_count
-from training.tasks import TASKS
+from training.task_registry import build_task
 
 MIB = 2**20
 
@@ -76,7 +71,7 @@ def dry_run(model_args, data_args, args) -> str | None:
     mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     set_seed(args.seed)
 
-    task = TASKS[model_args.task](model_args, data_args)
+    task = build_task(model_args, data_args)
     raw = task.load_raw_datasets(args.seed)
     model = task.build_model(raw)
     train_set, eval_set = task.datasets(raw, nullcontext())

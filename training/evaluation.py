@@ -7,7 +7,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from training.batchnorm import average_running_statistics
-from training.distributed import gather_once_per_batch
+from training.tensor_parallel import gather_once_per_batch
 from training.tasks import Task
 
 

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 from transformers.hf_argparser import HfArgumentParser
 
-from models.configs import DEFAULT_CONFIGS, IMAGE_CONFIGS, NAMED_CONFIGS, TASK_CONFIGS
+from training.task_registry import TASKS
 from training.optim import OPTIMIZERS
 
 class ArgumentError(ValueError):
@@ -33,15 +33,16 @@ INTERVALS = ["steps", "epoch", "no"]  # --eval_strategy and --save_strategy, as 
 @dataclass
 class ModelArguments:
     task: str = field(
-        default="causal-lm", metadata={"help": "What to learn: next-token text, or image labels.", "choices": list(TASK_CONFIGS)}
+        default="causal-lm", metadata={"help": "What to learn: next-token text, or image labels.", "choices": list(TASKS)}
     )
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Hub id or local directory of a pretrained model for --task. Unset: train from scratch."}
     )
     model_config: str | None = field(
         default=None,
-        metadata={"help": f"Named config to train from scratch. Default: {DEFAULT_CONFIGS}.",
-                  "choices": sorted(NAMED_CONFIGS | IMAGE_CONFIGS)},
+        metadata={"help": "Named config to train from scratch. Default: "
+                          + ", ".join(f"{entry.default_config} ({name})" for name, entry in TASKS.items()) + ".",
+                  "choices": sorted(name for entry in TASKS.values() for name in entry.configs)},
     )
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model/tokenizer code from the Hub."})

@@ -1,4 +1,5 @@
-"""Metrics: `output_dir/metrics.jsonl` (one JSON object per line) and accelerate's trackers."""
+"""Metrics: `output_dir/metrics.jsonl` (one JSON object per line), accelerate's trackers, and the
+run's summary (`summary.json`, and the lines printed at the end)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import importlib
 import json
 from importlib.metadata import version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from accelerate import Accelerator
+
+if TYPE_CHECKING:
+    from training.tasks import Task
 
 
 # --report_to name -> the package it needs. TensorBoard is pinned in requirements.txt; the
@@ -94,3 +99,23 @@ def write_summary(output_dir: str, summary: dict) -> None:
     """`output_dir/summary.json`: the run's final figures, settings and library versions."""
     versions = {name: version(name) for name in ("torch", "accelerate", "deepspeed", "transformers", "datasets")}
     (Path(output_dir) / "summary.json").write_text(json.dumps(summary | {"versions": versions}, indent=2) + "\n")
+
+
+def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
+    """Load the export with plain `transformers` (proving it loads) and show what it does."""
+    sample = task.sample(final_dir)
+    model_state = summary["model_state_bytes_per_rank"]
+    state = f"{sum(model_state.values()) / 2**20:,.1f} MiB" if model_state else "not measured (needs 2 optimizer steps)"
+    mfu = f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (unknown device peak)"
+    per_device = "".join(f", {key.removeprefix('peak_memory_gb_')} {gb:.2f}" for key, gb in summary.items()
+                         if key.startswith("peak_memory_gb_"))
+    evaluation = ", ".join(f"{key} {value:.4f}" for key, value in summary.items() if key.startswith("eval_") or key == "perplexity")
+    print(
+        "\n===== training summary =====\n"
+        f"steps:           {summary['steps']}\n"
+        f"{task.unit + '/s:':<17}{summary[f'{task.unit}_per_sec']:,.0f} ({summary['step_time'] * 1000:,.0f} ms/step, MFU {mfu})\n"
+        f"memory/rank:     peak {summary['peak_memory_gb']:.2f} GiB{per_device}, model state {state}\n"
+        f"final eval:      {evaluation or 'none (--eval_strategy no)'}\n"
+        f"model:           {final_dir}\n"
+        f"sample:          {sample}"
+    )

@@ -10,7 +10,7 @@ A task
   counted in (tokens, or samples);
 - shows what the exported model does, loaded with plain `transformers`, at the end.
 
-Adding a task: subclass `Task` and register it in `TASKS`.
+Adding a task: subclass `Task` and add an entry for it to `TASKS` in training/task_registry.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from data import build_lm_datasets, load_raw_datasets, make_collator
 from data.images import build_image_datasets, class_names, load_raw_image_datasets, pixel_values
 from models.language import build_model, build_tokenizer, resolve_block_size
 from models.vision import build_image_model, build_image_processor
-from training.distributed import floating_input_dtype
+from training.strategy_adapters import floating_input_dtype
 from training.loss import class_loss_sums, correct_next_tokens, count_target_tokens, token_loss_sums
 from training.performance import counted_flops_per_example, flops_per_token
 
@@ -45,12 +45,12 @@ Batch = dict[str, torch.Tensor]
 class Task(ABC):
     """The interface train.py uses; see the module docstring."""
 
-    name: str
     unit: str  # what throughput counts: "tokens" or "samples"
     fixed_input_shapes = False  # every batch the same shape: cuDNN may tune its convolutions once (GPUs)
-    can_build_empty = True  # build_model honours `empty` (training/distributed.py `model_construction`)
+    can_build_empty = True  # build_model honours `empty` (training/accelerator.py `model_construction`)
 
     def __init__(self, model_args, data_args) -> None:
+        self.name = model_args.task  # its key in training/task_registry.py
         self.model_args, self.data_args = model_args, data_args
         self.processor = None  # tokenizer or image processor, saved beside the exported model
         self.collator = default_data_collator
@@ -104,7 +104,7 @@ def _first(dataset: Dataset, count: int | None) -> Dataset:
 class CausalLM(Task):
     """Next-token prediction on text; targets are tokens."""
 
-    name, unit = "causal-lm", "tokens"
+    unit = "tokens"
     SAMPLE_PROMPT = "Once upon a time"
 
     def __init__(self, model_args, data_args) -> None:
@@ -163,7 +163,7 @@ class CausalLM(Task):
 class ImageClassification(Task):
     """One label per image; targets are images."""
 
-    name, unit = "image-classification", "samples"
+    unit = "samples"
     fixed_input_shapes = True
     # Small models; and accelerate broadcasts parameters only, not BatchNorm's statistics.
     can_build_empty = False
@@ -224,5 +224,3 @@ class ImageClassification(Task):
         right = sum(p == t for p, t in pairs)
         return f"{right}/{len(pairs)} validation images right: " + ", ".join(f"{p} ({t})" if p != t else p for p, t in pairs)
 
-
-TASKS: dict[str, type[Task]] = {task.name: task for task in (CausalLM, ImageClassification)}

@@ -5,7 +5,7 @@ what `verify_strategy` concluded, as JSON in OUT_DIR/rank_<rank>.json.
   plain        Accelerator()                                  accelerate's own choice on CPU
   gloo_kwarg   Accelerator(kwargs_handlers=[gloo])            a common "fix" found online
   cpu_flag     Accelerator(cpu=True)                          the DDP-on-CPU switch
-  template     training.distributed.build_accelerator()       what train.py does (--ddp_timeout 123)
+  template     training.accelerator.build_accelerator()       what train.py does (--ddp_timeout 123)
 """
 
 import json
@@ -17,7 +17,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
-from training.distributed import build_accelerator, verify_strategy
+from training.accelerator import build_accelerator
+from training.strategy import verify_strategy
 from training.errors import StrategyError
 
 scenario, out_dir = sys.argv[1], Path(sys.argv[2])

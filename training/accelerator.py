@@ -1,0 +1,123 @@
+"""Build the `Accelerator` for the configured strategy, and the model within it so that no rank
+needs a whole fp32 copy when it need not; the start-up lines that describe the run."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
+
+from training.cpu_accommodations import cpu_process_group
+from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
+from training.strategy_adapters import optimizer_offload_device
+from training.tensor_parallel import data_parallel_size, tensor_parallel_size
+
+logger = get_logger(__name__)
+
+
+def build_accelerator(ddp_timeout: int, **accelerator_kwargs) -> Accelerator:
+    """An `Accelerator` for the configured strategy, on GPUs or, for real, on CPU.
+
+    `ddp_timeout` (seconds) bounds every collective of the process group, on every strategy.
+    """
+    strategy = requested_strategy()
+    timeout = timedelta(seconds=ddp_timeout)
+    on_cpu = not has_accelerator_device()
+    check_launch_config(strategy, on_cpu)
+    cpu, backend = cpu_process_group(strategy, timeout) if on_cpu else (False, InitProcessGroupKwargs.backend)
+    handler = InitProcessGroupKwargs(backend=backend, timeout=timeout)
+    # DDP: gradients live in its communication buckets instead of beside them (one copy, not two),
+    # and buffers are not copied from rank 0 before each forward: BatchNorm statistics are
+    # averaged instead, on every strategy alike (training/batchnorm.py).
+    ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False)
+    return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
+
+
+def describe(accelerator: Accelerator, strategy: Strategy) -> str:
+    """One line for the logs: strategy, processes, backend and device."""
+    detail = ""
+    if strategy is Strategy.DEEPSPEED:
+        offload = optimizer_offload_device(accelerator)
+        detail = f" ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}" + (f" offload={offload}" if offload != "none" else "")
+    elif strategy is Strategy.FSDP:
+        detail = f" v{accelerator.state.fsdp_plugin.fsdp_version}"
+        if (tp_size := tensor_parallel_size(accelerator)) > 1:
+            detail += f" x tp={tp_size} (data-parallel {data_parallel_size(accelerator)})"
+    backend = accelerator.state.backend or "none"
+    return (
+        f"strategy={strategy.value}{detail} processes={accelerator.num_processes} "
+        f"backend={backend} device={accelerator.device.type} mixed_precision={accelerator.mixed_precision}"
+    )
+
+def idle_gpu_warning(accelerator: Accelerator, owns_every_gpu: bool) -> str | None:
+    """A warning when this machine has more GPUs than processes on it (every config says
+    `num_processes: 2`, which leaves 6 of an 8-GPU node idle unless the launch says otherwise).
+    `owns_every_gpu`: one process spreads the model over all of them (`--device_map`)."""
+    if accelerator.device.type == "cpu" or owns_every_gpu:
+        return None
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return idle_gpus(local_processes, torch.accelerator.device_count(), accelerator.num_processes // local_processes)
+
+def idle_gpus(local_processes: int, local_gpus: int, machines: int) -> str | None:
+    """`idle_gpu_warning`'s decision, from the counts."""
+    if local_processes >= local_gpus:
+        return None
+    return (f"this machine has {local_gpus} GPUs but {local_processes} process(es) run on it: {local_gpus - local_processes} "
+            f"sit idle. Launch with `accelerate launch --num_processes {local_gpus * machines} ...` (the total over "
+            "all machines)")
+
+@contextmanager
+def model_construction(accelerator: Accelerator, pretrained: bool, can_build_empty: bool) -> Iterator[bool]:
+    """Build the model so that no rank holds the whole fp32 model in host memory when it need
+    not (a 7B model is 28 GB per rank, 224 GB on an 8-GPU node); yields whether this rank
+    builds it empty (allocated, never written, so not resident).
+
+    - FSDP2 with `fsdp_cpu_ram_efficient_loading` (fsdp.yaml): rank 0 loads or initialises
+      the model, every other rank builds it empty; `prepare` shards it and broadcasts rank
+      0's weights (accelerate's `fsdp2_load_full_state_dict`). Every rank ends with the
+      weights rank 0 built, which seeded ranks build identically anyway. A task that cannot
+      build empty (`can_build_empty` false: image models) is built whole on every rank, and
+      nothing is broadcast.
+    - ZeRO-3: pretrained weights load partitioned (`deepspeed.zero.Init`: each rank keeps its
+      partition), the same weights. A model initialised from scratch is built whole on every
+      rank, as DDP and FSDP build it, unless the config's `zero3_init_flag` asks for
+      zero.Init: random weights built partitioned differ from the other strategies'.
+      (accelerate 1.15 registers the DeepSpeed config with `transformers` even when the flag
+      is false, which would partition every model: that registration is lifted meanwhile.)
+    """
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    fsdp = accelerator.state.fsdp_plugin if accelerator.distributed_type is DistributedType.FSDP else None
+    if fsdp is not None:
+        fsdp.cpu_ram_efficient_loading = bool(fsdp.cpu_ram_efficient_loading) and can_build_empty
+        if fsdp.cpu_ram_efficient_loading:
+            logger.info("model built on rank 0 only; `prepare` broadcasts its weights (fsdp_cpu_ram_efficient_loading)")
+        yield fsdp.cpu_ram_efficient_loading and accelerator.process_index != 0
+        return
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero3_init_flag or (pretrained and plugin.zero_stage == 3):
+        if plugin is not None and plugin.zero_stage == 3:
+            logger.info("model built partitioned over the ranks (deepspeed.zero.Init)")
+        yield False
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield False
+    finally:
+        plugin.set_deepspeed_weakref()
+
+def release_model_construction_hooks() -> None:
+    """After training: let one process alone build `transformers` models again.
+
+    With ZeRO-3's config registered, `transformers` builds every new model partitioned,
+    a collective that needs all ranks; the summary loads the export on one process.
+    """
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()

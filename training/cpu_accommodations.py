@@ -1,0 +1,50 @@
+"""What lets every strategy run for real on a machine without a GPU (gloo), and only there.
+
+Why each accommodation is needed (measured with accelerate 1.15.0):
+- DDP: accelerate only picks the gloo CPU backend when told `Accelerator(cpu=True)`;
+  otherwise each of the N launched processes trains alone with world size 1.
+- DeepSpeed: without `InitProcessGroupKwargs(backend="gloo")` accelerate counts one
+  process while DeepSpeed counts N, and batch-size checks fail.
+- FSDP: accelerate's device detection refuses FSDP on CPU and falls back silently
+  (independent single-process runs, or plain DDP with `cpu=True`). FSDP2 itself trains
+  on gloo. So we start accelerate's process group on gloo with device `cpu`, then mark
+  the run as multi-device so that `AcceleratorState` activates the FSDP plugin exactly
+  as it does on GPUs. `tests/test_cpu_accommodation.py` fails loudly if a new accelerate
+  changes either the refusal or the behaviour this relies on.
+On a GPU machine none of this applies: the same config files run unmodified over NCCL.
+"""
+
+from __future__ import annotations
+
+import importlib
+from datetime import timedelta
+from typing import NamedTuple
+
+from accelerate import PartialState
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+from training.strategy import Strategy
+
+
+class CpuSettings(NamedTuple):
+    cpu: bool  # Accelerator(cpu=...): gloo for single and DDP
+    backend: str | None  # InitProcessGroupKwargs(backend=...): passed on only when it differs from its default
+
+
+def cpu_process_group(strategy: Strategy, timeout: timedelta) -> CpuSettings:
+    """Start what accelerate would not start on CPU by itself; the Accelerator's settings for the rest."""
+    if strategy is Strategy.FSDP:
+        state = PartialState(backend="gloo", timeout=timeout)  # a gloo process group on device cpu, type NO
+        state.distributed_type = DistributedType.MULTI_GPU  # so AcceleratorState turns on the FSDP plugin
+    if strategy is Strategy.DEEPSPEED:
+        skip_deepspeed_inference_kernel()
+    backend = "gloo" if strategy is Strategy.DEEPSPEED else InitProcessGroupKwargs.backend
+    return CpuSettings(cpu=strategy in (Strategy.SINGLE, Strategy.DDP), backend=backend)
+
+
+def skip_deepspeed_inference_kernel() -> None:
+    """On CPU, DeepSpeed compiles a shared-memory all-reduce as it starts (45 to 60 s on the first
+    launch in each environment, and a line per rank), which only its inference engine uses
+    (`inference_all_reduce`); training collectives go through torch.distributed either way."""
+    backend = importlib.import_module("deepspeed.comm.torch")  # not `deepspeed.comm.torch`: that name is torch itself
+    backend.build_shm_op = lambda: None

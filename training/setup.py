@@ -1,0 +1,195 @@
+"""The set-up phase of train.py: from parsed flags to a `Run` (the Accelerator checked to run the
+configured strategy, the model built and laid out, the data loaders, `prepare`, a resumed state
+and the trackers), in the order a newcomer reads it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+    set_seed,
+)
+from torch.utils.data import DataLoader
+
+from training.accelerator import build_accelerator, describe, idle_gpu_warning, model_construction
+from training.batchnorm import convert_sync_batchnorm
+from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
+from training.collectives import preflight
+from training.console import one_voice
+from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
+from training.flags import DataArguments, ModelArguments, TrainArguments
+from training.layer_split import split_layers
+from training.metrics import tracker_config
+from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
+from training.performance import SpeedMeter, compute_dtype, model_state_probe, parameter_count, peak_flops
+from training.preemption import StopRequests
+from training.strategy import Strategy, master_weight_dtypes, verify_prepared, verify_strategy
+from training.strategy_adapters import (
+    align_with_strategy,
+    gradient_reduction_dtypes,
+    held_gradients,
+    optimizer_offload_device,
+    write_effective_deepspeed_config,
+)
+from training.task_registry import build_task
+from training.tasks import Task
+from training.tensor_parallel import apply_tensor_parallel, data_parallel_size, tensor_parallel_size
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Run:
+    """What set-up builds and the training and finishing phases share."""
+
+    args: TrainArguments
+    accelerator: Accelerator
+    strategy: Strategy
+    task: Task
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: DataLoader
+    eval_loader: DataLoader
+    state: TrainerState  # the step, epoch and position within it: what a checkpoint resumes
+    resumed: bool
+    steps_per_epoch: int
+    max_steps: int
+    stop_requests: StopRequests
+    model_name: str
+    title: str  # "<model>: <strategy, processes, precision>", for the report
+    num_parameters: int
+    model_state: dict[str, int]  # bytes per rank of weights, gradients and optimizer state, measured at step 2
+    speed: SpeedMeter
+    first_step: int  # the step this launch started from (0, or the resumed checkpoint's)
+
+
+
+def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArguments, stop_requests: StopRequests) -> Run:
+    """The Accelerator, then the model and data, then `prepare`, then a resumed state and the trackers."""
+    accelerator, strategy, run_description, tf32 = start_accelerator(model_args, args)
+    stop_requests.connect(accelerator, args.ddp_timeout)  # from now on ranks agree on a stop
+    set_seed(args.seed)  # identical initial weights on every rank and strategy
+
+    task = build_task(model_args, data_args)
+    tune_convolutions(accelerator.device, task.fixed_input_shapes)
+    with accelerator.main_process_first():  # the main process downloads; the others then read its cache
+        raw = task.load_raw_datasets(args.seed)
+    model = build_model(accelerator, task, raw, model_args, args.seed)
+    num_parameters = parameter_count(model)
+    train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
+    global_batch = global_batch_size(args, data_parallel_size(accelerator))
+    steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
+    train_set = train_set.select(range(steps_per_epoch * global_batch))
+    # Pinned host memory lets batches copy to the GPU while it computes (non_blocking in start_accelerator).
+    workers = loader_workers(args.dataloader_num_workers, accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    loading = {"collate_fn": task.collator, "num_workers": workers,
+               "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda"}
+    train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True, **loading)
+    eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, **loading)
+
+    align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
+    torch_optimizer = build_optimizer(model, args, offloaded=optimizer_offload_device(accelerator) != "none")
+    scheduler = build_scheduler(torch_optimizer, args, max_steps)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, torch_optimizer, train_loader, eval_loader, scheduler
+    )
+    model_state = model_state_probe(model, torch_optimizer, lambda: held_gradients(model))  # bytes per rank, at step 2
+    verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
+    write_effective_deepspeed_config(accelerator, args.output_dir)
+    logger.info(
+        f"model wrapped as {type(model).__name__}; optimizer {type(torch_optimizer).__name__} (--optim {args.optim}), "
+        f"master weights {', '.join(str(d) for d in master_weight_dtypes(model, optimizer))}, "
+        f"gradients averaged in {', '.join(str(d) for d in gradient_reduction_dtypes(model))}",
+        main_process_only=True,
+    )
+
+    state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes)
+    resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir, accelerator)
+    if resume_path:
+        state = load_checkpoint(accelerator, resume_path, global_batch, max_steps)
+        state.num_processes = accelerator.num_processes
+        logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
+    if args.overwrite_output_dir:  # only now: every check before has passed
+        if accelerator.is_main_process:
+            clear_previous_run(args.output_dir)
+        accelerator.wait_for_everyone()
+    run_settings = {"strategy": strategy.value, "num_processes": accelerator.num_processes,
+                    "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch,
+                    "total_steps": max_steps, "parameters": num_parameters, **task.settings}
+    accelerator.init_trackers(
+        args.run_name,
+        config=tracker_config(vars(model_args) | vars(data_args) | vars(args) | run_settings),
+        # A resumed run replaces what the run it continues logged after its checkpoint.
+        init_kwargs={"tensorboard": {"purge_step": state.completed_steps + 1 if resume_path else 0},
+                     "wandb": {"name": args.run_name}},
+    )
+    logger.info(
+        f"{task.describe_data(train_set)}, global batch {global_batch}, {steps_per_epoch} steps/epoch, "
+        f"training to step {max_steps}, {len(eval_set)} examples for evaluation",
+        main_process_only=True,
+    )
+    peak = peak_flops(accelerator.device, compute_dtype(accelerator.mixed_precision), tf32)
+    model_devices = sorted({p.device for p in model.parameters()}, key=str) if model_args.device_map else None
+    speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit, tensor_parallel_size(accelerator),
+                       memory_devices=model_devices)
+    model_name = model_args.model_name_or_path or model_args.model_config
+    return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
+               bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
+               f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps)
+
+
+def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple[Accelerator, Strategy, str, bool]:
+    """The Accelerator, checked to run the configured strategy; the start-up lines on the main process."""
+    accelerator = build_accelerator(
+        args.ddp_timeout,
+        # Synchronise by step count only: train.py reads a whole window ahead (see
+        # accumulation_windows), so the dataloader's end is seen before the window's last step.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        # We step the scheduler once per optimizer step ourselves: accelerate would step it
+        # once per process, making the schedule depend on the number of processes.
+        step_scheduler_with_optimizer=False,
+        # A seedable sampler makes the shuffled order depend only on seed and epoch, so a
+        # resumed run sees the same samples as an uninterrupted one.
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=args.seed, non_blocking=args.dataloader_pin_memory
+        ),
+        log_with=args.report_to or None,  # TensorBoard writes to output_dir/runs/<run_name>
+        project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "runs")),
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor" if args.torch_compile else "no"),
+    )
+    strategy = verify_strategy(accelerator)
+    one_voice(accelerator.is_main_process)  # the other ranks report errors only
+    tf32 = use_tf32(args.tf32, accelerator.device, accelerator.mixed_precision)
+    run_description = f"{describe(accelerator, strategy)} tf32={'on' if tf32 else 'off'}"
+    logger.info(run_description, main_process_only=True)
+    logger.info(preflight(accelerator, args.ddp_timeout), main_process_only=True)
+    if warning := idle_gpu_warning(accelerator, owns_every_gpu=bool(model_args.device_map)):
+        logger.warning(warning, main_process_only=True)
+    return accelerator, strategy, run_description, tf32
+
+
+def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArguments, seed: int) -> torch.nn.Module:
+    """The task's model, built without a whole copy per rank where the strategy allows, then laid out
+    as the flags ask: tensor-parallel slices, layers over GPUs, synchronised BatchNorm."""
+    with model_construction(accelerator, bool(model_args.model_name_or_path), task.can_build_empty) as empty:
+        model = task.build_model(raw, empty)
+    set_seed(seed)  # ranks that built the model empty drew no random numbers: every rank goes on level
+    model = apply_tensor_parallel(accelerator, model)  # with a parallelism_config tp_size in the accelerate config
+    if model_args.device_map:  # one process owning several GPUs: each holds some of the layers
+        model, note = split_layers(model, model_args.device_map)
+        logger.info(note, main_process_only=True)
+    if model_args.sync_batchnorm:
+        model, note = convert_sync_batchnorm(model, accelerator)
+        logger.info(note, main_process_only=True)
+    return model

@@ -1,0 +1,48 @@
+"""The one registry of tasks (`--task`): for each, the class that implements it, its named model
+configs, its default config and the flags that only it reads.
+
+Adding a task is one entry in `TASKS` (and its `Task` subclass, see training/tasks.py). The
+classes are imported when a task is built, not with this module: `train.py --help` lists the
+tasks and their configs before torch loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from models.configs import IMAGE_CONFIGS, NAMED_CONFIGS
+
+if TYPE_CHECKING:
+    from training.tasks import Task
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    implementation: str  # "module:Class" of a training.tasks.Task subclass
+    configs: Mapping[str, object]  # what --model_config may name for this task (models/configs.py)
+    default_config: str
+    own_flags: tuple[str, ...] = ()  # set for another task they would be silently ignored, so they are refused
+
+    def load(self) -> type[Task]:
+        module, name = self.implementation.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+TASKS: dict[str, TaskEntry] = {
+    "causal-lm": TaskEntry(
+        "training.tasks:CausalLM", NAMED_CONFIGS, "llama-small",
+        ("tokenizer_name", "train_file", "validation_file", "text_column", "block_size", "packing"),
+    ),
+    "image-classification": TaskEntry(
+        "training.tasks:ImageClassification", IMAGE_CONFIGS, "resnet-tiny",
+        ("train_dir", "validation_dir", "image_column", "label_column", "image_size", "ignore_mismatched_sizes"),
+    ),
+}
+
+
+def build_task(model_args, data_args) -> Task:
+    """The `Task` that `--task` names, built from the parsed flags."""
+    return TASKS[model_args.task].load()(model_args, data_args)
