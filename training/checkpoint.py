@@ -24,6 +24,7 @@ from transformers.utils import PushToHubMixin
 
 from training.batchnorm import average_running_statistics
 from training.safe_loading import safe_unpickling
+from training.strategy_adapters import own_class_while_saving
 
 TRAINER_STATE = "trainer_state.json"
 DEEPSPEED_DIR = "pytorch_model"  # what accelerate's save_state writes for a DeepSpeed engine
@@ -195,9 +196,11 @@ def export_final(accelerator: Accelerator, model, processor: PushToHubMixin, out
     average_running_statistics(model, accelerator)
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
-    accelerator.unwrap_model(model).save_pretrained(
-        final_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
-    )
+    unwrapped = accelerator.unwrap_model(model)
+    with own_class_while_saving(unwrapped):
+        unwrapped.save_pretrained(
+            final_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
+        )
     if accelerator.is_main_process:
         processor.save_pretrained(final_dir)
     accelerator.wait_for_everyone()

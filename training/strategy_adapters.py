@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -142,3 +144,21 @@ def write_effective_deepspeed_config(accelerator: Accelerator, output_dir: str) 
         path = Path(output_dir) / "deepspeed_config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(plugin.deepspeed_config, indent=2, default=str))
+
+
+@contextmanager
+def own_class_while_saving(model: torch.nn.Module) -> Iterator[None]:
+    """FSDP2 turns the model into an instance of a subclass it defines (`FSDP<Model>`, in torch's
+    module). `save_pretrained` of a custom model names the instance's class in the export's
+    `auto_map` and copies that class's file: the model's own class must be the one saved."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp_class = type(model)
+    if FSDPModule not in fsdp_class.__bases__:
+        yield
+        return
+    model.__class__ = next(base for base in fsdp_class.__bases__ if base is not FSDPModule)
+    try:
+        yield
+    finally:
+        model.__class__ = fsdp_class
