@@ -67,6 +67,9 @@ class DataArguments:
     train_file: str | None = field(default=None, metadata={"help": "Local txt, json/jsonl, csv or parquet file."})
     validation_file: str | None = field(default=None, metadata={"help": "Same format as --train_file."})
     text_column: str = field(default="text", metadata={"help": "Column that holds the documents."})
+    sample_prompt: str = field(
+        default="Once upon a time", metadata={"help": "Text the exported model continues at the end of the run."}
+    )
     train_dir: str | None = field(default=None, metadata={"help": "Images: a folder with one sub-folder per class."})
     validation_dir: str | None = field(default=None, metadata={"help": "Images: same layout as --train_dir."})
     image_column: str = field(default="image", metadata={"help": "Images: the column that holds the images."})

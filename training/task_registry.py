@@ -34,7 +34,7 @@ class TaskEntry:
 TASKS: dict[str, TaskEntry] = {
     "causal-lm": TaskEntry(
         "training.tasks:CausalLM", NAMED_CONFIGS, "llama-small",
-        ("tokenizer_name", "train_file", "validation_file", "text_column", "block_size", "packing"),
+        ("tokenizer_name", "train_file", "validation_file", "text_column", "sample_prompt", "block_size", "packing"),
     ),
     "image-classification": TaskEntry(
         "training.tasks:ImageClassification", IMAGE_CONFIGS, "resnet-tiny",

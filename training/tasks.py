@@ -105,7 +105,6 @@ class CausalLM(Task):
     """Next-token prediction on text; targets are tokens."""
 
     unit = "tokens"
-    SAMPLE_PROMPT = "Once upon a time"
 
     def __init__(self, model_args, data_args) -> None:
         super().__init__(model_args, data_args)
@@ -155,7 +154,7 @@ class CausalLM(Task):
     def sample(self, final_dir: Path) -> str:
         model = AutoModelForCausalLM.from_pretrained(final_dir)
         tokenizer = AutoTokenizer.from_pretrained(final_dir)
-        inputs = tokenizer(self.SAMPLE_PROMPT, return_tensors="pt")
+        inputs = tokenizer(self.data_args.sample_prompt, return_tensors="pt")
         output = model.generate(**inputs, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         return repr(tokenizer.decode(output[0], skip_special_tokens=True))
 
