@@ -4,7 +4,7 @@ PYTHON := $(VENV)/bin/python
 # A stamp file, newer than requirements.txt once those are installed: setup runs pip only when they change.
 INSTALLED := $(VENV)/.installed
 
-.PHONY: setup train test bench
+.PHONY: setup train test test-quick bench
 setup: $(INSTALLED)  ## create the virtual environment and install the pinned requirements (again only if they changed)
 
 $(INSTALLED): requirements.txt
@@ -17,6 +17,9 @@ train: setup  ## the default job: one process, default model and corpus
 
 test: setup  ## the test suite: real 2-process CPU runs of every config
 	$(PYTHON) -m pytest
+
+test-quick: setup  ## the quick tier for the edit loop (about 3 minutes): unit tests and a few real runs
+	$(PYTHON) -m pytest -m quick
 
 bench: setup  ## every strategy side by side, and train.py against a raw PyTorch DDP loop (about 12 minutes on 2 CPU cores)
 	$(PYTHON) scripts/benchmark.py

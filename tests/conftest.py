@@ -1,4 +1,9 @@
-"""Shared helpers: real `accelerate launch` runs of train.py on CPU, and small local datasets."""
+"""Shared helpers: real `accelerate launch` runs of train.py on CPU, and small local datasets.
+
+The suite runs on two pytest-xdist workers (pytest.ini), each module's tests on one worker.
+A training run that several modules read (`cached_run`) is trained once per test run, by
+whichever worker needs it first, in a directory both workers share (`made_once`).
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,10 @@ import os
 VISIBLE_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+import hashlib
 import json
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,6 +31,7 @@ import psutil
 import pytest
 import torch
 import yaml
+from filelock import FileLock
 from safetensors.torch import load_file
 
 from data.default_corpus import generate_documents
@@ -190,18 +198,37 @@ def text_documents() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def cached_run(tmp_path_factory):
-    """`cached_run(config, *args)` trains once per distinct (config, args) in the session."""
-    outputs: dict[tuple, Path] = {}
+def shared_dir(tmp_path_factory) -> Path:
+    """A directory every xdist worker of this test run shares (the session's temp dir without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
-    def run(config: str | Path, *args: str) -> Path:
-        key = (str(config), args)
-        if key not in outputs:
-            output_dir = tmp_path_factory.mktemp("run")
+
+def made_once(directory: Path, make: Callable[[Path], None]) -> Path:
+    """`directory`, filled by `make` once per test run, by whichever worker asks first (the other waits)."""
+    with FileLock(f"{directory}.lock"):
+        if not (directory / ".complete").exists():
+            shutil.rmtree(directory, ignore_errors=True)  # what a failed attempt left
+            directory.mkdir(parents=True)
+            make(directory)
+            (directory / ".complete").touch()
+    return directory
+
+
+@pytest.fixture(scope="session")
+def cached_run(shared_dir):
+    """`cached_run(config, *args)` trains once per distinct (config, args) in the test run."""
+
+    def trained(config: str | Path, args: tuple[str, ...]) -> Callable[[Path], None]:
+        def make(output_dir: Path) -> None:
             result = train(config, output_dir, *args)
             (output_dir / "launch.log").write_text(result.stdout + result.stderr)
-            outputs[key] = output_dir
-        return outputs[key]
+
+        return make
+
+    def run(config: str | Path, *args: str) -> Path:
+        key = hashlib.sha256(json.dumps([str(config), *args]).encode()).hexdigest()[:16]
+        return made_once(shared_dir / "runs" / key, trained(config, args))
 
     return run
 
@@ -213,12 +240,15 @@ def variable_length_documents(count: int, seed: int) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def uneven_data(tmp_path_factory) -> list[str]:
+def uneven_data(shared_dir) -> list[str]:
     """Flags for 50 training and 13 validation documents of different lengths, unpacked and padded."""
-    directory = tmp_path_factory.mktemp("uneven_data")
-    for name, count, seed in (("train", 50, 1), ("validation", 13, 2)):
-        lines = [json.dumps({"text": text}) for text in variable_length_documents(count, seed)]
-        (directory / f"{name}.jsonl").write_text("\n".join(lines))
+
+    def write(directory: Path) -> None:
+        for name, count, seed in (("train", 50, 1), ("validation", 13, 2)):
+            lines = [json.dumps({"text": text}) for text in variable_length_documents(count, seed)]
+            (directory / f"{name}.jsonl").write_text("\n".join(lines))
+
+    directory = made_once(shared_dir / "uneven_data", write)
     return ["--train_file", str(directory / "train.jsonl"), "--validation_file", str(directory / "validation.jsonl"),
             "--packing", "false", "--block_size", "64"]
 
