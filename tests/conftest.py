@@ -53,7 +53,10 @@ SPLITS = {
     "zero2-2x2x2": ("deepspeed_zero2", 2, 2),
     "fsdp-2x2x2": ("fsdp", 2, 2),
     "zero3-2x4x1": ("deepspeed_zero3", 4, 1),
+    "zero1-2x4x1": ("deepspeed_zero1", 4, 1),
 }
+SPLIT_OF = {"single": "1x8x1", "ddp": "2x4x1", "fsdp": "fsdp-2x2x2", "deepspeed_zero1": "zero1-2x4x1",
+            "deepspeed_zero2": "zero2-2x2x2", "deepspeed_zero3": "zero3-2x4x1"}  # each config's split run
 MAX_STEPS = 10  # with 6 steps per epoch on `uneven_data`: crosses into the second epoch
 
 
@@ -262,7 +265,7 @@ def split_args(uneven_data: list[str], per_device: int, accumulation: int, save_
 
 @pytest.fixture(scope="session")
 def split_run(cached_run, uneven_data):
-    """`split_run(name)`: the run for one entry of SPLITS, trained once per session."""
+    """`split_run(name)`: the run for one entry of SPLITS, trained once per test run."""
     def run(name: str):
         config, per_device, accumulation = SPLITS[name]
         return cached_run(config, *split_args(uneven_data, per_device, accumulation))
@@ -270,20 +273,34 @@ def split_run(cached_run, uneven_data):
     return run
 
 
+def split_run_args(uneven_data: list[str], name: str) -> tuple[str, ...]:
+    """The flags of SPLITS entry `name`'s run (to continue it)."""
+    _, per_device, accumulation = SPLITS[name]
+    return split_args(uneven_data, per_device, accumulation)
+
+
+STRATEGY_CLIPPING = 0.5  # below these steps' gradient norms: clipping triggers
+GLOBAL_BATCH = 12
+
+
 def parity_args(config: str, max_grad_norm: float) -> tuple[str, ...]:
-    """12 steps with a global batch of 8 on 1 or 2 processes; checkpoints at steps 6 and 12."""
-    per_device = "8" if config == "single" else "4"
+    """12 steps with a global batch of 12 and not one default left: clipping, accumulation, an odd
+    micro-batch, no decay, warmup by ratio and another beta2. One process accumulates 4
+    micro-batches of 3; 2 data-parallel ranks (fsdp_tp: 2 x tp 2) accumulate 2 each.
+    Checkpoints at steps 6 and 12."""
+    accumulation = "4" if config == "single" else "2"
     return ("--max_steps", "12", "--logging_steps", "1", "--eval_steps", "6", "--save_steps", "6",
-            "--per_device_train_batch_size", per_device, "--max_grad_norm", str(max_grad_norm))
+            "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", accumulation,
+            "--weight_decay", "0", "--warmup_ratio", "0.1", "--adam_beta2", "0.99", "--max_grad_norm", str(max_grad_norm))
 
 
 @pytest.fixture(scope="session")
 def strategy_run(cached_run):
-    """`strategy_run(config, max_grad_norm)`: the parity run of one config, trained once per session.
+    """`strategy_run(config, max_grad_norm)`: the parity run of one config, trained once per test run.
 
     The shipped DeepSpeed JSONs leave clipping "auto", so the flag alone changes it on every config."""
 
-    def run(config: str, max_grad_norm: float = 1.0) -> Path:
+    def run(config: str, max_grad_norm: float = STRATEGY_CLIPPING) -> Path:
         return cached_run(config, *parity_args(config, max_grad_norm))
 
     return run

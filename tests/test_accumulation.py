@@ -1,7 +1,7 @@
 """Splitting one global batch differently changes nothing, with padded variable-length data.
 
 One global batch of 8 sequences, split as (processes x per-device batch x accumulation):
-(1x8x1), (2x4x1), (2x2x2), (1x2x4), plus ZeRO-2 and FSDP2 at (2x2x2) and ZeRO-3 at (2x4x1).
+(1x8x1), (2x4x1), (2x2x2), (1x2x4), plus ZeRO-2 and FSDP2 at (2x2x2) and ZeRO-1 and ZeRO-3 at (2x4x1).
 Sequences are single documents of different lengths, padded per batch (`--packing false`),
 so micro-batches hold different numbers of real tokens: only a loss averaged over every
 real token of the global batch (not a mean of per-batch means) makes the splits agree.
@@ -39,6 +39,7 @@ def test_every_split_of_the_global_batch_gives_the_same_training(name: str, spli
         torch.testing.assert_close(actual[key], expected[key], atol=TOLERANCE, rtol=0, msg=key)
 
 
+@pytest.mark.quick
 def test_the_incomplete_last_global_batch_is_dropped(split_run) -> None:
     run = split_run("2x2x2")
     losses = [m for m in read_metrics(run) if "loss" in m]

@@ -15,6 +15,7 @@ from tests.conftest import REPO
 from training.optim import build_optimizer, build_scheduler
 
 
+@pytest.mark.quick
 def test_defaults_then_recipe_then_command_line(tmp_path) -> None:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("learning_rate: 0.01\nmax_steps: 7\nmodel_config: llama-tiny\n")
@@ -23,6 +24,7 @@ def test_defaults_then_recipe_then_command_line(tmp_path) -> None:
     assert train_args.per_device_train_batch_size == 8  # untouched default
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("recipe_text", "argv", "message"),
     [
@@ -65,6 +67,7 @@ def test_bad_arguments_are_named(tmp_path, recipe_text, argv, message) -> None:
         parse_args([*argv, "--output_dir", str(tmp_path / "out")])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("flag", "value"), [("--optim", "adamw"), ("--task", "text"),
                                              ("--eval_strategy", "epochs"), ("--save_strategy", "step")])
 def test_unknown_names_are_one_line_with_the_valid_names_before_anything_is_built(tmp_path, flag, value) -> None:
@@ -74,6 +77,7 @@ def test_unknown_names_are_one_line_with_the_valid_names_before_anything_is_buil
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.quick
 def test_optimizer_and_schedule_flags_reach_the_torch_objects(tmp_path) -> None:
     _, _, args = parse_args(["--optim", "adamw_torch", "--adam_beta1", "0.8", "--adam_beta2", "0.99",
                              "--adam_epsilon", "1e-6", "--warmup_ratio", "0.25", "--learning_rate", "0.1",
@@ -95,6 +99,7 @@ def test_optimizer_and_schedule_flags_reach_the_torch_objects(tmp_path) -> None:
     assert scheduler.get_last_lr()[0] == pytest.approx(0.01)  # the end of the schedule
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("optim", "kind"), [("sgd", torch.optim.SGD), ("adafactor", Adafactor),
                                              ("adamw_torch_fused", torch.optim.AdamW)])
 def test_each_optimizer_name_builds_its_optimizer(tmp_path, optim, kind) -> None:
@@ -119,6 +124,7 @@ def test_a_cpu_adam_that_cannot_build_is_one_clear_error(tmp_path) -> None:
     assert "install a C++ compiler and ninja" in result.stdout
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("strategy", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
 def test_adafactor_is_refused_where_the_optimizer_sees_shards(tmp_path, monkeypatch, strategy) -> None:
     monkeypatch.setenv(strategy, "true")

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models.configs import build_named_config
 from models.language import SHIPPED_TOKENIZER
-from tests.conftest import CONFIGS, REPO, TINY_RUN, launch, split_args
+from tests.conftest import CONFIGS, REPO, SPLIT_OF, TINY_RUN, launch, split_args, split_run_args
 from training.arguments import ArgumentError, parse_args
 from training.strategy import check_launch_config, requested_strategy
 from training.tensor_parallel import tensor_parallel_plan
@@ -182,6 +182,7 @@ def test_bad_input_is_one_clear_line_and_nothing_saved_is_touched(config, args, 
     assert snapshot(previous) == before
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("args", "message"), ARGUMENT_CASES.values(), ids=ARGUMENT_CASES.keys())
 def test_bad_flags_and_files_are_refused_before_anything_starts(args, message, inputs, previous) -> None:
     before, fill = snapshot(previous), filler(inputs, previous)
@@ -191,6 +192,7 @@ def test_bad_flags_and_files_are_refused_before_anything_starts(args, message, i
     assert snapshot(previous) == before
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("environment", "message"), LAUNCHER_CASES.values(), ids=LAUNCHER_CASES.keys())
 def test_launcher_settings_that_cannot_work_are_refused_before_any_process_group(
     environment, message, monkeypatch, inputs
@@ -218,11 +220,11 @@ TAMPERED = {  # config -> a file its checkpoint loads with pickle, and how to wr
 
 
 @pytest.mark.parametrize("config", TAMPERED)
-def test_a_checkpoint_that_would_run_code_on_load_is_refused(config, cached_run, uneven_data, tmp_path) -> None:
+def test_a_checkpoint_that_would_run_code_on_load_is_refused(config, split_run, uneven_data, tmp_path) -> None:
     """DeepSpeed asks torch.load for full unpickling and DCP reads metadata with pickle: neither runs code."""
-    args = split_args(uneven_data, per_device=4, accumulation=1)
+    args = split_run_args(uneven_data, SPLIT_OF[config])
     checkpoint = tmp_path / "checkpoints" / "step_8"
-    shutil.copytree(cached_run(config, *args) / "checkpoints" / "step_8", checkpoint)
+    shutil.copytree(split_run(SPLIT_OF[config]) / "checkpoints" / "step_8", checkpoint)
     marker = tmp_path / "code-ran"
     file, write = TAMPERED[config]
     write({"state": CodeOnLoad(marker)}, checkpoint / file)
@@ -235,6 +237,7 @@ def test_a_checkpoint_that_would_run_code_on_load_is_refused(config, cached_run,
     assert not marker.exists()
 
 
+@pytest.mark.quick
 def test_a_model_without_a_tensor_parallel_plan_is_refused() -> None:
     from models.vision import build_image_model
 

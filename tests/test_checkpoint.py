@@ -10,6 +10,8 @@ from training.arguments import ArgumentError, parse_args
 from training.checkpoint import TRAINER_STATE, complete_checkpoints, resolve_resume_path, rotate_checkpoints
 
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
+
 def make_checkpoint(root, name: str, complete: bool) -> None:
     directory = root / "checkpoints" / name
     directory.mkdir(parents=True)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.conftest import REPO, TINY_RUN, free_port, launch
 
 # A process group still referenced at exit (as DeepSpeed and DDP leave them) with a collective
@@ -23,6 +25,7 @@ exit_process(int(sum(t.sum() for t in gathered)))  # 8: both ranks' ones arrived
 """
 
 
+@pytest.mark.quick
 def test_exit_runs_python_shutdown_but_skips_interpreter_teardown() -> None:
     script = textwrap.dedent("""
         import atexit, threading, time

@@ -8,6 +8,8 @@ import torch
 from training.cuda_settings import MAX_DEFAULT_WORKERS, loader_workers, tune_convolutions, use_tf32
 from training.performance import TF32, gpu_peak_flops
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
+
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 

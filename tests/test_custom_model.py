@@ -14,6 +14,8 @@ from models.conv_lm import ConvLMForCausalLM, register_custom_model
 from tests.conftest import REPO
 from training.metrics import read_metrics
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
+
 PROMPT_IDS = [[5, 17, 42, 8, 99, 3]]
 
 

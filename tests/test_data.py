@@ -19,6 +19,8 @@ from models.language import build_tokenizer
 from models.vision import build_image_processor
 
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer(None, None)

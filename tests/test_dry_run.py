@@ -87,6 +87,7 @@ def test_a_gpu_plan_made_on_a_machine_without_gpus_is_a_plan_with_a_note(tmp_pat
     assert "no GPU here; on CPU machines the run would stop: fp16 mixed precision needs a GPU" in result.stdout
 
 
+@pytest.mark.quick
 def test_help_lists_every_flag_before_torch_loads() -> None:
     probe = ("import atexit, runpy, sys; sys.argv = ['train.py', '--max_steps', '3', '--help']; "
              "atexit.register(lambda: print('torch loaded:', 'torch' in sys.modules)); "
@@ -95,5 +96,5 @@ def test_help_lists_every_flag_before_torch_loads() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("torch loaded: False")
     for flag in ("--optim {adamw_torch_fused,adamw_torch,sgd,adafactor}", "--lr_scheduler_type", "--dry_run",
-                 "--config CONFIG", "--model_config {llama-125m,llama-small,llama-tiny,resnet-18,resnet-tiny}"):
+                 "--config CONFIG", "--model_config {conv-lm,llama-125m,llama-small,llama-tiny,resnet-18,resnet-tiny}"):
         assert flag in result.stdout

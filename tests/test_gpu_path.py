@@ -9,6 +9,7 @@ from tests.conftest import TINY_RUN, launch, read_metrics, train, with_processes
 from training.accelerator import idle_gpus
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("local_processes", "local_gpus", "machines", "launch_hint"),
     [(2, 8, 1, "--num_processes 8"), (2, 8, 2, "--num_processes 16"), (8, 8, 2, None), (1, 1, 1, None)],

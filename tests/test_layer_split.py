@@ -21,6 +21,7 @@ def test_device_map_trains_in_one_process(tmp_path) -> None:
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("launched", [{"WORLD_SIZE": "2"}, {"ACCELERATE_USE_FSDP": "true"}], ids=["ddp", "fsdp"])
 def test_device_map_is_refused_with_any_other_strategy(launched, tmp_path, monkeypatch) -> None:
     for name, value in launched.items():
@@ -29,6 +30,7 @@ def test_device_map_is_refused_with_any_other_strategy(launched, tmp_path, monke
         parse_args([*TINY_RUN, "--device_map", "auto", "--output_dir", str(tmp_path)])
 
 
+@pytest.mark.quick
 def test_layers_that_would_be_offloaded_and_never_train_are_refused() -> None:
     model = build_image_model(None, "resnet-tiny", ["a", "b"])
     with pytest.raises(StrategyError, match=r"would be offloaded, where they do not train"):

@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import REPO, free_port
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
+
 LOGGING_STEP = """
 import json, math, torch, torch.distributed as dist
 from accelerate import Accelerator

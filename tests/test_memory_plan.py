@@ -81,6 +81,7 @@ def test_a_local_model_directory_is_read_like_a_hub_id(tmp_path, strategy_run) -
     assert f"train.py --model_name_or_path {exported}" in result.stdout
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("setup", "message"),
     [
@@ -110,6 +111,7 @@ def test_a_model_that_needs_its_own_code_is_one_clear_line(tmp_path) -> None:
     assert "Traceback" not in result.stderr and "remote code ran" not in result.stderr + result.stdout
 
 
+@pytest.mark.quick
 def test_activations_count_the_logits_and_the_loss_backward() -> None:
     """A language model's peak is at the loss: fp32 log-probabilities (saved) and, in backward,
     their gradient and the logits' (tokens x vocabulary floats each)."""

@@ -14,6 +14,8 @@ from models.vision import build_image_model
 from tests.conftest import REPO
 
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer(None, None)

@@ -9,6 +9,8 @@ import torch
 
 from training.loss import NonFiniteGuard, NonFiniteLossError
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
+
 INF, NAN = math.inf, math.nan
 
 

@@ -28,6 +28,7 @@ def tiny_model():
     return AutoModelForCausalLM.from_config(build_named_config("llama-tiny", build_tokenizer(None, None)))
 
 
+@pytest.mark.quick
 def test_flops_per_token_counts_matmul_parameters_and_attention(tiny_model) -> None:
     # llama-tiny by hand: vocabulary 960 (917 padded to 64), hidden 64, 2 layers, MLP 176, untied head.
     embedding = head = 960 * 64
@@ -38,6 +39,7 @@ def test_flops_per_token_counts_matmul_parameters_and_attention(tiny_model) -> N
     assert flops_per_token(tiny_model, seq_len=128) == 6 * (total - embedding) + 12 * 2 * 64 * 128
 
 
+@pytest.mark.quick
 def test_a_custom_model_without_attention_fields_is_counted_as_6n() -> None:
     class TinyConfig(PretrainedConfig):
         model_type = "tiny-custom"
@@ -53,6 +55,7 @@ def test_a_custom_model_without_attention_fields_is_counted_as_6n() -> None:
     assert flops_per_token(model, seq_len=128) == 6 * sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("name", "dtype", "peak"),
     [
@@ -70,10 +73,12 @@ def test_gpu_peaks_come_from_the_datasheet_table(name, dtype, peak) -> None:
     assert gpu_peak_flops(name, dtype) == peak
 
 
+@pytest.mark.quick
 def test_the_cpu_peak_is_measured() -> None:
     assert 1e8 < measured_matmul_flops(torch.float32, seconds=0.1) < 1e14
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("probed_peak", "mfu"), [(1e9, 0.5), (1e8, 1.0)])  # a probe slowed 10x by another process
 def test_cpu_mfu_never_exceeds_100_percent(probed_peak, mfu) -> None:
     speed = SpeedMeter(torch.device("cpu"), flops_per_unit=1e6, peak_flops_per_device=probed_peak)
@@ -82,6 +87,7 @@ def test_cpu_mfu_never_exceeds_100_percent(probed_peak, mfu) -> None:
     assert speed.report(one_rank)["mfu"] == pytest.approx(mfu)
 
 
+@pytest.mark.quick
 def test_model_state_bytes_are_counted_from_the_tensors(tiny_model) -> None:
     """One process, fp32 AdamW: 4 bytes of weights, 4 of gradients, 8 of moments per parameter."""
     optimizer = build_optimizer(tiny_model, TrainArguments(learning_rate=1e-3, weight_decay=0.1))
@@ -121,6 +127,7 @@ def test_every_run_reports_speed_and_memory(cached_run) -> None:
     assert summary["versions"]["torch"].startswith("2.13.0")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("optim", ["adamw_torch_fused", "sgd"])
 def test_model_state_is_measured_at_the_second_step_and_never_reported_as_zero(tiny_model, optim) -> None:
     optimizer = build_optimizer(tiny_model, TrainArguments(optim=optim))
@@ -137,6 +144,7 @@ def test_model_state_is_measured_at_the_second_step_and_never_reported_as_zero(t
     assert probe["optimizer"] == pytest.approx(8 * psi if optim.startswith("adamw") else 0, rel=1e-3)  # + step counters
 
 
+@pytest.mark.quick
 def test_a_model_split_over_gpus_reports_each_gpus_peak() -> None:
     """--device_map: one process, layers on two GPUs; the report names each (peaks as gathered)."""
     speed = SpeedMeter(torch.device("cuda:0"), None, None, memory_devices=[torch.device("cuda:0"), torch.device("cuda:1")])

@@ -15,11 +15,13 @@ import pytest
 from tests.conftest import (
     MAX_STEPS,
     REPO,
+    SPLIT_OF,
     assert_continues_exactly,
     free_port,
     rank_processes,
     read_metrics,
     split_args,
+    split_run_args,
     start,
     train,
     wait_for,
@@ -41,10 +43,10 @@ CASES = {
 
 @pytest.mark.parametrize(("config", "target", "sig", "seen"), CASES.values(), ids=CASES.keys())
 def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
-    config, target, sig, seen, cached_run, uneven_data, tmp_path
+    config, target, sig, seen, split_run, uneven_data, tmp_path
 ) -> None:
-    args = split_args(uneven_data, per_device=8 if config == "single" else 4, accumulation=1)
-    uninterrupted = cached_run(config, *args)
+    args = split_run_args(uneven_data, SPLIT_OF[config])  # the config's run of test_accumulation, uninterrupted
+    uninterrupted = split_run(SPLIT_OF[config])
     launcher = start(config, tmp_path, *args, via_node_script=target == "node script")
     ranks = {}
     try:
@@ -142,6 +144,7 @@ exit_process(0)  # as train.py's ranks end: gloo's threads would otherwise race 
 """
 
 
+@pytest.mark.quick
 def test_ranks_agree_on_a_stop_every_few_steps_and_when_told_to() -> None:
     port = str(free_port())
     ranks = [subprocess.Popen([sys.executable, "-c", AGREEMENT, str(rank), port], cwd=REPO, text=True,

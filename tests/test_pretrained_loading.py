@@ -54,6 +54,7 @@ def test_a_pretrained_model_loads_without_every_rank_holding_it_and_trains_as_dd
     assert eval_losses == pytest.approx([m["eval_loss"] for m in fine_tuned["ddp"][1] if "eval_loss" in m], abs=1e-5)
 
 
+@pytest.mark.quick
 def test_only_parameters_are_broadcast_so_models_with_saved_buffers_are_named() -> None:
     llama = AutoModelForCausalLM.from_config(build_named_config("llama-tiny", build_tokenizer(None, None)))
     assert persistent_buffers(llama) == []  # rotary tables are not saved

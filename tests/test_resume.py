@@ -7,15 +7,15 @@ import shutil
 
 import pytest
 
-from tests.conftest import assert_continues_exactly, launch, read_metrics, split_args, train
+from tests.conftest import SPLIT_OF, assert_continues_exactly, launch, read_metrics, split_run_args, train
 
 RESUME_STEP = 8  # mid-epoch, in the second epoch (6 steps per epoch on `uneven_data`)
 
 
-@pytest.mark.parametrize("config", ["single", "ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3"])
-def test_resume_latest_in_a_fresh_launch_continues_exactly(config, cached_run, uneven_data, tmp_path) -> None:
-    args = split_args(uneven_data, per_device=8 if config == "single" else 4, accumulation=1)
-    full = cached_run(config, *args)
+@pytest.mark.parametrize("config", sorted(SPLIT_OF))
+def test_resume_latest_in_a_fresh_launch_continues_exactly(config, split_run, uneven_data, tmp_path) -> None:
+    args = split_run_args(uneven_data, SPLIT_OF[config])  # the global batch of 8, split as that config's run
+    full = split_run(SPLIT_OF[config])
     shutil.copytree(full / "checkpoints" / f"step_{RESUME_STEP}", tmp_path / "checkpoints" / f"step_{RESUME_STEP}")
 
     result = train(config, tmp_path, *args, "--resume_from_checkpoint", "latest")

@@ -16,6 +16,8 @@ import pytest
 from tests.conftest import REPO
 from training.collectives import loopback_hint
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
+
 JOB_ID = 123456
 SLURM_NODE_1_OF_2 = {"SLURM_JOB_ID": str(JOB_ID), "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2",
                      "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_PER_TASK": "32"}

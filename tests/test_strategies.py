@@ -79,6 +79,7 @@ def exported_eval_loss(model, tokenizer) -> float:
     return float(sum(loss * size for loss, size in zip(losses, sizes)) / sum(sizes))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("launch_env", "expected"),
     [({}, Strategy.SINGLE),  # single.yaml: accelerate runs train.py directly
@@ -95,6 +96,7 @@ def test_the_launch_environment_names_the_strategy(monkeypatch, launch_env, expe
     assert requested_strategy() is expected
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("processes", "accepted"), [(1, True), (2, False)])
 def test_one_gpu_ddp_process_runs_the_plain_model(monkeypatch, processes, accepted) -> None:
     """On a GPU accelerate wraps a single MULTI_GPU process in no DDP: that is DDP of one, not a mismatch."""

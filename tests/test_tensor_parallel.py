@@ -10,15 +10,15 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import read_metrics
+from tests.conftest import GLOBAL_BATCH, read_metrics
 
 
 def test_fsdp_with_tensor_parallelism_trains_like_fsdp(strategy_run) -> None:
-    reference = strategy_run("fsdp")  # 2 processes x 4 sequences
-    run = strategy_run("fsdp_tp")  # (2 data-parallel x 2 tensor-parallel) x 4 sequences
+    reference = strategy_run("fsdp")  # 2 processes x 3 sequences x 2 micro-batches
+    run = strategy_run("fsdp_tp")  # (2 data-parallel x 2 tensor-parallel) x 3 sequences x 2 micro-batches
     log = (run / "launch.log").read_text()
     assert "strategy=fsdp v2 x tp=2 (data-parallel 2) processes=4 backend=gloo" in log
-    assert "global batch 8," in log
+    assert f"global batch {GLOBAL_BATCH}," in log
 
     metrics, expected = read_metrics(run), read_metrics(reference)
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 13))
@@ -26,10 +26,10 @@ def test_fsdp_with_tensor_parallelism_trains_like_fsdp(strategy_run) -> None:
         for key in ("loss", "lr", "eval_loss", "eval_accuracy", "grad_norm"):
             if key in theirs:
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (ours["step"], key)
-    # Each token counted once, though two ranks process every batch: 8 x 128 per step, not twice that
+    # Each token counted once, though two ranks process every batch: 12 x 128 per step, not twice that
     # (loose: the rates are per rank, the step time the slowest rank's).
     tokens = [m["tokens_per_sec"] * m["step_time"] for m in metrics if "loss" in m]
-    assert tokens == pytest.approx([8 * 128] * 12, rel=0.25)
+    assert tokens == pytest.approx([GLOBAL_BATCH * 128] * 12, rel=0.25)
 
     for step in (6, 12):
         assert (run / "checkpoints" / f"step_{step}" / "pytorch_model_fsdp_0").is_dir()

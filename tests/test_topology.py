@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import launch, read_metrics, split_args, train, with_processes
+from tests.conftest import launch, read_metrics, split_args, split_run_args, train, with_processes
 
 RESUME_STEP = 8
 TOLERANCE = 1e-5  # a different process count sums gradients in a different order
@@ -21,11 +21,14 @@ TOLERANCE = 1e-5  # a different process count sums gradients in a different orde
 
 @pytest.mark.parametrize(("saved_on", "resumed_on"), [(2, 1), (1, 2)])
 def test_fsdp_checkpoint_resumes_on_another_number_of_processes(
-    saved_on, resumed_on, cached_run, uneven_data, tmp_path
+    saved_on, resumed_on, cached_run, split_run, uneven_data, tmp_path
 ) -> None:
     configs = {n: with_processes("fsdp", n, tmp_path / "configs") for n in (saved_on, resumed_on)}
     args = {n: split_args(uneven_data, per_device=8 // n, accumulation=1) for n in (saved_on, resumed_on)}
-    full = cached_run("fsdp", *args[2]) if saved_on == 2 else cached_run(configs[1], *args[1])
+    if saved_on == 2:  # the 2-process run of test_accumulation (2 x 2 x 2: accumulation differs too)
+        full, args[2] = split_run("fsdp-2x2x2"), split_run_args(uneven_data, "fsdp-2x2x2")
+    else:
+        full = cached_run(configs[1], *args[1])
     resumed = tmp_path / "resumed"
     shutil.copytree(full / "checkpoints" / f"step_{RESUME_STEP}", resumed / "checkpoints" / f"step_{RESUME_STEP}")
 
@@ -42,9 +45,9 @@ def test_fsdp_checkpoint_resumes_on_another_number_of_processes(
 
 
 def test_deepspeed_checkpoint_on_another_number_of_processes_stops_with_the_conversion_path(
-    cached_run, uneven_data, tmp_path
+    split_run, uneven_data, tmp_path
 ) -> None:
-    full = cached_run("deepspeed_zero2", *split_args(uneven_data, per_device=4, accumulation=1))
+    full = split_run("zero2-2x2x2")
     shutil.copytree(full / "checkpoints" / f"step_{RESUME_STEP}", tmp_path / "checkpoints" / f"step_{RESUME_STEP}")
     single = with_processes("deepspeed_zero2", 1, tmp_path / "configs")
     result = launch(single, "train.py", "--model_config", "llama-tiny", "--output_dir", str(tmp_path),

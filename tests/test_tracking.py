@@ -80,6 +80,7 @@ def test_the_console_has_one_progress_bar_and_one_voice(tracked) -> None:
     assert "step 4: saved" in log and "state saved in" not in log  # one line per checkpoint, not one per file
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("tracker", ["wandb", "trackio", "mlflow"])
 def test_an_optional_tracker_that_is_not_installed_is_named_with_its_install_command(tracker, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, tracker, None)  # import fails, as when the package is missing
@@ -89,6 +90,7 @@ def test_an_optional_tracker_that_is_not_installed_is_named_with_its_install_com
     assert "tensorboard" in everything_installed and tracker not in everything_installed
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("names", "result"),
     [(["none"], []), (["tensorboard", "tensorboard"], ["tensorboard"]),
@@ -102,6 +104,7 @@ def test_report_to_values(names, result) -> None:
         assert resolve_trackers(names) == result
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("recipe", "trackers"), [("report_to: tensorboard", ["tensorboard"]),
                                                   ("report_to: [tensorboard]", ["tensorboard"]), ("report_to:", [])])
 def test_a_recipe_names_trackers_as_a_string_a_list_or_nothing(recipe, trackers, tmp_path) -> None:

@@ -15,6 +15,7 @@ from tests.conftest import REPO, read_metrics, split_args, train
 from train import due
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("strategy", "step", "epoch_end", "expected"),
     [("steps", 10, False, True), ("steps", 11, True, False), ("epoch", 11, True, True), ("epoch", 10, False, False),

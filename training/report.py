@@ -26,7 +26,10 @@ def write_report(output_dir: str | Path, title: str = "") -> Path:
 
     output_dir = Path(output_dir)
     records = read_metrics(output_dir)
-    figure = Figure(figsize=(12, 8), layout="constrained")  # the object API: no pyplot, no display
+    # The object API: no pyplot, no display. Fixed margins: matplotlib's constrained layout
+    # takes longer than drawing the panels (0.7 s of 1.5 s at the end of every run).
+    figure = Figure(figsize=(12, 8))
+    figure.subplots_adjust(left=0.09, right=0.98, bottom=0.07, top=0.9, hspace=0.35, wspace=0.25)
     figure.suptitle(title or str(output_dir))
     for axes, (panel, series, log_scale) in zip(figure.subplots(2, 2).flat, PANELS):
         for key, label, style in series:
