@@ -1,12 +1,18 @@
-"""A rank that stalls does not hang the others forever: they abort after --ddp_timeout."""
+"""A rank that stalls does not hang the others forever: they abort after --ddp_timeout, with exit 4 and one
+error line naming the rank and step, on gloo and (by its error handling) NCCL."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed import DistBackendError
 
 from tests.conftest import rank_processes, start, wait_for
+from training.collectives import CollectiveTimeoutError, collective_timeouts_reported, nccl_timeouts_raise
 
 DDP_TIMEOUT = 10
 
@@ -32,3 +38,33 @@ def test_a_stalled_rank_makes_the_others_abort_with_the_step_and_rank(tmp_path) 
             os.killpg(launcher.pid, signal.SIGKILL)
     error = next(line for line in log.read_text().splitlines() if line.startswith("error: rank 0"))
     assert f"--ddp_timeout {DDP_TIMEOUT}s" in error and "at step" in error
+
+
+# What a timed-out collective raises: gloo's wait, NCCL's watchdog report, and the next NCCL call
+# once the watchdog has aborted the communicators (TORCH_NCCL_ASYNC_ERROR_HANDLING=2).
+TIMEOUT_ERRORS = [
+    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms for recv operation",
+    "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for 600012 milliseconds "
+    "before timing out.",
+    "NCCL communicator was aborted on rank 1.",
+]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("message", TIMEOUT_ERRORS)
+def test_a_collective_timeout_on_gloo_or_nccl_is_the_documented_error(message) -> None:
+    accelerator = SimpleNamespace(process_index=1)
+    with pytest.raises(CollectiveTimeoutError, match=r"rank 1 waited more than --ddp_timeout 30s .* at step 7"):
+        with collective_timeouts_reported(accelerator, 30, lambda: 7):
+            raise DistBackendError(message)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):  # any other error stays itself
+        with collective_timeouts_reported(accelerator, 30, lambda: 7):
+            raise RuntimeError("CUDA out of memory")
+
+
+@pytest.mark.quick
+def test_nccl_is_told_to_raise_instead_of_killing_the_process() -> None:
+    """torchrun exports TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear down: SIGABRT, exit -6): replaced by 2."""
+    environment = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    nccl_timeouts_raise(environment)
+    assert environment == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}

@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 
+from training.collectives import nccl_timeouts_raise
 from training.cpu_accommodations import cpu_process_group
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import optimizer_offload_device
@@ -30,6 +31,8 @@ def build_accelerator(ddp_timeout: int, **accelerator_kwargs) -> Accelerator:
     timeout = timedelta(seconds=ddp_timeout)
     on_cpu = not has_accelerator_device()
     check_launch_config(strategy, on_cpu)
+    if not on_cpu:
+        nccl_timeouts_raise()
     cpu, backend = cpu_process_group(strategy, timeout) if on_cpu else (False, InitProcessGroupKwargs.backend)
     handler = InitProcessGroupKwargs(backend=backend, timeout=timeout)
     # DDP: gradients live in its communication buckets instead of beside them (one copy, not two),

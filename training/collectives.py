@@ -16,6 +16,9 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 PREFLIGHT_TIMEOUT_S = 120
+# How a timed-out collective reads: gloo says "timed out"; NCCL's watchdog "Watchdog caught collective
+# operation timeout"; under TORCH_NCCL_ASYNC_ERROR_HANDLING=2 the next NCCL call "communicator was aborted".
+TIMEOUT_MESSAGES = ("timed out", "timeout", "communicator was aborted")
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -107,17 +110,27 @@ def loopback_hint() -> str:
     return ""
 
 
+def nccl_timeouts_raise(environment: dict[str, str] = os.environ) -> None:
+    """Have NCCL's watchdog abort a timed-out collective's communicators without killing the process
+    (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, "CleanUpOnly"), so that the wait raises in Python and the run
+    ends with exit 4 and its one error line, as on gloo. Set before the process group starts; set
+    outright, since torchrun exports 1 (tear down: SIGABRT, exit -6) to every rank it starts.
+    torch's heartbeat monitor still ends a process that stays stuck (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC)."""
+    environment["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+
+
 @contextmanager
 def collective_timeouts_reported(accelerator: Accelerator, ddp_timeout: int, current_step: Callable[[], int]) -> Iterator[None]:
     """Turn a collective that timed out into one `CollectiveTimeoutError` naming the step and rank.
 
-    gloo raises on every rank still waiting once `ddp_timeout` has passed; NCCL's watchdog
-    aborts the process itself with its own message.
+    gloo raises on every rank still waiting once `ddp_timeout` has passed; so does NCCL once
+    `nccl_timeouts_raise` has set its error handling (its watchdog aborts the communicators and
+    the next call on them raises).
     """
     try:
         yield
-    except RuntimeError as error:
-        if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
+    except RuntimeError as error:  # torch.distributed.DistBackendError is one
+        if not any(message in str(error).lower() for message in TIMEOUT_MESSAGES):
             raise
         raise CollectiveTimeoutError(
             f"rank {accelerator.process_index} waited more than --ddp_timeout {ddp_timeout}s for the other ranks "
