@@ -69,7 +69,7 @@ def train_run(config: str, args: argparse.Namespace, output_dir: Path) -> dict:
                "--main_process_port", str(free_port()), "train.py",
                "--model_config", args.model_config, "--per_device_train_batch_size", str(args.per_device_train_batch_size),
                "--block_size", str(args.block_size), "--max_steps", str(args.steps), "--logging_steps", str(args.log_every),
-               "--eval_on_start", "false", "--eval_steps", str(10**9), "--save_steps", str(10**9),
+               "--eval_strategy", "no", "--save_steps", str(10**9),  # training speed only
                "--output_dir", str(output_dir)]
     metrics = output_dir / "metrics.jsonl"
     launched = time.perf_counter()

@@ -39,9 +39,11 @@ from training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
-# Small and fast: the tiny model trains a few steps in seconds per process.
+# Small and fast: the tiny model trains a few steps in seconds per process. Each evaluation reads the
+# first 60 validation blocks: on 2 processes x 4 the last batch is uneven (7.5 batches).
+EVAL_SAMPLES = 60
 TINY_RUN = ["--model_config", "llama-tiny", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
-            "--learning_rate", "3e-3", "--warmup_steps", "2"]
+            "--learning_rate", "3e-3", "--warmup_steps", "2", "--max_eval_samples", str(EVAL_SAMPLES)]
 
 
 # Splits of one global batch of 8: name -> (config, per-device batch, accumulation steps).

@@ -1,33 +1,46 @@
-"""The README's walkthroughs work as written: pick a config with the planner, train with a
-tracker, find the report picture; and the model-config example builds a model."""
+"""The README and docs/ work as written: every command on the front page parses, every link
+resolves, the first-hour walkthrough (pick a config with the planner, train with a tracker,
+find the report picture) runs, and the model-config example builds a model."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
+import pytest
 import torch
+from accelerate.commands.launch import launch_command_parser
 from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
+from transformers.trainer_utils import SchedulerType
 
 from models.configs import NAMED_CONFIGS, build_named_config
 from models.language import build_tokenizer
 from tests.conftest import REPO, TINY_RUN, launch
+from training.arguments import check_task_flags
+from training.flags import ALL_ARGUMENT_CLASSES, build_parser
 
 README = (REPO / "README.md").read_text()
+DOCS = REPO / "docs"
+GETTING_STARTED = (DOCS / "getting-started.md").read_text()
+MODELS_AND_DATA = (DOCS / "models-and-data.md").read_text()
+MARKDOWN_FILES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+FENCED_BLOCK = re.compile(r"^ *```.*?^ *```", re.MULTILINE | re.DOTALL)
 
 
-def code_block_after(marker: str, language: str) -> str:
-    """The first ```language block after `marker` in the README."""
-    return re.search(rf"{re.escape(marker)}.*?```{language}\n(.*?)```", README, re.DOTALL).group(1)
+def code_block_after(marker: str, language: str, text: str = README) -> str:
+    """The first ```language block after `marker` in `text` (the README unless given)."""
+    return re.search(rf"{re.escape(marker)}.*?```{language}\n(.*?)```", text, re.DOTALL).group(1)
 
 
 def test_the_first_hour_plan_train_with_a_tracker_and_open_the_report(tmp_path) -> None:
-    plan_line, train_line, tensorboard_line = code_block_after("## Your first hour", "bash").strip().splitlines()
+    plan_line, train_line, tensorboard_line = code_block_after("## Your first hour", "bash", GETTING_STARTED).strip().splitlines()
 
     planner = subprocess.run([sys.executable, *shlex.split(plan_line)[1:]], cwd=REPO, capture_output=True, text=True,
                              timeout=120)
@@ -35,7 +48,7 @@ def test_the_first_hour_plan_train_with_a_tracker_and_open_the_report(tmp_path) 
     pick = re.search(r"recommended: (accelerate_configs/\S+\.yaml)", planner.stdout).group(1)
 
     train = shlex.split(train_line)
-    assert train[:4] == ["accelerate", "launch", "--config_file", pick]  # the README launches what the planner picks
+    assert train[:4] == ["accelerate", "launch", "--config_file", pick]  # the walkthrough launches what the planner picks
     output_dir = Path(train[train.index("--output_dir") + 1])
     assert tensorboard_line == f"tensorboard --logdir {output_dir}/runs"
     # The same command, shortened for CI: the tiny model, 6 steps, into a scratch directory.
@@ -47,16 +60,203 @@ def test_the_first_hour_plan_train_with_a_tracker_and_open_the_report(tmp_path) 
     events.Reload()
     assert "loss" in events.Tags()["scalars"]
     assert imread(tmp_path / "run" / "report.png").shape == (800, 1200, 4)
-    first_hour = README.split("## Your first hour")[1].split("\n## ")[0]
+    first_hour = GETTING_STARTED.split("## Your first hour")[1].split("\n## ")[0]
     picture = re.search(r"!\[[^]]*\]\(([^)]+)\)", first_hour).group(1)  # the example report shown there
-    assert imread(REPO / picture).shape == (800, 1200, 4)
+    assert imread(DOCS / picture).shape == (800, 1200, 4)
 
 
+@pytest.mark.quick
 def test_the_new_architecture_example_builds_and_runs(monkeypatch) -> None:
     configs = dict(NAMED_CONFIGS)  # the example adds to it; the real registry stays as it is
     monkeypatch.setattr("models.configs.NAMED_CONFIGS", configs)
-    exec(code_block_after("**A new architecture from scratch**", "python"), {"NAMED_CONFIGS": configs})
+    exec(code_block_after("## A new architecture from scratch", "python", MODELS_AND_DATA), {"NAMED_CONFIGS": configs})
     tokenizer = build_tokenizer(None, None)
     model = AutoModelForCausalLM.from_config(build_named_config("qwen2-small", tokenizer))
     logits = model(input_ids=torch.tensor([tokenizer("Once upon a time").input_ids])).logits
     assert logits.shape[-1] == model.config.vocab_size >= len(tokenizer)
+
+
+# ---- the front page: every command parses ---------------------------------------------------
+
+COMMAND_START = re.compile(r"^([A-Z_][A-Z0-9_]*=\S+ )*(accelerate launch|python3?|make|sbatch|pip) ")
+
+
+def section(text: str, heading: str) -> str:
+    return text.split(f"\n{heading}\n")[1].split("\n## ")[0]
+
+
+def recipe_commands() -> list[str]:
+    """The recipes table: one row per recipe, its second cell exactly one command."""
+    rows = re.findall(r"^\|(.+)\|$", section(README, "## Recipes"), re.MULTILINE)[2:]  # after the header and rule
+    commands = []
+    for row in rows:
+        cell = row.split("|")[1].strip()
+        command = re.fullmatch(r"`([^`]+)`", cell)
+        assert command and COMMAND_START.match(command.group(1)), f"not one command: {row}"
+        commands.append(command.group(1))
+    return commands
+
+
+def front_page_commands() -> list[str]:
+    """Every line of the README's bash blocks, and every inline `code` that is a command."""
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", README, re.MULTILINE | re.DOTALL):
+        commands += [line for line in block.replace("\\\n", " ").splitlines() if line.strip() and not line.startswith("#")]
+    prose = FENCED_BLOCK.sub("", README)
+    commands += [code for code in re.findall(r"`([^`\n]+)`", prose) if COMMAND_START.match(code)]
+    return commands
+
+
+def parse_launcher(argv: list[str]):
+    """`accelerate launch`'s own parser: real launcher flags only, no abbreviations."""
+    parser = launch_command_parser()
+    parser.allow_abbrev = False
+
+    def error(message: str):
+        pytest.fail(f"accelerate launch {shlex.join(argv)}: {message}")
+
+    parser.error = error
+    return parser.parse_args(argv)
+
+
+def check_train_args(argv: list[str]) -> None:
+    """train.py's flags parse with its own parser (no unknown flag, no bad choice), without training."""
+    namespace, unknown = build_parser().parse_known_args(argv)
+    assert not unknown, f"train.py {shlex.join(argv)}: unknown {unknown}"
+    assert namespace.lr_scheduler_type in {s.value for s in SchedulerType}
+    values = vars(namespace)
+    model_args, data_args, _ = (cls(**{f.name: values[f.name] for f in fields(cls)}) for cls in ALL_ARGUMENT_CLASSES)
+    check_task_flags(model_args, data_args)  # the named config and every flag belong to --task
+
+
+def check_script_args(script: Path, argv: list[str]) -> None:
+    """A script of the repository exists, and its own parser takes the arguments, if it has one."""
+    assert script.is_file(), script
+    spec = importlib.util.spec_from_file_location(f"readme_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if hasattr(module, "parse_args"):
+        try:
+            module.parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"{script.name} {shlex.join(argv)} does not parse")
+
+
+def check_command(command: str) -> None:
+    words = shlex.split(command, comments=True)
+    segments, current = [], []
+    for word in [*words, "&&"]:
+        if word == "&&":
+            segments.append(current)
+            current = []
+        else:
+            current.append(word)
+    for segment in segments:
+        env = {}
+        while re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", segment[0]):
+            name, value = segment.pop(0).split("=", 1)
+            env[name] = value
+        segment = [re.sub(r"^\$\{?\w+\}?$", "0", word) for word in segment]  # $NODE_RANK, $HEAD_NODE_IP: placeholders
+        program, *argv = segment
+        if program == "accelerate":
+            assert argv[0] == "launch", command
+            launcher = parse_launcher(argv[1:])
+            if launcher.config_file:
+                assert (REPO / launcher.config_file).is_file(), launcher.config_file
+            assert (REPO / launcher.training_script).is_file(), launcher.training_script
+            if launcher.training_script == "train.py":
+                check_train_args(launcher.training_script_args)
+        elif program in ("python", "python3") and argv[:2] == ["-m", "venv"]:
+            assert argv[2:] == [".venv"], command
+        elif program in ("python", "python3") and argv[:2] == ["-m", "pytest"]:
+            markers = re.findall(r"(?:^| )-m (\w+)", shlex.join(argv[2:]))
+            for marker in markers:  # a marker pytest.ini registers
+                assert re.search(rf"^\s+{marker}:", (REPO / "pytest.ini").read_text(), re.MULTILINE), marker
+        elif program in ("python", "python3"):
+            check_script_args(REPO / argv[0], argv[1:])
+        elif program == ".":
+            assert argv == [".venv/bin/activate"], command
+        elif program == "pip":
+            assert argv[:2] == ["install", "-r"] and (REPO / argv[2]).is_file(), command
+        elif program == "make":
+            for target in argv:
+                assert re.search(rf"^{re.escape(target)}:", (REPO / "Makefile").read_text(), re.MULTILINE), target
+        elif program == "sbatch":
+            script = next(i for i, word in enumerate(argv) if word.endswith(".sbatch"))
+            assert (REPO / argv[script]).is_file(), argv[script]
+            check_train_args(argv[script + 1:])
+            scripts = "".join(path.read_text() for path in (REPO / "scripts" / "slurm").iterdir())
+            for name, value in env.items():  # variables the SLURM scripts read, with paths that exist
+                assert name in scripts, name
+                if "/" in value:
+                    assert (REPO / value).is_file(), value
+        else:
+            pytest.fail(f"unknown program in {command!r}")
+
+
+@pytest.mark.quick
+def test_every_command_on_the_front_page_parses() -> None:
+    recipes = recipe_commands()
+    assert len(recipes) >= 9  # text data, ZeRO-3, FSDP2, multi-node, SLURM, custom model, optimizer, resume, ...
+    joined = "\n".join(recipes)
+    for needed in ("--train_file", "deepspeed_zero3.yaml", "fsdp.yaml", "--num_machines", "--machine_rank",
+                   "--main_process_ip", "scripts/slurm/train.sbatch", "--model_config", "--optim",
+                   "--learning_rate", "--lr_scheduler_type", "--warmup_ratio", "--resume_from_checkpoint latest"):
+        assert needed in joined, needed
+    commands = front_page_commands()
+    assert set(recipes) <= set(commands)
+    for command in commands:
+        check_command(command)
+    # The two commands of the quick start: the test command is the one CI runs.
+    setup_and_train, setup_and_test = [block.strip() for block in re.findall(
+        r"^```bash\n(.*?)^```", section(README, "## Quick start"), re.MULTILINE | re.DOTALL)][:2]
+    assert setup_and_train.endswith("&& accelerate launch train.py")
+    assert setup_and_test in (REPO / ".ci" / "run").read_text()
+    assert len(README.splitlines()) <= 150  # a front page; the rest lives in docs/
+
+
+# ---- links: every relative link resolves, to a file and a heading ----------------------------
+
+def github_anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation dropped (not '-' or '_'), spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found, seen = set(), {}
+    for heading in re.findall(r"^#{1,6} (.+)$", FENCED_BLOCK.sub("", path.read_text()), re.MULTILINE):
+        anchor = github_anchor(heading)
+        found.add(anchor if anchor not in seen else f"{anchor}-{seen[anchor]}")  # GitHub numbers repeats
+        seen[anchor] = seen.get(anchor, 0) + 1
+    return found
+
+
+def links(path: Path) -> list[str]:
+    return re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", FENCED_BLOCK.sub("", path.read_text()))
+
+
+@pytest.mark.quick
+def test_every_link_in_the_readme_and_docs_resolves() -> None:
+    checked = 0
+    for page in MARKDOWN_FILES:
+        for target in links(page):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            assert resolved.is_relative_to(REPO) and resolved.exists(), f"{page.name}: {target}"
+            if anchor:
+                assert resolved.suffix == ".md" and anchor in anchors(resolved), f"{page.name}: {target}"
+            checked += 1
+    assert checked > 50
+    linked = {(REPO / target.partition("#")[0]).resolve() for target in links(REPO / "README.md")}
+    assert set(DOCS.glob("*.md")) <= linked  # the front page links every doc
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("page", sorted(DOCS.glob("*.md")), ids=lambda page: page.name)
+def test_every_doc_opens_with_its_table_of_contents(page: Path) -> None:
+    text = FENCED_BLOCK.sub("", page.read_text())
+    top, _, body = text.partition("\n## ")
+    headings = [github_anchor(heading) for heading in re.findall(r"^## (.+)$", "## " + body, re.MULTILINE)]
+    assert re.findall(r"\]\(#([^)]+)\)", top) == headings

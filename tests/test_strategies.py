@@ -10,7 +10,7 @@ from accelerate.utils import DistributedType
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import build_lm_datasets, load_raw_datasets
-from tests.conftest import read_metrics
+from tests.conftest import EVAL_SAMPLES, read_metrics
 from training.strategy import Strategy, requested_strategy, verify_strategy
 from training.errors import StrategyError
 
@@ -70,10 +70,10 @@ def test_config_trains_with_the_strategy_it_names(config: str, strategy_run) -> 
 
 @torch.no_grad()
 def exported_eval_loss(model, tokenizer) -> float:
-    """Mean token loss of `model` over the default validation blocks (all full, so a plain mean)."""
+    """Mean token loss of `model` over the validation blocks the runs evaluate (all full, so a plain mean)."""
     raw = load_raw_datasets(None, None, None, None, 5, seed=42)
     _, eval_set = build_lm_datasets(raw, tokenizer, "text", block_size=128)
-    blocks = torch.stack(list(eval_set["input_ids"]))
+    blocks = torch.stack(list(eval_set["input_ids"][:EVAL_SAMPLES]))
     losses = [model(input_ids=chunk, labels=chunk).loss for chunk in blocks.split(16)]
     sizes = [len(chunk) for chunk in blocks.split(16)]
     return float(sum(loss * size for loss, size in zip(losses, sizes)) / sum(sizes))
