@@ -142,7 +142,7 @@ def report(result: dict, args: argparse.Namespace) -> str:
                   f"{result['usable_gb']:.1f} usable GiB per GPU)",
               "  " + " ".join(["accelerate launch --config_file", f"accelerate_configs/{chosen}.yaml", *launcher,
                                *precision, "train.py", *flags]),
-              "  (on several nodes, add --num_machines and the machine flags: README, \"Multi-node\")"]
+              "  (on several nodes, add --num_machines and the machine flags: docs/multi-node.md)"]
     return "\n".join(lines)
 
 
