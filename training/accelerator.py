@@ -1,5 +1,7 @@
-"""Build the `Accelerator` for the configured strategy, and the model within it so that no rank
-needs a whole fp32 copy when it need not; the start-up lines that describe the run."""
+"""Owns building the Accelerator for the configured strategy, and the model within it.
+
+Also the start-up lines that describe the run. The model is built so that no rank holds a
+whole fp32 copy when it need not (`model_construction`)."""
 
 from __future__ import annotations
 

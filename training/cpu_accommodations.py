@@ -1,4 +1,4 @@
-"""What lets every strategy run for real on a machine without a GPU (gloo), and only there.
+"""Owns the CPU accommodations: what lets every strategy run for real without a GPU (gloo), and only there.
 
 Why each accommodation is needed (measured with accelerate 1.15.0):
 - DDP: accelerate only picks the gloo CPU backend when told `Accelerator(cpu=True)`;

@@ -1,5 +1,7 @@
-"""Which strategy runs: what the launcher asked for, what accelerate set up, and the refusal
-when they differ, before training (`verify_strategy`) and after `prepare` (`verify_prepared`)."""
+"""Owns verifying the strategy: the launcher's request, what accelerate set up, and the refusal when they differ.
+
+Checked before training (`verify_strategy`, the launch settings) and after `prepare`
+(`verify_prepared`: the wrapper, fp32 master weights, DeepSpeed's resolved config)."""
 
 from __future__ import annotations
 

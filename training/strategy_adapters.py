@@ -1,6 +1,8 @@
-"""Where the strategies differ, in one place: what each needs before `prepare` so that it trains
-what train.py asks for (`align_with_strategy`), and the few reads that differ per wrapper
-(gradient norm, input dtype, held gradients, the dtype gradients are averaged in)."""
+"""Owns every difference between strategies that code must handle, in one place.
+
+What each needs before `prepare` so that it trains what train.py asks for
+(`align_with_strategy`), and the few reads that differ per wrapper (gradient norm, input
+dtype, held gradients, the dtype gradients are averaged in, saving an FSDP2 model)."""
 
 from __future__ import annotations
 

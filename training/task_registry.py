@@ -1,5 +1,4 @@
-"""The one registry of tasks (`--task`): for each, the class that implements it, its named model
-configs, its default config and the flags that only it reads.
+"""Owns the one registry of tasks (`--task`): implementation, named configs, default config, own flags.
 
 Adding a task is one entry in `TASKS` (and its `Task` subclass, see training/tasks.py). The
 classes are imported when a task is built, not with this module: `train.py --help` lists the

@@ -1,5 +1,7 @@
-"""Tensor parallelism (`parallelism_config_tp_size` in the accelerate config): each layer sliced over
-the "tp" mesh with the model's own `transformers` plan, and what the slicing changes for batches."""
+"""Owns tensor parallelism: each layer sliced over the "tp" mesh with the model's own transformers plan.
+
+Switched on by `parallelism_config_tp_size` in the accelerate config; also what the slicing
+changes for batches (data-parallel size, gathering eval results once per batch)."""
 
 from __future__ import annotations
 
