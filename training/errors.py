@@ -1,4 +1,8 @@
-"""The error a strategy or launch setting that cannot work raises: train.py prints its one line and exits 2."""
+"""Owns the errors of input that cannot work: train.py prints their one line and exits 2."""
+
+
+class ArgumentError(ValueError):
+    """A flag or recipe value the template cannot use; its message says how to fix it."""
 
 
 class StrategyError(RuntimeError):

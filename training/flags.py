@@ -12,11 +12,8 @@ from typing import NoReturn
 from transformers.hf_argparser import HfArgumentParser
 
 from training.task_registry import TASKS
+from training.errors import ArgumentError
 from training.optim import OPTIMIZERS
-
-class ArgumentError(ValueError):
-    """A flag or recipe value the template cannot use; its message says how to fix it."""
-
 
 class FlagParser(HfArgumentParser):
     """`HfArgumentParser` whose own errors (an unknown choice, a missing value) are ArgumentErrors:

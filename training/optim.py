@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from training.errors import StrategyError
+from training.errors import ArgumentError, StrategyError
 
 if TYPE_CHECKING:
     import torch
@@ -127,8 +127,6 @@ def run_length(train_examples: int, eval_examples: int, global_batch: int, args)
     Every step sees one full global batch: a partial last one would weigh less under
     accumulation, so the last `train_examples % global_batch` examples are left out every epoch.
     """
-    from training.flags import ArgumentError  # here: training.flags imports this module
-
     steps_per_epoch = train_examples // global_batch
     if steps_per_epoch == 0 or eval_examples == 0:
         raise ArgumentError(

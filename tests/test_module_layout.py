@@ -1,0 +1,42 @@
+"""One home per concern stays true as the project grows: training/ imports no module in a circle,
+and no module of train.py or training/ outgrows about 300 lines."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.quick
+MAX_LINES = 300
+MODULES = sorted((REPO / "training").glob("*.py"))
+
+
+def imported_training_modules(path) -> set[str]:
+    """The training.* modules `path` imports, at the top or inside functions alike."""
+    return {node.module.split(".")[1] for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("training.")}
+
+
+def test_training_has_no_import_circle() -> None:
+    graph = {path.stem: imported_training_modules(path) for path in MODULES}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        assert module not in path, f"import circle: {' -> '.join([*path[path.index(module):], module])}"
+        if module in done:
+            return
+        for imported in graph.get(module, ()):
+            visit(imported, [*path, module])
+        done.add(module)
+
+    for module in graph:
+        visit(module, [])
+
+
+@pytest.mark.parametrize("path", [REPO / "train.py", *MODULES], ids=lambda path: path.name)
+def test_no_module_outgrows_one_concern(path) -> None:
+    assert len(path.read_text().splitlines()) <= MAX_LINES
+    assert ast.get_docstring(ast.parse(path.read_text())), "each module opens with a docstring saying what it owns"
