@@ -92,6 +92,20 @@ def gpu_count() -> int:
     return gpus if VISIBLE_GPUS is None else min(gpus, len([g for g in VISIBLE_GPUS.split(",") if g.strip()]))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Build DeepSpeed's CPU Adam (ZeRO offload's optimizer) in the background as the suite starts.
+
+    It is compiled once per machine (TORCH_EXTENSIONS_DIR), which takes a minute or two; built
+    inside the first offload run instead, it held that run, and every test waiting for it. Only
+    the xdist controller (or a run without xdist) starts it; a later load waits for a build in
+    progress (torch's lock) or finds it done."""
+    if hasattr(config, "workerinput"):
+        return
+    build = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+    subprocess.Popen([sys.executable, "-c", build], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the `gpu` tests on a machine without a GPU (`pytest -m gpu` then skips them all)."""
     gpu_tests = [item for item in items if "gpu" in item.keywords]
