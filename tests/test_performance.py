@@ -102,7 +102,8 @@ def test_model_state_bytes_are_counted_from_the_tensors(tiny_model) -> None:
 
 
 # 4 steps on DDP, batches loaded by a worker process
-SHORT_RUN = ("--max_steps", "4", "--logging_steps", "1", "--eval_steps", "100", "--per_device_train_batch_size", "4",
+# No evaluation: under --torch_compile it would compile a second (inference) graph, and these tests read training figures.
+SHORT_RUN = ("--max_steps", "4", "--logging_steps", "1", "--eval_strategy", "no", "--per_device_train_batch_size", "4",
              "--dataloader_num_workers", "1")
 
 
