@@ -18,7 +18,7 @@ train: setup  ## the default job: one process, default model and corpus
 test: setup  ## the test suite: real 2-process CPU runs of every config
 	$(PYTHON) -m pytest
 
-test-quick: setup  ## the quick tier for the edit loop (about 3 minutes): unit tests and a few real runs
+test-quick: setup  ## the quick tier for the edit loop (about a minute, at most 3): unit tests and a few real runs
 	$(PYTHON) -m pytest -m quick
 
 bench: setup  ## every strategy side by side, and train.py against a raw PyTorch DDP loop (about 12 minutes on 2 CPU cores)
