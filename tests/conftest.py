@@ -97,9 +97,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
     It is compiled once per machine (TORCH_EXTENSIONS_DIR), which takes a minute or two; built
     inside the first offload run instead, it held that run, and every test waiting for it. Only
-    the xdist controller (or a run without xdist) starts it; a later load waits for a build in
+    the xdist controller (or a run without xdist) starts it, and only for the whole suite (no -m
+    selection such as the quick tier, which needs no offload); a later load waits for a build in
     progress (torch's lock) or finds it done."""
-    if hasattr(config, "workerinput"):
+    if hasattr(config, "workerinput") or config.option.collectonly or config.option.markexpr:
         return
     build = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
     subprocess.Popen([sys.executable, "-c", build], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -12,12 +12,13 @@ import pytest
 
 from tests.conftest import (
     REPO,
+    SPLIT_OF,
     TINY_RUN,
     free_port,
     launch_command,
     logged_after,
     node_script_command,
-    split_args,
+    split_run_args,
     wait_for,
 )
 
@@ -37,9 +38,9 @@ def port_open(port: int) -> bool:
 
 
 @pytest.mark.parametrize(("config", "how"), [("ddp", "machine flags"), ("fsdp", "SLURM node script")])
-def test_two_machines_train_together(config, how, cached_run, uneven_data, tmp_path) -> None:
-    args = split_args(uneven_data, per_device=4, accumulation=1)
-    one_machine = cached_run(config, *args)  # the same 2 processes on one machine
+def test_two_machines_train_together(config, how, split_run, uneven_data, tmp_path) -> None:
+    args = split_run_args(uneven_data, SPLIT_OF[config])
+    one_machine = split_run(SPLIT_OF[config])  # the same 2 processes on one machine (test_accumulation's run)
     port, machines = free_port(), []
     try:
         for machine_rank in (0, 1):
