@@ -37,6 +37,7 @@ from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
 from data import DataError
+from models.adapters import merge_adapter
 from models.language import ModelError
 from training.accelerator import release_model_construction_hooks
 from training.arguments import ArgumentError, parse_args
@@ -88,8 +89,10 @@ def train(run: Run) -> dict[str, float]:
     between them; returns the last logged loss and evaluation."""
     args, accelerator, state, task = run.args, run.accelerator, run.state, run.task
     metrics = MetricsLogger(accelerator, args.output_dir, state.completed_steps if run.resumed else None)
+    at_start = {}  # the step-0 baseline, kept for the summary (e.g. eval_exact_match before and after)
     if state.completed_steps == 0 and args.eval_on_start and args.eval_strategy != "no":
-        metrics.log(0, **evaluate(run.model, run.eval_loader, accelerator, task))
+        at_start = evaluate(run.model, run.eval_loader, accelerator, task)
+        metrics.log(0, **at_start)
     interval_loss, interval_steps = torch.zeros((), device=accelerator.device), 0
     nonfinite = NonFiniteGuard(accelerator.device, loss_scaling=accelerator.mixed_precision == "fp16")
     only_the_training_bar()  # one bar, on the main process: steps, ETA, and the last logged loss, lr and tokens/s
@@ -157,7 +160,7 @@ def train(run: Run) -> dict[str, float]:
             else:  # the epoch ran out before max_steps
                 state.epoch, state.steps_in_epoch = state.epoch + 1, 0
     progress.close()
-    return {"train_loss": train_loss, **eval_result}
+    return {"train_loss": train_loss, **eval_result, **{f"{key}_at_start": value for key, value in at_start.items()}}
 
 
 def train_step(run: Run, window: list[dict]) -> tuple[torch.Tensor, torch.Tensor | float]:
@@ -217,6 +220,9 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
     end_collectives(accelerator)
     release_model_construction_hooks()
     if accelerator.is_main_process:
+        if run.model_args.merge_adapter:  # from the files just written, with plain peft: what a user would load
+            merged = merge_adapter(run.model_args.model_name_or_path, final_dir, run.model_args.trust_remote_code)
+            run.task.processor.save_pretrained(merged)
         write_summary(run.args.output_dir, summary)
         write_report(run.args.output_dir, run.title)
         print_summary(summary, final_dir, run.task)

@@ -25,11 +25,8 @@ from datasets import Dataset, DatasetDict, load_dataset
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, default_data_collator
 
 from data.default_corpus import CORPUS_VERSION, default_splits
+from data.errors import DataError
 from data.packing import tokenize_and_pack, tokenize_documents
-
-class DataError(ValueError):
-    """Data that cannot be used as given; the message says what to change."""
-
 
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 PACKING_VERSION = "2"  # bump when packing changes, so old caches are not reused
@@ -103,9 +100,8 @@ def check_plain_text(split: Dataset, text_column: str) -> None:
     first = next(value for value in values if not isinstance(value, str))
     if isinstance(first, list) and first and isinstance(first[0], dict) and {"role", "content"} <= first[0].keys():
         raise DataError(
-            f"--text_column {text_column!r} holds lists of {{role, content}} messages: this looks like chat data, "
-            "which train.py cannot pack as plain text yet; give a column of plain text (for example each "
-            "conversation rendered with your tokenizer's chat template)"
+            f"--text_column {text_column!r} holds lists of {{role, content}} messages: this is chat data; fine-tune "
+            "on it with --task sft (loss on the answers only, see docs/fine-tuning.md)"
         )
     raise DataError(f"--text_column {text_column!r} holds {type(first).__name__} values, not text; choose a column of strings")
 
@@ -125,8 +121,10 @@ def build_lm_datasets(
     """
     for split in raw.values():
         if text_column not in split.column_names:
+            chat = "messages" in split.column_names or {"prompt", "completion"} <= set(split.column_names)
             raise DataError(
-                f"text column {text_column!r} not found (columns: {split.column_names}); set --text_column"
+                f"text column {text_column!r} not found (columns: {split.column_names}); "
+                + ("this is chat data: fine-tune on it with --task sft" if chat else "set --text_column")
             )
         check_plain_text(split, text_column)
     cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "packed"

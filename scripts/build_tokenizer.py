@@ -27,6 +27,13 @@ from data.default_corpus import default_splits  # noqa: E402
 
 VOCAB_SIZE = 1024
 EOS = "<|endoftext|>"
+TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"  # ChatML's turn markers, one token each
+# ChatML, as many Hub models use it. Without `{% generation %}` markers, like most Hub
+# templates: train.py finds the answers by rendering prefixes (data/chat.py).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "models" / "tokenizer"
 
 
@@ -42,9 +49,12 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = VOCAB_SIZE) -> PreTr
         show_progress=False,
     )
     backend.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    backend.add_special_tokens([TURN_START, TURN_END])  # after training: the ids of every other token stay
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=EOS, eos_token=EOS, pad_token=EOS, model_max_length=2048
     )
+    tokenizer.chat_template = CHAT_TEMPLATE  # --task sft formats conversations with it
+    return tokenizer
 
 
 def corpus_texts(train_file: str, text_column: str) -> list[str]:

@@ -160,7 +160,7 @@ def test_an_image_dataset_directory_loads_like_a_hub_dataset(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("records", "message"),
     [([{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]} for i in range(40)],
-      "'messages' holds lists of {role, content} messages: this looks like chat data"),
+      "'messages' holds lists of {role, content} messages: this is chat data; fine-tune on it with --task sft"),
      ([{"messages": i} for i in range(40)], "'messages' holds int values, not text")],
 )
 def test_a_text_column_that_does_not_hold_text_is_named(tmp_path, tokenizer, records, message) -> None:

@@ -10,7 +10,7 @@ import difflib
 import json
 import sys
 import tempfile
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +106,11 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     for name in ("max_train_samples", "max_eval_samples"):
         if (value := getattr(data_args, name)) is not None and value < 1:
             raise ArgumentError(f"--{name} must be at least 1, got {value}")
-    if data_args.block_size is not None and data_args.block_size < 2:
-        raise ArgumentError(f"--block_size must be at least 2, got {data_args.block_size}")
+    for name in ("block_size", "max_length"):
+        if (value := getattr(data_args, name)) is not None and value < 2:
+            raise ArgumentError(f"--{name} must be at least 2, got {value}")
+    if data_args.eval_generation_samples < 0:
+        raise ArgumentError(f"--eval_generation_samples must be >= 0, got {data_args.eval_generation_samples}")
     if train_args.dataloader_num_workers is not None and train_args.dataloader_num_workers < 0:
         raise ArgumentError(f"--dataloader_num_workers must be >= 0, got {train_args.dataloader_num_workers}")
     if train_args.max_grad_norm < 0:
@@ -115,6 +118,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     if data_args.validation_file and not data_args.train_file:
         raise ArgumentError("--validation_file needs --train_file")
     check_task_flags(model_args, data_args)
+    check_adapter_flags(model_args)
     if model_args.device_map and requested_strategy() is not Strategy.SINGLE:
         raise ArgumentError(
             f"--device_map splits one model over the GPUs of one process, but the launch asked for "
@@ -185,7 +189,8 @@ def check_optimization_flags(train_args: TrainArguments) -> None:
                             "--lr_scheduler_kwargs") from None
 
 
-FIELD_DEFAULTS = {f.name: f.default for cls in ALL_ARGUMENT_CLASSES for f in fields(cls)}
+FIELD_DEFAULTS = {f.name: f.default if f.default_factory is MISSING else f.default_factory()
+                  for cls in ALL_ARGUMENT_CLASSES for f in fields(cls)}
 
 
 def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> None:
@@ -196,9 +201,7 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
     if not model_args.model_name_or_path and model_args.model_config not in configs:
         raise ArgumentError(f"unknown model_config {model_args.model_config!r} for --task {task}; choose one of {sorted(configs)}")
     for other, entry in TASKS.items():
-        if other == task:
-            continue
-        for flag in entry.own_flags:
+        for flag in set(entry.own_flags) - set(TASKS[task].own_flags):
             if getattr(model_args, flag, getattr(data_args, flag, None)) != FIELD_DEFAULTS[flag]:
                 raise ArgumentError(f"--{flag} is for --task {other}, not {task}; drop it or set --task {other}")
     if data_args.dataset_name and (data_args.train_dir or data_args.train_file):
@@ -208,6 +211,24 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
                             "(a pretrained model's processor keeps the size it was trained at)")
     if data_args.validation_dir and not data_args.train_dir:
         raise ArgumentError("--validation_dir needs --train_dir")
+
+
+def check_adapter_flags(model_args: ModelArguments) -> None:
+    """LoRA adapts a pretrained model, in one process per device group; its flags need --use_peft."""
+    if not model_args.use_peft:
+        for flag in ("merge_adapter", "use_dora", "lora_modules_to_save"):
+            if getattr(model_args, flag) != FIELD_DEFAULTS[flag]:
+                raise ArgumentError(f"--{flag} is for adapters: add --use_peft, or drop it")
+        return
+    if not model_args.model_name_or_path:
+        raise ArgumentError("--use_peft trains an adapter on a pretrained model's frozen weights: give "
+                            "--model_name_or_path (a Hub id or a directory), or drop --use_peft to train every weight")
+    if model_args.device_map:
+        raise ArgumentError("--use_peft with --device_map is not supported; train the adapter with a data-parallel "
+                            "config (ddp.yaml, fsdp.yaml or a ZeRO config) instead")
+    if model_args.lora_r < 1 or model_args.lora_alpha <= 0 or not 0 <= model_args.lora_dropout < 1:
+        raise ArgumentError(f"--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1); got "
+                            f"{model_args.lora_r}, {model_args.lora_alpha}, {model_args.lora_dropout}")
 
 
 def check_writable(directory: str) -> None:

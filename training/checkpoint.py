@@ -197,6 +197,7 @@ def export_final(accelerator: Accelerator, model, processor: PushToHubMixin, out
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
+    # A peft model saves its adapter alone (peft's format), taken from the gathered state dict.
     with own_class_while_saving(unwrapped):
         unwrapped.save_pretrained(
             final_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict

@@ -28,6 +28,7 @@ def evaluate(model: torch.nn.Module, dataloader: DataLoader, accelerator: Accele
         sums, counts = task.loss_sums(logits, batch)
         per_example = torch.stack([sums.double(), counts.double(), task.correct(logits, batch).double()], dim=1)
         totals += gather_once_per_batch(per_example, accelerator).sum(dim=0)
+    generated = task.generation_metrics(model, accelerator)
     model.train()
     loss_sum, targets, right = totals.tolist()
-    return task.eval_metrics(loss_sum / targets, right / targets)
+    return task.eval_metrics(loss_sum / targets, right / targets) | generated

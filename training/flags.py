@@ -39,7 +39,7 @@ class ModelArguments:
         default=None,
         metadata={"help": "Named config to train from scratch. Default: "
                           + ", ".join(f"{entry.default_config} ({name})" for name, entry in TASKS.items()) + ".",
-                  "choices": sorted(name for entry in TASKS.values() for name in entry.configs)},
+                  "choices": sorted({name for entry in TASKS.values() for name in entry.configs})},
     )
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model/tokenizer code from the Hub."})
@@ -54,6 +54,23 @@ class ModelArguments:
     )
     sync_batchnorm: bool = field(
         default=False, metadata={"help": "BatchNorm statistics over all processes' batches (GPUs; see training/batchnorm.py)."}
+    )
+    use_peft: bool = field(
+        default=False, metadata={"help": "Train a LoRA adapter (peft) on the frozen --model_name_or_path instead of every weight."}
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling: the update is multiplied by alpha / r."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the adapter's input."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"],
+        metadata={"help": "Module names that get an adapter (e.g. q_proj v_proj), or all-linear (all but the output layer)."},
+    )
+    lora_modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Modules trained whole and saved with the adapter (e.g. lm_head)."}
+    )
+    use_dora: bool = field(default=False, metadata={"help": "DoRA: weight-decomposed LoRA."})
+    merge_adapter: bool = field(
+        default=False, metadata={"help": "Also write final/merged: the base model with the adapter merged in, plain transformers."}
     )
 
 
@@ -87,6 +104,27 @@ class DataArguments:
         default=None, metadata={"help": "Train on the first N training examples only (packed sequences, or images)."}
     )
     max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on the first N validation examples only."})
+    chat_template: str | None = field(
+        default=None, metadata={"help": "SFT: a Jinja file that replaces the tokenizer's chat template."}
+    )
+    assistant_only_loss: bool = field(
+        default=True, metadata={"help": "SFT, messages: loss on the assistant's answers only; false: on every token."}
+    )
+    completion_only_loss: bool = field(
+        default=True, metadata={"help": "SFT, prompt/completion: loss on the completion only; false: on every token."}
+    )
+    max_length: int | None = field(
+        default=None, metadata={"help": "SFT: tokens per example at most. Default: the model's maximum, at most 1024."}
+    )
+    truncation_mode: str = field(
+        default="keep_start",
+        metadata={"help": "SFT: an example over --max_length keeps its start, its end, or is dropped.",
+                  "choices": ["keep_start", "keep_end", "drop"]},
+    )
+    eval_generation_samples: int = field(
+        default=64,
+        metadata={"help": "SFT: held-out prompts answered greedily at each evaluation, for eval_exact_match; 0: none."},
+    )
 
 
 @dataclass

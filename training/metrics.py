@@ -109,13 +109,16 @@ def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
     mfu = f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (unknown device peak)"
     per_device = "".join(f", {key.removeprefix('peak_memory_gb_')} {gb:.2f}" for key, gb in summary.items()
                          if key.startswith("peak_memory_gb_"))
-    evaluation = ", ".join(f"{key} {value:.4f}" for key, value in summary.items() if key.startswith("eval_") or key == "perplexity")
+    evaluation, at_start = (", ".join(f"{key.removesuffix('_at_start')} {value:.4f}" for key, value in summary.items()
+                                      if (key.startswith("eval_") or key.startswith("perplexity")) and key.endswith("_at_start") == start)
+                            for start in (False, True))
     print(
         "\n===== training summary =====\n"
         f"steps:           {summary['steps']}\n"
         f"{task.unit + '/s:':<17}{summary[f'{task.unit}_per_sec']:,.0f} ({summary['step_time'] * 1000:,.0f} ms/step, MFU {mfu})\n"
         f"memory/rank:     peak {summary['peak_memory_gb']:.2f} GiB{per_device}, model state {state}\n"
         f"final eval:      {evaluation or 'none (--eval_strategy no)'}\n"
+        + (f"eval at start:   {at_start}\n" if at_start else "") +
         f"model:           {final_dir}\n"
         f"sample:          {sample}"
     )

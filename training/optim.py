@@ -91,6 +91,9 @@ def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> to
         {"params": [p for name, p in named if name in decay], "weight_decay": args.weight_decay},
         {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0},
     ]
+    # An adapter has no trainable biases or norms; DeepSpeed drops an empty group, and the
+    # scheduler built on the groups given would then step one group too many.
+    groups = [group for group in groups if group["params"]]
     choice = optimizer_for(args.optim, offloaded)
     try:
         return choice.build(groups, args)

@@ -40,6 +40,8 @@ from training.strategy_adapters import (
     optimizer_offload_device,
     write_effective_deepspeed_config,
 )
+from models.adapters import add_adapter, trainable_summary
+from training.errors import StrategyError
 from training.task_registry import build_task
 from training.tasks import Task
 from training.tensor_parallel import apply_tensor_parallel, data_parallel_size, tensor_parallel_size
@@ -71,6 +73,7 @@ class Run:
     model_state: dict[str, int]  # bytes per rank of weights, gradients and optimizer state, measured at step 2
     speed: SpeedMeter
     first_step: int  # the step this launch started from (0, or the resumed checkpoint's)
+    model_args: ModelArguments
 
 
 
@@ -145,7 +148,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     model_name = model_args.model_name_or_path or model_args.model_config
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
-               f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps)
+               f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args)
 
 
 def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple[Accelerator, Strategy, str, bool]:
@@ -186,6 +189,12 @@ def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArgu
     with model_construction(accelerator, bool(model_args.model_name_or_path), task.can_build_empty) as empty:
         model = task.build_model(raw, empty)
     set_seed(seed)  # ranks that built the model empty drew no random numbers: every rank goes on level
+    if model_args.use_peft:  # after the seed: every rank draws the same adapter
+        if tensor_parallel_size(accelerator) > 1:
+            raise StrategyError("--use_peft with tensor parallelism (parallelism_config_tp_size) is not supported; "
+                                "train the adapter with fsdp.yaml, ddp.yaml or a ZeRO config")
+        model = add_adapter(model, model_args)
+        logger.info(trainable_summary(model), main_process_only=True)
     model = apply_tensor_parallel(accelerator, model)  # with a parallelism_config tp_size in the accelerate config
     if model_args.device_map:  # one process owning several GPUs: each holds some of the layers
         model, note = split_layers(model, model_args.device_map)

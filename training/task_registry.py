@@ -23,17 +23,24 @@ class TaskEntry:
     implementation: str  # "module:Class" of a training.tasks.Task subclass
     configs: Mapping[str, object]  # what --model_config may name for this task (models/configs.py)
     default_config: str
-    own_flags: tuple[str, ...] = ()  # set for another task they would be silently ignored, so they are refused
+    own_flags: tuple[str, ...] = ()  # only this task (and others listing them) reads these; set for another, they are refused
 
     def load(self) -> type[Task]:
         module, name = self.implementation.split(":")
         return getattr(importlib.import_module(module), name)
 
 
+ADAPTER_FLAGS = ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save",
+                 "use_dora", "merge_adapter")
+TEXT_FLAGS = ("tokenizer_name", "train_file", "validation_file", "sample_prompt", *ADAPTER_FLAGS)
 TASKS: dict[str, TaskEntry] = {
     "causal-lm": TaskEntry(
-        "training.tasks:CausalLM", NAMED_CONFIGS, "llama-small",
-        ("tokenizer_name", "train_file", "validation_file", "text_column", "sample_prompt", "block_size", "packing"),
+        "training.tasks:CausalLM", NAMED_CONFIGS, "llama-small", (*TEXT_FLAGS, "text_column", "block_size", "packing"),
+    ),
+    "sft": TaskEntry(
+        "training.sft:SupervisedFineTuning", NAMED_CONFIGS, "llama-small",
+        (*TEXT_FLAGS, "chat_template", "assistant_only_loss", "completion_only_loss", "max_length", "truncation_mode",
+         "eval_generation_samples"),
     ),
     "image-classification": TaskEntry(
         "training.tasks:ImageClassification", IMAGE_CONFIGS, "resnet-tiny",

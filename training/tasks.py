@@ -91,6 +91,10 @@ class Task(ABC):
     def eval_metrics(self, eval_loss: float, accuracy: float) -> dict[str, float]:
         return {"eval_loss": eval_loss, "eval_accuracy": accuracy}
 
+    def generation_metrics(self, model: torch.nn.Module, accelerator) -> dict[str, float]:
+        """Metrics of what the model generates, run on every rank in evaluation; none by default."""
+        return {}
+
     def datasets(self, raw: DatasetDict, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]:
         """`build_datasets`, cut to the first --max_train_samples / --max_eval_samples examples."""
         train_set, eval_set = self.build_datasets(raw, main_process_first)
