@@ -23,3 +23,4 @@ test-quick: setup  ## the quick tier for the edit loop (about a minute, at most 
 
 bench: setup  ## every strategy side by side, and train.py against a raw PyTorch DDP loop (about 12 minutes on 2 CPU cores)
 	$(PYTHON) scripts/benchmark.py
+	$(PYTHON) scripts/benchmark.py --fine_tuning

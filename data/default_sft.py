@@ -1,8 +1,8 @@
 """The embedded fine-tuning set: short conversations made here, never downloaded.
 
 Each conversation asks to repeat or to reverse a few words. Only the prompt tells which
-words and which order, so a model that answers right has read it; with a few hundred
-thousand combinations, the held-out prompts are not in the training set. Some
+words and which order, so a model that answers right has read it, and no held-out request
+is in the training set. Some
 conversations open with a system message and some run two turns, so the answer mask is
 exercised on every shape. Seeded: every machine builds the same set.
 """
@@ -35,8 +35,18 @@ def conversation(rng: random.Random) -> list[dict[str, str]]:
     return messages
 
 
+def requests(messages: list[dict[str, str]]) -> set[str]:
+    return {m["content"] for m in messages if m["role"] == "user"}
+
+
 def default_sft_splits(seed: int = 0) -> dict[str, list[list[dict[str, str]]]]:
-    """`train` and `validation` lists of conversations (`messages`), drawn apart."""
+    """`train` and `validation` lists of conversations (`messages`); no request of a validation
+    conversation is in the training set, so its answers can only come from reading it."""
     rng = random.Random(seed)
-    return {"train": [conversation(rng) for _ in range(TRAIN_CONVERSATIONS)],
-            "validation": [conversation(rng) for _ in range(VALIDATION_CONVERSATIONS)]}
+    train = [conversation(rng) for _ in range(TRAIN_CONVERSATIONS)]
+    seen = set().union(*map(requests, train))
+    validation = []
+    while len(validation) < VALIDATION_CONVERSATIONS:
+        if not requests(candidate := conversation(rng)) & seen:
+            validation.append(candidate)
+    return {"train": train, "validation": validation}

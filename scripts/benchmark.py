@@ -2,6 +2,7 @@
 
     python scripts/benchmark.py                                  # llama-small, bf16, 2 processes, all configs
     python scripts/benchmark.py --model_config llama-tiny --steps 8 --configs ddp fsdp --rounds 1
+    python scripts/benchmark.py --fine_tuning                    # full fine-tuning against LoRA, per strategy
 
 Every config trains the same model on the same data for `--steps` optimizer steps with
 `accelerate launch train.py`. The table shows, per strategy: tokens/s and step time
@@ -62,13 +63,15 @@ def environment(output_dir: Path) -> dict[str, str]:
                          "TOKENIZERS_PARALLELISM": "false"}
 
 
-def train_run(config: str, args: argparse.Namespace, output_dir: Path) -> dict:
-    """One train.py run; its summary.json, per-step medians, and the time from launch to step 1."""
+def train_run(config: str, args: argparse.Namespace, output_dir: Path, task: tuple[str, ...] = ()) -> dict:
+    """One train.py run; its summary.json, per-step medians, and the time from launch to step 1.
+    `task`: train.py flags that replace pretraining with `--block_size` (fine-tuning's)."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
                "--num_processes", str(args.num_processes), "--mixed_precision", args.mixed_precision,
                "--main_process_port", str(free_port()), "train.py",
                "--model_config", args.model_config, "--per_device_train_batch_size", str(args.per_device_train_batch_size),
-               "--block_size", str(args.block_size), "--max_steps", str(args.steps), "--logging_steps", str(args.log_every),
+               *(task or ("--block_size", str(args.block_size))), "--max_steps", str(args.steps),
+               "--logging_steps", str(args.log_every),
                "--eval_strategy", "no", "--save_steps", str(10**9),  # training speed only
                "--output_dir", str(output_dir)]
     metrics = output_dir / "metrics.jsonl"
@@ -127,6 +130,44 @@ def mib(value: float) -> str:
     return f"{value / 2**20:,.1f}"
 
 
+def save_base_model(model_config: str, directory: Path) -> Path:
+    """A model in Hub format to fine-tune: `model_config` initialised (its speed does not depend on its weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.configs import build_named_config
+    from models.language import build_tokenizer
+
+    tokenizer = build_tokenizer(None, None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(build_named_config(model_config, tokenizer)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def fine_tuning_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str], dict]:
+    """Full fine-tuning against a LoRA adapter (`--use_peft`, defaults) of the same model on the embedded chat
+    set, per strategy: tokens/s and the model state each rank holds."""
+    base = save_base_model(args.model_config, scratch / "base")
+    sft = ("--task", "sft", "--model_name_or_path", str(base), "--max_length", str(args.block_size))
+    lines = [f"fine-tuning {args.model_config} on the embedded chat set (--task sft), {args.num_processes} processes, "
+             f"{args.mixed_precision}, {args.per_device_train_batch_size} conversations per rank per step, {args.steps} steps",
+             "", "| strategy | full: tokens/s | LoRA: tokens/s | full: model state/rank (MiB): params + grads + optimizer "
+             "| LoRA: model state/rank (MiB) | LoRA / full state |", "|---|---:|---:|---|---|---:|"]
+    results = {}
+    for config in args.configs:
+        full = train_run(config, args, scratch / f"{config}-full", sft)
+        lora = train_run(config, args, scratch / f"{config}-lora", (*sft, "--use_peft"))
+        states = [run["model_state_bytes_per_rank"] for run in (full, lora)]
+        full_state, lora_state = (f"{mib(sum(s.values()))}: {mib(s['parameters'])} + {mib(s['gradients'])} + "
+                                  f"{mib(s['optimizer'])}" for s in states)
+        results[config] = {"full": full, "lora": lora}
+        lines.append(f"| {config} | {full['tokens_per_sec']:,.0f} | {lora['tokens_per_sec']:,.0f} | {full_state} | "
+                     f"{lora_state} | {sum(states[1].values()) / sum(states[0].values()):.3f} |")
+        print(lines[-1], flush=True)
+    return lines, {"fine_tuning": results}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_config", default="llama-small")
@@ -139,9 +180,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="Steps left out of the medians.")
     parser.add_argument("--log_every", type=int, default=5, help="train.py's --logging_steps: a median per interval.")
     parser.add_argument("--rounds", type=int, default=3, help="train.py/raw DDP pairs for the overhead figure.")
+    parser.add_argument("--fine_tuning", action="store_true",
+                        help="Instead: full fine-tuning against LoRA per strategy (--block_size is then --max_length).")
     parser.add_argument("--output", type=Path, help="Also write the tables to this markdown file.")
     parser.add_argument("--json", type=Path, help="Also write every figure to this JSON file.")
     args = parser.parse_args()
+    if args.fine_tuning:
+        with tempfile.TemporaryDirectory() as scratch:
+            lines, results = fine_tuning_table(args, Path(scratch))
+        write_outputs(lines, {"settings": vars(args) | {"output": None, "json": None}, **results}, args)
+        return
 
     lines = [f"model {args.model_config}, {args.num_processes} processes, {args.mixed_precision}, "
              f"{args.per_device_train_batch_size} x {args.block_size} tokens per rank per step, {args.steps} steps",
@@ -179,6 +227,10 @@ def main() -> None:
               *(f"| {i + 1} | {a:,.0f} | {b:,.0f} | {a / b:.3f} |" for i, (a, b) in enumerate(zip(ours, raw))),
               f"| median | | | **{ratio:.3f}** |", "",
               f"data preparation (tokenize + pack, default corpus): {data_rate:,.0f} tokens/s"]
+    write_outputs(lines, results, args)
+
+
+def write_outputs(lines: list[str], results: dict, args: argparse.Namespace) -> None:
     print("\n".join(lines))
     if args.output:
         args.output.write_text("\n".join(lines) + "\n")

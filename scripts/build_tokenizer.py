@@ -8,7 +8,9 @@ the same files (a test checks that for the shipped tokenizer).
     python scripts/build_tokenizer.py --train_file my_corpus.jsonl --output_dir my_tokenizer --vocab_size 8192
     accelerate launch train.py --train_file my_corpus.jsonl --tokenizer_name my_tokenizer
 
-A `--model_config` model sizes its vocabulary to the tokenizer it trains with.
+A `--model_config` model sizes its vocabulary to the tokenizer it trains with. Every tokenizer
+built here also has ChatML's two turn markers (added after training: the learned ids do not
+move) and a chat template, for `--task sft`.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from transformers import AutoConfig  # noqa: E402
 
+from models.adapters import lora_config  # noqa: E402
 from models.configs import NAMED_CONFIGS, build_named_config  # noqa: E402
 from models.language import ModelError, build_tokenizer, loading, resolve_block_size  # noqa: E402
 from training.memory_plan import (  # noqa: E402
@@ -54,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block_size", type=int, help="Tokens per sequence. Default: the model's maximum, at most 1024.")
     parser.add_argument("--mixed_precision", default="bf16", choices=["bf16", "fp16", "no"])
     parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--use_peft", action="store_true", help="A LoRA adapter on the frozen model (train.py's flags).")
+    parser.add_argument("--lora_r", type=int, default=16)
+    parser.add_argument("--lora_target_modules", nargs="+", default=["all-linear"])
     parser.add_argument("--configs_dir", type=Path, default=REPO / "accelerate_configs")
     parser.add_argument("--json", type=Path, help="Also write every figure to this JSON file.")
     args = parser.parse_args(argv)
@@ -74,7 +78,9 @@ def plan(args: argparse.Namespace) -> dict:
     """Every config's figures (bytes) and the recommended config."""
     config = load_config(args)
     dtype = compute_dtype(args.mixed_precision)
-    shape = model_shape(config, dtype, args.trust_remote_code)
+    adapter = lora_config(argparse.Namespace(**vars(args), lora_alpha=2 * args.lora_r, lora_dropout=0.0,
+                                             lora_modules_to_save=None, use_dora=False)) if args.use_peft else None
+    shape = model_shape(config, dtype, args.trust_remote_code, adapter)
     block_size = resolve_block_size(args.block_size, config)  # as train.py chooses it
     compute_bytes = dtype.itemsize
     activations = activation_bytes(shape, args.per_device_train_batch_size, block_size, args.gradient_checkpointing)
@@ -86,7 +92,7 @@ def plan(args: argparse.Namespace) -> dict:
     rows = {}
     for layout in layouts:
         processes = 1 if layout.strategy == "single" else args.num_gpus
-        state = model_state(layout, shape.parameters, processes, compute_bytes)
+        state = model_state(layout, shape.parameters, processes, compute_bytes, shape.trainable)
         working = working_bytes(layout, shape, compute_bytes)
         runs = layout.runs_on(processes)
         gpu = state["parameters"] + state["gradients"] + state["optimizer"] - state["offloaded"] + activations + working
@@ -97,6 +103,7 @@ def plan(args: argparse.Namespace) -> dict:
         }
     recommended = pick(rows, args.num_gpus, usable)
     return {"model": args.model_name_or_path or args.model_config, "parameters": shape.parameters,
+            "trainable_parameters": shape.trainable,
             "num_gpus": args.num_gpus, "gpu_memory_gb": args.gpu_memory_gb, "usable_gb": usable / GIB,
             "per_device_train_batch_size": args.per_device_train_batch_size, "block_size": block_size,
             "mixed_precision": args.mixed_precision, "gradient_checkpointing": args.gradient_checkpointing,
@@ -106,7 +113,10 @@ def plan(args: argparse.Namespace) -> dict:
 def report(result: dict, args: argparse.Namespace) -> str:
     gib = lambda value: f"{value / GIB:,.2f}"  # noqa: E731
     lines = [
-        f"{result['model']}: {result['parameters'] / 1e6:,.1f}M parameters, {result['mixed_precision']}, "
+        f"{result['model']}: {result['parameters'] / 1e6:,.1f}M parameters"
+        + (f" ({result['trainable_parameters'] / 1e6:,.2f}M of them trained: LoRA)"
+           if result["trainable_parameters"] < result["parameters"] else "")
+        + f", {result['mixed_precision']}, "
         f"{result['per_device_train_batch_size']} x {result['block_size']} tokens per GPU per micro-step"
         f"{', gradient checkpointing' if result['gradient_checkpointing'] else ''}; "
         f"{result['num_gpus']} GPUs of {result['gpu_memory_gb']:g} GiB ({result['usable_gb']:.1f} usable)",

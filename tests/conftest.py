@@ -153,14 +153,16 @@ def logged_after(output_dir: Path, first_step: int) -> dict[tuple[int, str], flo
             for key in ("loss", "lr", "eval_loss") if key in m}
 
 
-def assert_continues_exactly(uninterrupted: Path, resumed: Path, from_step: int) -> None:
-    """The resumed run logged the same losses, lr and eval as the uninterrupted one, and ends with its weights."""
+def assert_continues_exactly(uninterrupted: Path, resumed: Path, from_step: int, last_step: int = MAX_STEPS,
+                             weights: str = "model.safetensors") -> None:
+    """The resumed run logged the same losses, lr and eval as the uninterrupted one, and ends with its weights
+    (final/`weights`: the model, or a LoRA adapter)."""
     expected, actual = logged_after(uninterrupted, from_step), logged_after(resumed, from_step)
-    assert sorted(step for step, key in actual if key == "loss") == list(range(from_step + 1, MAX_STEPS + 1))
+    assert sorted(step for step, key in actual if key == "loss") == list(range(from_step + 1, last_step + 1))
     assert actual.keys() == expected.keys()
     for entry in expected:
         assert actual[entry] == pytest.approx(expected[entry], rel=1e-6, abs=1e-7), entry
-    final, final_resumed = (load_file(d / "final" / "model.safetensors") for d in (uninterrupted, resumed))
+    final, final_resumed = (load_file(d / "final" / weights) for d in (uninterrupted, resumed))
     for name in final:
         torch.testing.assert_close(final_resumed[name], final[name], atol=1e-6, rtol=0, msg=name)
 
@@ -300,24 +302,81 @@ STRATEGY_CLIPPING = 0.5  # below these steps' gradient norms: clipping triggers
 GLOBAL_BATCH = 12
 
 
-def parity_args(config: str, max_grad_norm: float) -> tuple[str, ...]:
-    """12 steps with a global batch of 12 and not one default left: clipping, accumulation, an odd
-    micro-batch, no decay, warmup by ratio and another beta2. One process accumulates 4
-    micro-batches of 3; 2 data-parallel ranks (fsdp_tp: 2 x tp 2) accumulate 2 each.
-    Checkpoints at steps 6 and 12."""
-    accumulation = "4" if config == "single" else "2"
-    return ("--max_steps", "12", "--logging_steps", "1", "--eval_steps", "6", "--save_steps", "6",
-            "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", accumulation,
-            "--weight_decay", "0", "--warmup_ratio", "0.1", "--adam_beta2", "0.99", "--max_grad_norm", str(max_grad_norm))
+# Fine-tuning on the embedded chat set, answers only; 8 held-out prompts answered at each evaluation.
+SFT = ("--task", "sft", "--eval_generation_samples", "8")
+
+
+def sft_validation_batches(output_dir: Path) -> list[dict[str, torch.Tensor]]:
+    """The batches the SFT runs evaluate (TINY_RUN's first EVAL_SAMPLES held-out conversations), built by the
+    sft task itself from the same flags."""
+    from contextlib import nullcontext
+
+    from training.arguments import parse_args
+    from training.task_registry import build_task
+
+    model_args, data_args, _ = parse_args([*TINY_RUN, "--task", "sft", "--output_dir", str(output_dir)])
+    task = build_task(model_args, data_args)
+    raw = task.load_raw_datasets(seed=42)
+    task.build_model(raw)
+    _, eval_set = task.datasets(raw, nullcontext())
+    assert len(eval_set) == EVAL_SAMPLES
+    return [task.collator([eval_set[i] for i in range(start, min(start + 8, len(eval_set)))])
+            for start in range(0, len(eval_set), 8)]
+
+
+@torch.no_grad()
+def answer_loss(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> float:
+    """Mean loss over the answer tokens of `batches`: what evaluation reports as eval_loss."""
+    from training.loss import token_loss_sums
+
+    sums = [token_loss_sums(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+            for b in batches]
+    return float(sum(s.sum() for s, _ in sums) / sum(c.sum() for _, c in sums))
 
 
 @pytest.fixture(scope="session")
-def strategy_run(cached_run):
+def base_model(cached_run) -> Path:
+    """A checkpoint the suite trains first (12 steps of llama-tiny on the story corpus), in Hub format:
+    what the fine-tuning runs start from."""
+    return cached_run("single", "--max_steps", "12", "--eval_strategy", "no", "--save_strategy", "no") / "final"
+
+
+def parity_args(config: str, max_grad_norm: float, base_model: Path) -> tuple[str, ...]:
+    """Full fine-tuning of `base_model` on chat data: 12 steps with a global batch of 12 and not one
+    default left: clipping, accumulation, an odd micro-batch, no decay, warmup by ratio and another
+    beta2. One process accumulates 4 micro-batches of 3; 2 data-parallel ranks (fsdp_tp: 2 x tp 2)
+    accumulate 2 each. Checkpoints at steps 6 and 12."""
+    accumulation = "4" if config == "single" else "2"
+    return (*SFT, "--model_name_or_path", str(base_model), "--max_steps", "12", "--logging_steps", "1",
+            "--eval_steps", "6", "--save_steps", "6", "--per_device_train_batch_size", "3",
+            "--gradient_accumulation_steps", accumulation, "--weight_decay", "0", "--warmup_ratio", "0.1",
+            "--adam_beta2", "0.99", "--max_grad_norm", str(max_grad_norm))
+
+
+@pytest.fixture(scope="session")
+def strategy_run(cached_run, base_model):
     """`strategy_run(config, max_grad_norm)`: the parity run of one config, trained once per test run.
 
     The shipped DeepSpeed JSONs leave clipping "auto", so the flag alone changes it on every config."""
 
     def run(config: str, max_grad_norm: float = STRATEGY_CLIPPING) -> Path:
-        return cached_run(config, *parity_args(config, max_grad_norm))
+        return cached_run(config, *parity_args(config, max_grad_norm, base_model))
 
     return run
+
+
+LORA_STEPS = 6
+
+
+def lora_args(config: str, base_model: Path) -> tuple[str, ...]:
+    """A LoRA adapter on `base_model`, merged at the end: 6 steps of a global batch of 8 (one process
+    accumulates 2 micro-batches of 4), checkpoints at steps 3 and 6."""
+    return (*SFT, "--model_name_or_path", str(base_model), "--use_peft", "--merge_adapter",
+            "--max_steps", str(LORA_STEPS), "--logging_steps", "1", "--eval_steps", "3", "--save_steps", "3",
+            "--gradient_accumulation_steps", "2" if config == "single" else "1")
+
+
+@pytest.fixture(scope="session")
+def lora_run(cached_run, base_model):
+    """`lora_run(config)`: the LoRA run of one config, trained once per test run."""
+    return lambda config: cached_run(config, *lora_args(config, base_model))

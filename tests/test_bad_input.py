@@ -17,6 +17,7 @@ import json
 import os
 import pickle
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,7 @@ LAUNCH_CASES = {
     ),
     "tokenizer and model vocabulary mismatch": (
         "ddp", ["--model_name_or_path", "{model}", "--tokenizer_name", "{big-tokenizer}", *RESUME],
-        "the tokenizer has 1017 tokens but the model's embedding has 960 rows",
+        "the tokenizer has 1019 tokens but the model's embedding has 960 rows",
     ),
     "model with custom code, no --trust_remote_code": (
         "ddp", ["--model_name_or_path", "{custom-code-model}", *RESUME], "pass --trust_remote_code only if you trust"
@@ -57,6 +58,13 @@ LAUNCH_CASES = {
     "SyncBatchNorm on CPU": (
         "ddp", ["--task", "image-classification", "--model_config", "resnet-tiny", "--sync_batchnorm", *RESUME],
         "--sync_batchnorm needs GPUs: torch has no CPU kernels for SyncBatchNorm",
+    ),
+    "a chat message with an unknown role": (
+        "ddp", ["--task", "sft", "--train_file", "{bad-role.jsonl}", *RESUME], "message 1 of 'messages' has role 'bot'"
+    ),
+    "--lora_target_modules that match nothing": (
+        "ddp", ["--task", "sft", "--model_name_or_path", "{model}", "--use_peft", "--lora_target_modules", "qkv", *RESUME],
+        "matches no module of LlamaForCausalLM; its linear modules are: down_proj gate_proj k_proj lm_head o_proj",
     ),
     "DeepSpeed JSON clipping disagrees with --max_grad_norm": (
         "{clipping-1.yaml}", ["--max_grad_norm", "0.5", *RESUME], "gradient_clipping is 1.0 in the DeepSpeed JSON"
@@ -79,6 +87,14 @@ ARGUMENT_CASES = {
     "output directory that cannot be written": (["--output_dir", "{empty.txt}/run"], "cannot write to --output_dir"),
     "tracker name misspelled": (["--report_to", "tensorbord", *RESUME], "unknown --report_to ['tensorbord']"),
     "an image flag for the language task": (["--train_dir", "{empty.txt}", *RESUME], "--train_dir is for --task image-classification"),
+    "--merge_adapter without --use_peft": (["--merge_adapter", *RESUME], "--merge_adapter is for adapters: add --use_peft"),
+    "--use_peft for the image task": (
+        ["--task", "image-classification", "--model_config", "resnet-tiny", "--use_peft", *RESUME],
+        "--use_peft is for --task causal-lm, not image-classification",
+    ),
+    "--use_peft without a pretrained model": (["--use_peft", *RESUME], "give --model_name_or_path"),
+    "--use_peft with --device_map": (["--model_name_or_path", "{model}", "--use_peft", "--device_map", "auto", *RESUME],
+                                     "--use_peft with --device_map is not supported"),
     "a language model config for images": (
         ["--task", "image-classification", *RESUME], "unknown model_config 'llama-tiny' for --task image-classification"
     ),
@@ -121,6 +137,9 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     (d / "few.txt").write_text("one short line\nand another\n")
     (d / "broken.yaml").write_text("max_steps: [1\n")
     (d / "typo.yaml").write_text("learnin_rate: 0.1\n")
+    bot = [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]
+    (d / "bad-role.jsonl").write_text("\n".join(json.dumps({"messages": bot}) for _ in range(40)))
+    (d / "not-jinja.jinja").write_text("{% for message in messages %}{{ message['content'] }")
     zero2 = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
     user_json = {"broken-json": '{"zero_optimization": {', "clipping-1": json.dumps(zero2 | {"gradient_clipping": 1.0}),
                  "own-optimizer": json.dumps(zero2 | {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})}
@@ -136,7 +155,7 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER)
     AutoModelForCausalLM.from_config(build_named_config("llama-tiny", tokenizer)).save_pretrained(d / "model")
     tokenizer.save_pretrained(d / "model")
-    tokenizer.add_tokens([f"<extra_{i}>" for i in range(100)])  # 1017 > the 960 rows (917 padded to 64)
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(100)])  # 1019 > the 960 rows (919 padded to 64)
     tokenizer.save_pretrained(d / "big-tokenizer")
     shutil.copytree(d / "model", d / "custom-code-model")
     config = json.loads((d / "custom-code-model" / "config.json").read_text())
@@ -243,3 +262,45 @@ def test_a_model_without_a_tensor_parallel_plan_is_refused() -> None:
 
     with pytest.raises(StrategyError, match="ResNetForImageClassification has no tensor-parallel plan"):
         tensor_parallel_plan(build_image_model(None, "resnet-tiny", ["a", "b"]), 2)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("records", "message"), [
+    ([{"question": "q", "answer": "a"}], "none of the columns text, messages, or prompt and completion"),
+    ([{"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "a"}]}], "has no text content"),
+])
+def test_chat_data_that_cannot_train_is_one_line(records, message, tmp_path) -> None:
+    """The sft task's data stage (every rank, before tokenizing), in-process; the 2-process launch case
+    above shows the same stage ending in one line and exit 2."""
+    from data import DataError
+    from training.task_registry import build_task
+
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(record) for record in records * 40))
+    model_args, data_args, _ = parse_args([*TINY_RUN, "--task", "sft", "--train_file", str(tmp_path / "chat.jsonl"),
+                                           "--output_dir", str(tmp_path / "out")])
+    task = build_task(model_args, data_args)
+    raw = task.load_raw_datasets(seed=0)
+    with pytest.raises(DataError, match=message) as refused:
+        task.datasets(raw, nullcontext())
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.quick
+def test_a_chat_template_that_is_not_jinja_is_one_line(inputs, tmp_path) -> None:
+    from models.language import ModelError
+    from training.task_registry import build_task
+
+    model_args, data_args, _ = parse_args([*TINY_RUN, "--task", "sft", "--chat_template", str(inputs["not-jinja.jinja"]),
+                                           "--output_dir", str(tmp_path)])
+    with pytest.raises(ModelError, match="is not a valid Jinja chat template") as refused:
+        build_task(model_args, data_args)
+    assert "\n" not in str(refused.value) and str(inputs["not-jinja.jinja"]) in str(refused.value)
+
+
+@pytest.mark.quick
+def test_an_adapter_with_tensor_parallelism_is_refused_before_anything_starts(inputs, previous, monkeypatch) -> None:
+    for name, value in FSDP_TP.items():  # what accelerate launch sets for fsdp_tp.yaml
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ArgumentError, match=r"--use_peft with tensor parallelism \(fsdp_tp.yaml\) is not supported"):
+        parse_args([*TINY_RUN, "--output_dir", str(previous), "--model_name_or_path", str(inputs["model"]), "--use_peft",
+                    *RESUME])

@@ -40,3 +40,25 @@ def test_measured_model_state_matches_the_memory_planner(benchmark) -> None:
     for config in CONFIGS:
         run = benchmark["strategies"][config]
         assert run["model_state_bytes"] == pytest.approx(run["planned_bytes"], rel=0.10), config
+
+
+@pytest.fixture(scope="module")
+def fine_tuning(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("fine-tuning")
+    command = [sys.executable, "scripts/benchmark.py", "--fine_tuning", "--model_config", "llama-tiny", "--configs", "fsdp",
+               "--steps", "6", "--warmup", "2", "--log_every", "2", "--per_device_train_batch_size", "4",
+               "--block_size", "64", "--output", str(out / "table.md"), "--json", str(out / "results.json")]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {"table": (out / "table.md").read_text(), **json.loads((out / "results.json").read_text())}
+
+
+def test_the_fine_tuning_table_sets_lora_against_full_fine_tuning(fine_tuning) -> None:
+    """LoRA trains the same model with gradients and optimizer state for the adapter alone."""
+    assert "| fsdp |" in fine_tuning["table"]
+    full, lora = (fine_tuning["fine_tuning"]["fsdp"][kind] for kind in ("full", "lora"))
+    assert full["tokens_per_sec"] > 0 and lora["tokens_per_sec"] > 0 and full["parameters"] == lora["parameters"]
+    full_state, lora_state = full["model_state_bytes_per_rank"], lora["model_state_bytes_per_rank"]
+    assert lora_state["parameters"] == full_state["parameters"]  # the frozen base is still there, sharded alike
+    for part in ("gradients", "optimizer"):
+        assert 0 < lora_state[part] < 0.25 * full_state[part], part

@@ -38,6 +38,28 @@ def test_dry_run_of_a_two_process_offload_launch_prints_its_plan_and_trains_noth
     assert not [p.name for p in output_dir.iterdir()]  # no checkpoints, metrics or final model
 
 
+def test_dry_run_of_a_lora_fine_tuning_plans_state_for_the_adapter_alone(tmp_path) -> None:
+    """--task sft --use_peft: the chat data, and model state with gradients and optimizer state for the adapter only."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from models.configs import build_named_config
+    from models.language import SHIPPED_TOKENIZER
+
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER)
+    AutoModelForCausalLM.from_config(build_named_config("llama-tiny", tokenizer)).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    result = dry_run(tmp_path, "--task", "sft", "--model_name_or_path", str(tmp_path / "base"), "--use_peft")
+    assert result.returncode == 0, result.stderr[-4000:]
+    plan = dict(line.split(":", 1) for line in result.stdout.split("=====\n", 2)[-1].strip().splitlines())
+    assert "messages examples (loss on answers only;" in plan["data"]
+    parameters, trained = (int(part.split()[0].replace(",", "")) for part in plan["model"].split(", ")[1:3])
+    assert trained == 39_424 < parameters  # rank 16 on every linear layer but the output layer
+    expected = model_state(read_layout(CONFIGS / "single.yaml"), parameters, 1, 4, trained)
+    total = (expected["parameters"] + expected["gradients"] + expected["optimizer"]) / MIB
+    assert plan["memory/rank"].strip().startswith(f"model state {total:,.1f} MiB"), plan["memory/rank"]
+    assert expected["optimizer"] == 8 * trained
+
+
 def dry_run(tmp_path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python train.py --dry_run`, as one process of a launch with `env` (what `accelerate launch` sets)."""
     return subprocess.run([sys.executable, "train.py", *TINY_RUN, "--output_dir", str(tmp_path / "run"), "--dry_run",
@@ -61,7 +83,7 @@ MISTAKES = {
         ["--max_grad_norm", "0.5"], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "{clipping.json}"},
         "gradient_clipping is 1.0 in the DeepSpeed JSON but --max_grad_norm is 0.5",
     ),
-    "chat data in the text column": (["--train_file", "{chat.jsonl}"], {}, "looks like chat data"),
+    "chat data in the text column": (["--train_file", "{chat.jsonl}"], {}, "this is chat data; fine-tune on it with --task sft"),
     "too little data to hold out a validation split": (
         ["--train_file", "{one.txt}"], {}, "1 training examples cannot give up --validation_split_percentage 5"
     ),

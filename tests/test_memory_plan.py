@@ -26,26 +26,33 @@ def plan(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict 
 
 @pytest.fixture(scope="module")
 def tiny_plan(tmp_path_factory):
-    """`tiny_plan(num_gpus)`: the planner's figures for the tiny model the strategy runs train, in fp32."""
-    plans: dict[int, dict] = {}
+    """`tiny_plan(num_gpus, *flags)`: the planner's figures for the tiny model the strategy runs train, in fp32."""
+    plans: dict[tuple, dict] = {}
 
-    def figures_for(num_gpus: int) -> dict:
-        if num_gpus not in plans:
-            result, plans[num_gpus] = plan(tmp_path_factory.mktemp("plan"), "--model_config", "llama-tiny",
-                                           "--num_gpus", str(num_gpus), "--mixed_precision", "no")
+    def figures_for(num_gpus: int, *flags: str) -> dict:
+        if (num_gpus, *flags) not in plans:
+            result, plans[num_gpus, *flags] = plan(tmp_path_factory.mktemp("plan"), "--model_config", "llama-tiny",
+                                                   "--num_gpus", str(num_gpus), "--mixed_precision", "no", *flags)
             assert result.returncode == 0, result.stderr
-        return plans[num_gpus]
+        return plans[num_gpus, *flags]
 
     return figures_for
 
 
-@pytest.mark.parametrize("config", [*EVERY_CONFIG, "fsdp_tp"])
-def test_model_state_agrees_with_the_measured_run_within_10_percent(config, tiny_plan, strategy_run) -> None:
+@pytest.mark.parametrize(("config", "training"), [(config, "full") for config in [*EVERY_CONFIG, "fsdp_tp"]]
+                         + [(config, "lora") for config in EVERY_CONFIG])
+def test_model_state_agrees_with_the_measured_run_within_10_percent(config, training, tiny_plan, strategy_run,
+                                                                     lora_run) -> None:
     """Each config's parameters, gradients and optimizer state per rank, as counted from the
-    tensors of a real run (2 processes; 1 for single, 4 for fsdp_tp), against the planner (bf16: test_benchmark.py)."""
-    measured = json.loads((strategy_run(config) / "summary.json").read_text())
-    plan_for = tiny_plan(measured["processes"] if config != "single" else 2)
+    tensors of a real run (2 processes; 1 for single, 4 for fsdp_tp), against the planner (bf16: test_benchmark.py);
+    full fine-tuning, and a LoRA adapter on the frozen model (`--use_peft`: gradients and optimizer state for the
+    adapter alone)."""
+    run = strategy_run(config) if training == "full" else lora_run(config)
+    measured = json.loads((run / "summary.json").read_text())
+    plan_for = tiny_plan(measured["processes"] if config != "single" else 2, *(["--use_peft"] if training == "lora" else []))
     planned = plan_for["configs"][config]
+    if training == "lora":
+        assert plan_for["trainable_parameters"] < plan_for["parameters"] / 4
     assert planned["processes"] == measured["processes"]
     assert plan_for["parameters"] == measured["parameters"]
     for part, value in measured["model_state_bytes_per_rank"].items():

@@ -1,4 +1,5 @@
-"""Every accelerate config trains for real: 2 CPU processes over gloo (1 for single.yaml)."""
+"""Every accelerate config trains for real: 2 CPU processes over gloo (1 for single.yaml), fine-tuning
+the suite's base checkpoint on chat data (tests/conftest.py `parity_args`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data import build_lm_datasets, load_raw_datasets
-from tests.conftest import EVAL_SAMPLES, read_metrics
+from tests.conftest import answer_loss, read_metrics, sft_validation_batches
 from training.strategy import Strategy, requested_strategy, verify_strategy
 from training.errors import StrategyError
 
@@ -32,7 +32,7 @@ STRATEGIES = {
 
 
 @pytest.mark.parametrize("config", sorted(STRATEGIES))
-def test_config_trains_with_the_strategy_it_names(config: str, strategy_run) -> None:
+def test_config_trains_with_the_strategy_it_names(config: str, strategy_run, tmp_path) -> None:
     strategy_line, wrapper, optimizer, checkpoint_marker = STRATEGIES[config]
     run = strategy_run(config)
     log = (run / "launch.log").read_text()
@@ -61,22 +61,11 @@ def test_config_trains_with_the_strategy_it_names(config: str, strategy_run) -> 
     tokenizer = AutoTokenizer.from_pretrained(final)
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)  # full, not a shard
     # The export is the trained model, gathered correctly: it reproduces the final eval loss.
-    assert exported_eval_loss(model, tokenizer) == pytest.approx(evals[-1], abs=1e-4)
+    assert answer_loss(model.eval(), sft_validation_batches(tmp_path)) == pytest.approx(evals[-1], abs=1e-4)
     prompt = tokenizer("Once upon a time", return_tensors="pt")
     generated = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 8
     assert "sample:" in log and "final eval:" in log
-
-
-@torch.no_grad()
-def exported_eval_loss(model, tokenizer) -> float:
-    """Mean token loss of `model` over the validation blocks the runs evaluate (all full, so a plain mean)."""
-    raw = load_raw_datasets(None, None, None, None, 5, seed=42)
-    _, eval_set = build_lm_datasets(raw, tokenizer, "text", block_size=128)
-    blocks = torch.stack(list(eval_set["input_ids"][:EVAL_SAMPLES]))
-    losses = [model(input_ids=chunk, labels=chunk).loss for chunk in blocks.split(16)]
-    sizes = [len(chunk) for chunk in blocks.split(16)]
-    return float(sum(loss * size for loss, size in zip(losses, sizes)) / sum(sizes))
 
 
 @pytest.mark.quick

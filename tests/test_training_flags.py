@@ -34,13 +34,13 @@ def test_epoch_intervals_first_step_logging_sample_limits_and_overwrite(cached_r
                             "--output_dir", str(tokenizer_dir)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stderr
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    assert len(tokenizer) == 300
+    assert len(tokenizer) == 302 and tokenizer.chat_template  # 300 learned, and the two chat turn markers (--task sft)
     result = train("single", run, "--overwrite_output_dir", "--max_train_samples", "48", "--max_eval_samples", "10",
                    "--num_train_epochs", "2", "--eval_strategy", "epoch", "--save_strategy", "epoch",
                    "--logging_first_step", "--logging_steps", "5", "--per_device_train_batch_size", "8",
                    "--block_size", "32", "--tokenizer_name", str(tokenizer_dir), "--sample_prompt", "The fox")
     assert "sample:          'The fox" in result.stdout  # the end-of-run sample continues --sample_prompt
-    assert json.loads((run / "final" / "config.json").read_text())["vocab_size"] == 320  # 300, padded to a multiple of 64
+    assert json.loads((run / "final" / "config.json").read_text())["vocab_size"] == 320  # 302, padded to a multiple of 64
     assert (run / "final" / "tokenizer.json").read_text() == (tokenizer_dir / "tokenizer.json").read_text()
     assert "48 sequences of up to 32 tokens, global batch 8, 6 steps/epoch, training to step 12, 10 examples for evaluation" \
         in result.stderr

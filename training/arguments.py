@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import sys
 import tempfile
 from dataclasses import MISSING, fields
@@ -223,9 +224,10 @@ def check_adapter_flags(model_args: ModelArguments) -> None:
     if not model_args.model_name_or_path:
         raise ArgumentError("--use_peft trains an adapter on a pretrained model's frozen weights: give "
                             "--model_name_or_path (a Hub id or a directory), or drop --use_peft to train every weight")
-    if model_args.device_map:
-        raise ArgumentError("--use_peft with --device_map is not supported; train the adapter with a data-parallel "
-                            "config (ddp.yaml, fsdp.yaml or a ZeRO config) instead")
+    if model_args.device_map or int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1:
+        split = "--device_map" if model_args.device_map else "tensor parallelism (fsdp_tp.yaml)"
+        raise ArgumentError(f"--use_peft with {split} is not supported; train the adapter with a data-parallel "
+                            "config instead (ddp.yaml, fsdp.yaml or a ZeRO config)")
     if model_args.lora_r < 1 or model_args.lora_alpha <= 0 or not 0 <= model_args.lora_dropout < 1:
         raise ArgumentError(f"--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1); got "
                             f"{model_args.lora_r}, {model_args.lora_alpha}, {model_args.lora_dropout}")

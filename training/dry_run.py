@@ -22,6 +22,7 @@ from accelerate.utils import DeepSpeedPlugin, set_seed
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import align_deepspeed_config
 from training.errors import StrategyError
+from models.adapters import add_adapter
 from training.memory_plan import (
     Layout,
     activation_bytes,
@@ -74,6 +75,8 @@ def dry_run(model_args, data_args, args) -> str | None:
     task = build_task(model_args, data_args)
     raw = task.load_raw_datasets(args.seed)
     model = task.build_model(raw)
+    if model_args.use_peft:
+        model = add_adapter(model, model_args)
     train_set, eval_set = task.datasets(raw, nullcontext())
     data_parallel = processes // layout.tp_size
     global_batch = global_batch_size(args, data_parallel)
@@ -81,13 +84,14 @@ def dry_run(model_args, data_args, args) -> str | None:
 
     offloaded = layout.deepspeed and layout.offload_optimizer  # ZeRO steps the optimizer on the CPU
     dtype = compute_dtype(mixed_precision)
-    state = model_state(layout, parameter_count(model), processes, dtype.itemsize)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    state = model_state(layout, parameter_count(model), processes, dtype.itemsize, trainable)
     memory = (f"model state {(state['parameters'] + state['gradients'] + state['optimizer']) / MIB:,.1f} MiB "
               f"(parameters {state['parameters'] / MIB:,.1f}, gradients {state['gradients'] / MIB:,.1f}, "
               f"optimizer {state['optimizer'] / MIB:,.1f}; {state['offloaded'] / MIB:,.1f} of it in CPU memory)")
-    if "block_size" in task.settings:  # the activation estimate traces a causal LM (training/memory_plan.py)
+    if hasattr(task, "block_size"):  # the activation estimate traces a causal LM (training/memory_plan.py)
         shape = model_shape(model.config, dtype, model_args.trust_remote_code)
-        activations = activation_bytes(shape, args.per_device_train_batch_size, task.settings["block_size"],
+        activations = activation_bytes(shape, args.per_device_train_batch_size, task.block_size,
                                        model_args.gradient_checkpointing)
         memory += (f", activations ~{activations / MIB:,.1f} MiB and working buffers "
                    f"~{working_bytes(layout, shape, dtype.itemsize) / MIB:,.1f} MiB (estimates)")
@@ -96,7 +100,7 @@ def dry_run(model_args, data_args, args) -> str | None:
         f"launch:          {layout.strategy}, {processes} process(es), {data_parallel} data-parallel, "
         f"mixed precision {mixed_precision}\n"
         f"model:           {model_args.model_name_or_path or model_args.model_config}, "
-        f"{parameter_count(model):,} parameters ({type(model).__name__})\n"
+        f"{parameter_count(model):,} parameters ({type(model).__name__}), {trainable:,} trained\n"
         f"data:            {task.describe_data(train_set)}, {len(eval_set)} examples for evaluation\n"
         f"global batch:    {global_batch} = {args.per_device_train_batch_size} per device x {data_parallel} "
         f"data-parallel x {args.gradient_accumulation_steps} accumulation\n"

@@ -10,6 +10,10 @@ Model state, per rank, as each strategy really lays it out with train.py's torch
 | ZeRO-1, -2    | cΨ               | cΨ/N + 4Ψ/N      | 4Ψ/N + 8Ψ/N                          |
 | ZeRO-3        | cΨ/N             | cΨ/N + 4Ψ/N      | 4Ψ/N + 8Ψ/N                          |
 
+With an adapter (`--use_peft`) only its T parameters train: gradients and optimizer state are
+those of T, not Ψ (ZeRO-1/2 then keep the fp32 gradient partition alone, 4T/N, as measured),
+while the frozen weights stay as above.
+
 - accelerate's mixed precision autocasts, so DDP and FSDP2 keep fp32 weights and gradients
   (FSDP2 gathers compute-dtype copies one layer at a time).
 - DeepSpeed keeps compute-dtype weights and fp32 master partitions. While it steps, it casts
@@ -84,6 +88,7 @@ class ModelShape:
     root_parameters: int  # outside the layers: embeddings, final norm, output layer (FSDP2's root unit)
     hidden_size: int
     meta_model: torch.nn.Module = field(repr=False)
+    trainable: int = 0  # parameters the optimizer steps (all, unless an adapter freezes the rest)
 
     @property
     def parameters(self) -> int:
@@ -162,17 +167,26 @@ def _size(value, default: int) -> int:
     return default if value in (None, "auto") else int(float(value))
 
 
-def model_shape(config: PretrainedConfig, compute_dtype: torch.dtype, trust_remote_code: bool = False) -> ModelShape:
-    """Build `config`'s model on the meta device (no memory, any architecture) and measure it."""
+def model_shape(
+    config: PretrainedConfig, compute_dtype: torch.dtype, trust_remote_code: bool = False, adapter=None
+) -> ModelShape:
+    """Build `config`'s model on the meta device (no memory, any architecture) and measure it;
+    `adapter`: a peft config (`models/adapters.py`) whose adapter is added, the rest frozen."""
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype, trust_remote_code=trust_remote_code)
+            if adapter is not None:
+                from peft import get_peft_model
+
+                model = get_peft_model(model, adapter)
     except ValueError as error:  # not a causal LM, or its code needs --trust_remote_code
         raise PlanError(f"cannot build a causal LM from this config: {str(error).strip().splitlines()[0]}") from None
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in _layers(model)]
     numels = [p.numel() for p in model.parameters()]  # tied weights once
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return ModelShape(
-        numels, len(per_layer), max(per_layer, default=0), sum(numels) - sum(per_layer), config.hidden_size, model
+        numels, len(per_layer), max(per_layer, default=0), sum(numels) - sum(per_layer), config.hidden_size, model,
+        trainable,
     )
 
 
@@ -182,18 +196,26 @@ def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def model_state(layout: Layout, parameters: int, processes: int, compute_bytes: int) -> dict[str, float]:
+def model_state(
+    layout: Layout, parameters: int, processes: int, compute_bytes: int, trainable: int | None = None
+) -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state per rank (the table above), for a
-    model of `parameters` values, and how many of them live in CPU memory under offload."""
+    model of `parameters` values of which `trainable` (default: all) are trained, and how many
+    of them live in CPU memory under offload. Frozen parameters (a LoRA base model) have
+    weights only: no gradients, no optimizer state and, under DeepSpeed, no fp32 masters."""
     psi, n, c = parameters, processes, compute_bytes
+    t = psi if trainable is None else trainable
     if not layout.deepspeed:
         shards = n if layout.sharded_parameters else 1
-        state = {"parameters": 4 * psi / shards, "gradients": 4 * psi / shards, "optimizer": 8 * psi / shards}
+        state = {"parameters": 4 * psi / shards, "gradients": 4 * t / shards, "optimizer": 8 * t / shards}
         offloaded = sum(state.values()) if layout.offload_optimizer else 0.0
         return state | {"offloaded": offloaded}
     parameters = c * psi / n if layout.sharded_parameters else c * psi
-    state = {"parameters": parameters, "gradients": (c + 4) * psi / n, "optimizer": 12 * psi / n}
-    offloaded = (state["optimizer"] + 4 * psi / n if layout.offload_optimizer else 0.0) + (
+    # Measured (DeepSpeed 0.19.8, fp32 and bf16): with frozen parameters, ZeRO-1/2 keep the fp32
+    # gradient partition of the trained ones alone, no compute-dtype partition beside it.
+    gradients = (c + 4) * t / n if layout.sharded_parameters or t == psi else 4 * t / n
+    state = {"parameters": parameters, "gradients": gradients, "optimizer": 12 * t / n}
+    offloaded = (state["optimizer"] + 4 * t / n if layout.offload_optimizer else 0.0) + (
         c * psi / n if layout.offload_parameters else 0.0
     )
     return state | {"offloaded": offloaded}

@@ -85,7 +85,10 @@ def gpu_peak_flops(name: str, dtype: torch.dtype | str) -> float | None:
 
 def measured_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 0.3) -> float:
     """The best FLOP/s of square matmuls on this process's CPU threads, over `seconds`."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    # Its own generator: drawing from the global RNG would shift dropout's masks, and a resumed run
+    # (which restores that RNG, then probes again) would train differently from an uninterrupted one.
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, dtype=dtype, generator=generator) for _ in range(2))
     a @ b  # warm-up: thread pool and kernels
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:

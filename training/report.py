@@ -1,5 +1,6 @@
 """`output_dir/report.png`: training and eval loss, learning rate, throughput and gradient norm
-against step, drawn from `output_dir/metrics.jsonl` at the end of every run.
+against step (and, for `--task sft`, held-out exact match), drawn from `output_dir/metrics.jsonl`
+at the end of every run.
 
     python -m training.report outputs/default      # redraw it for any run directory
 """
@@ -17,6 +18,7 @@ PANELS = (  # (title, [(metrics key, label, style)], log scale)
     ("learning rate", [("lr", "lr", "-")], False),
     ("throughput (all ranks)", [("tokens_per_sec", "tokens/s", "-"), ("samples_per_sec", "samples/s", "-")], False),
     ("gradient norm (before clipping)", [("grad_norm", "grad norm", "-")], True),
+    ("held-out answers (greedy, exact match)", [("eval_exact_match", "exact match", "o-")], False),  # --task sft
 )
 
 
@@ -28,10 +30,16 @@ def write_report(output_dir: str | Path, title: str = "") -> Path:
     records = read_metrics(output_dir)
     # The object API: no pyplot, no display. Fixed margins: matplotlib's constrained layout
     # takes longer than drawing the panels (0.7 s of 1.5 s at the end of every run).
-    figure = Figure(figsize=(12, 8))
-    figure.subplots_adjust(left=0.09, right=0.98, bottom=0.07, top=0.9, hspace=0.35, wspace=0.25)
+    # The first four panels always; the others when the run logged what they show.
+    panels = PANELS[:4] + tuple(p for p in PANELS[4:] if any(key in r for r in records for key, _, _ in p[1]))
+    columns = (len(panels) + 1) // 2
+    figure = Figure(figsize=(6 * columns, 8))
+    figure.subplots_adjust(left=0.09 * 2 / columns, right=0.98, bottom=0.07, top=0.9, hspace=0.35, wspace=0.25)
     figure.suptitle(title or str(output_dir))
-    for axes, (panel, series, log_scale) in zip(figure.subplots(2, 2).flat, PANELS):
+    grid = list(figure.subplots(2, columns).flat)
+    for axes in grid[len(panels):]:
+        axes.set_visible(False)
+    for axes, (panel, series, log_scale) in zip(grid, panels):
         for key, label, style in series:
             points = [(r["step"], r[key]) for r in records if key in r]
             if points:

@@ -41,7 +41,6 @@ from training.strategy_adapters import (
     write_effective_deepspeed_config,
 )
 from models.adapters import add_adapter, trainable_summary
-from training.errors import StrategyError
 from training.task_registry import build_task
 from training.tasks import Task
 from training.tensor_parallel import apply_tensor_parallel, data_parallel_size, tensor_parallel_size
@@ -97,7 +96,10 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     workers = loader_workers(args.dataloader_num_workers, accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     loading = {"collate_fn": task.collator, "num_workers": workers,
                "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda"}
-    train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True, **loading)
+    # A generator of its own: each epoch's iterator draws its seed from it, not from the global RNG that
+    # dropout uses and a checkpoint restores (a resumed run would otherwise draw different masks).
+    train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
+                              generator=torch.Generator().manual_seed(args.seed), **loading)
     eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, **loading)
 
     align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
@@ -190,9 +192,6 @@ def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArgu
         model = task.build_model(raw, empty)
     set_seed(seed)  # ranks that built the model empty drew no random numbers: every rank goes on level
     if model_args.use_peft:  # after the seed: every rank draws the same adapter
-        if tensor_parallel_size(accelerator) > 1:
-            raise StrategyError("--use_peft with tensor parallelism (parallelism_config_tp_size) is not supported; "
-                                "train the adapter with fsdp.yaml, ddp.yaml or a ZeRO config")
         model = add_adapter(model, model_args)
         logger.info(trainable_summary(model), main_process_only=True)
     model = apply_tensor_parallel(accelerator, model)  # with a parallelism_config tp_size in the accelerate config

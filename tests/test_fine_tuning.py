@@ -1,0 +1,91 @@
+"""LoRA fine-tuning of a checkpoint the suite trains first (tests/conftest.py `base_model`), on the
+embedded chat set: the same adapter under every config, resumed exactly, exported in peft's format
+and merged. (Full fine-tuning under every config: tests/test_parity.py, whose runs fine-tune the
+same checkpoint; the answer mask: tests/test_chat_data.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from scripts.compare_metrics import compare
+from tests.conftest import (
+    CONFIGS,
+    LORA_STEPS,
+    answer_loss,
+    assert_continues_exactly,
+    lora_args,
+    read_metrics,
+    sft_validation_batches,
+    train,
+)
+
+# fsdp_tp refuses adapters (tests/test_bad_input.py); single is the reference.
+LORA_CONFIGS = sorted(path.stem for path in CONFIGS.glob("*.yaml") if path.stem not in ("single", "fsdp_tp"))
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("config", LORA_CONFIGS)
+def test_every_config_trains_the_same_adapter_and_only_the_adapter(config, lora_run) -> None:
+    reference, run = lora_run("single"), lora_run(config)
+    differences = compare(reference, run, keys=("loss", "lr", "eval_loss", "eval_exact_match"))
+    assert len(differences) == LORA_STEPS * 2 + 3 * 2  # loss and lr per step; both evals at 0, 3 and 6
+    worst = max(differences, key=lambda d: d.absolute)
+    assert worst.absolute <= TOLERANCE, worst
+    for weights in ("adapter_model.safetensors", "merged/model.safetensors"):  # gathered from shards, and merged
+        expected, actual = load_file(reference / "final" / weights), load_file(run / "final" / weights)
+        assert expected.keys() == actual.keys() and expected
+        for name in expected:
+            torch.testing.assert_close(actual[name], expected[name], atol=TOLERANCE, rtol=0, msg=f"{weights}: {name}")
+
+    log = (run / "launch.log").read_text()
+    trainable = int(re.search(r"adapter: ([\d,]+) trainable parameters", log).group(1).replace(",", ""))
+    adapter = load_file(run / "final" / "adapter_model.safetensors")
+    assert trainable == sum(t.numel() for t in adapter.values())
+    state = read_summary(run)["model_state_bytes_per_rank"]
+    assert 0 < state["gradients"] <= 4 * trainable  # fp32 gradients for the adapter alone, at most
+    assert 0 < state["optimizer"] <= 12 * trainable + 1024  # AdamW's two moments (and ZeRO's fp32 copy), no more
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp", "deepspeed_zero3"])
+def test_a_lora_run_resumes_exactly(config, lora_run, base_model, tmp_path) -> None:
+    """The checkpoint at step 3 holds the adapter and its optimizer state (gathered from shards under FSDP2
+    and ZeRO-3): the resumed run logs what the uninterrupted one did and ends with its adapter."""
+    uninterrupted = lora_run(config)
+    shutil.copytree(uninterrupted / "checkpoints" / "step_3", tmp_path / "checkpoints" / "step_3")
+    train(config, tmp_path, *lora_args(config, base_model), "--resume_from_checkpoint", "latest")
+    assert_continues_exactly(uninterrupted, tmp_path, 3, LORA_STEPS, "adapter_model.safetensors")
+
+
+def test_a_lora_run_with_dropout_resumes_exactly(cached_run, base_model, tmp_path) -> None:
+    """Dropout draws from the global RNG, which a checkpoint restores: a resumed run draws the same masks
+    (the training loader seeds its iterators from a generator of its own, not from that RNG)."""
+    args = (*lora_args("ddp", base_model), "--lora_dropout", "0.1")
+    uninterrupted = cached_run("ddp", *args)
+    shutil.copytree(uninterrupted / "checkpoints" / "step_3", tmp_path / "checkpoints" / "step_3")
+    train("ddp", tmp_path, *args, "--resume_from_checkpoint", "latest")
+    assert_continues_exactly(uninterrupted, tmp_path, 3, LORA_STEPS, "adapter_model.safetensors")
+
+
+def test_plain_peft_loads_the_adapter_and_reproduces_the_eval_loss(lora_run, base_model, tmp_path) -> None:
+    """final/ under FSDP2 (the anchors' failure case): PeftModel.from_pretrained(base, final/) and the merged
+    model both give the run's last eval loss over the same validation examples."""
+    run = lora_run("fsdp")
+    logged = [m["eval_loss"] for m in read_metrics(run) if "eval_loss" in m][-1]
+    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, run / "final").eval()
+    merged = AutoModelForCausalLM.from_pretrained(run / "final" / "merged").eval()
+    batches = sft_validation_batches(tmp_path)
+    assert answer_loss(adapted, batches) == pytest.approx(logged, abs=TOLERANCE)
+    assert answer_loss(merged, batches) == pytest.approx(logged, abs=TOLERANCE)
+
+
+def read_summary(run) -> dict:
+    return json.loads((run / "summary.json").read_text())
