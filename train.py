@@ -220,11 +220,11 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
     end_collectives(accelerator)
     release_model_construction_hooks()
     if accelerator.is_main_process:
+        write_summary(run.args.output_dir, summary)
+        write_report(run.args.output_dir, run.title)
         if run.model_args.merge_adapter:  # from the files just written, with plain peft: what a user would load
             merged = merge_adapter(run.model_args.model_name_or_path, final_dir, run.model_args.trust_remote_code)
             run.task.processor.save_pretrained(merged)
-        write_summary(run.args.output_dir, summary)
-        write_report(run.args.output_dir, run.title)
         print_summary(summary, final_dir, run.task)
 
 

@@ -15,6 +15,7 @@ tokenizer and settings, reads the cache.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from contextlib import AbstractContextManager, nullcontext
@@ -83,12 +84,12 @@ def hold_out(train: Dataset, percentage: int, seed: int, stratify_by_column: str
     return DatasetDict({"train": split["train"], "validation": split["test"]})
 
 
-def _cache_key(
-    raw: Dataset, tokenizer: PreTrainedTokenizerBase, text_column: str, block_size: int, packing: bool
-) -> str:
-    """Identify a tokenized dataset by everything that changes its content."""
-    source = raw._fingerprint if raw.cache_files else f"default-corpus-{CORPUS_VERSION}-{len(raw)}"
-    parts = [source, tokenizer.backend_tokenizer.to_str(), text_column, block_size, packing, PACKING_VERSION]
+def cache_key(split: Dataset, embedded: str, tokenizer: PreTrainedTokenizerBase, *settings) -> str:
+    """Identify a tokenized split by everything that changes its content: its source (a file's or Hub
+    dataset's fingerprint, or `embedded`, the version of a set the repository makes), the tokenizer,
+    its chat template and `settings`."""
+    source = split._fingerprint if split.cache_files else f"{embedded}-{len(split)}"
+    parts = [source, tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template, *settings]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
@@ -132,7 +133,8 @@ def build_lm_datasets(
     packed = {}
     with main_process_first or nullcontext():
         for name, split in raw.items():
-            key = _cache_key(split, tokenizer, text_column, block_size, packing)
+            key = cache_key(split, f"default-corpus-{CORPUS_VERSION}", tokenizer, text_column, block_size, packing,
+                            PACKING_VERSION)
             packed[name] = split.map(
                 tokenize_and_pack if packing else tokenize_documents,
                 batched=True,
@@ -157,4 +159,8 @@ def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool):
     under --torch_compile fewer distinct lengths mean fewer recompilations."""
     if packing:
         return default_data_collator
-    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, pad_to_multiple_of=PAD_TO_MULTIPLE_OF)
+    # Padding on the right, whatever the tokenizer's own side: on the left it would shift each
+    # sequence's positions by its batch's padding, so a loss would depend on how batches are split.
+    right_padding = copy.copy(tokenizer)
+    right_padding.padding_side = "right"
+    return DataCollatorForSeq2Seq(right_padding, label_pad_token_id=-100, pad_to_multiple_of=PAD_TO_MULTIPLE_OF)

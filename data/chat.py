@@ -4,8 +4,9 @@ Formats, recognised from the columns (TRL's names):
 - conversational `messages`: a list of `{role, content}`;
 - `prompt` + `completion`: each plain text, or a list of messages.
 
-Messages are rendered with the tokenizer's chat template. Plain-text prompt/completion is
-joined as it is and ends with EOS, as TRL does: base models have no template.
+Messages are rendered with the tokenizer's chat template (a plain-text completion after a
+messages prompt is the assistant's answer). Plain-text prompt/completion is joined as it is,
+with the tokenizer's BOS and an EOS, as TRL does: base models have no template.
 
 The mask. Hub templates (ChatML, Llama 3, Mistral) mostly lack `{% generation %}` markers, so
 the answers are found by rendering the conversation prefix by prefix: the characters an
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from data.errors import DataError
@@ -43,15 +45,12 @@ def recognise_format(columns: Sequence[str]) -> str:
 
 
 def check_example(example: dict[str, Any], data_format: str, where: str) -> None:
-    """Every message has a known role and text content; prompt and completion are both text or both messages."""
+    """Every message has a known role and text content; a plain-text prompt has a plain-text completion."""
     fields = ["messages"] if data_format == "messages" else ["prompt", "completion"]
-    kinds = set()
     for field in fields:
         value = example[field]
         if isinstance(value, str):
-            kinds.add("text")
             continue
-        kinds.add("messages")
         if not isinstance(value, list) or not value:
             raise DataError(f"{where}: {field!r} must be text or a non-empty list of {{role, content}} messages")
         for number, message in enumerate(value):
@@ -60,56 +59,77 @@ def check_example(example: dict[str, Any], data_format: str, where: str) -> None
                 raise DataError(f"{where}: message {number} of {field!r} has role {role!r}; use one of {list(ROLES)}")
             if not isinstance(message.get("content"), str) or not message["content"]:
                 raise DataError(f"{where}: message {number} of {field!r} ({role}) has no text content")
-    if len(kinds) > 1:
-        raise DataError(f"{where}: prompt and completion must both be text or both be lists of messages")
+    if data_format == "prompt-completion" and isinstance(example["prompt"], str) and not isinstance(example["completion"], str):
+        raise DataError(f"{where}: a plain-text prompt needs a plain-text completion (or give both as messages)")
     if data_format == "messages" and not any(m["role"] == "assistant" for m in example["messages"]):
         raise DataError(f"{where}: the conversation has no assistant message, so nothing to learn")
 
 
+def is_plain_text(example: dict[str, Any], data_format: str) -> bool:
+    """Prompt/completion as plain text: joined as it is, no chat template."""
+    return data_format == "prompt-completion" and isinstance(example["prompt"], str)
+
+
+def conversation(example: dict[str, Any], data_format: str) -> tuple[list[dict], int]:
+    """The example as messages, and how many of them are the prompt (a plain completion becomes the assistant's)."""
+    if data_format == "messages":
+        return example["messages"], 0
+    completion = example["completion"]
+    if isinstance(completion, str):
+        completion = [{"role": "assistant", "content": completion}]
+    return example["prompt"] + completion, len(example["prompt"])
+
+
 def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    """The chat template's text; a template that refuses the conversation (alternating roles, no system
+    role, ...) is a DataError, not a traceback."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except TemplateError as error:
+        raise DataError(f"the chat template refused a conversation ({error}); fix the data or give another "
+                        "template with --chat_template PATH".replace("\n", " ")) from None
 
 
 def rendered_with_answers(
     example: dict[str, Any], data_format: str, tokenizer: PreTrainedTokenizerBase, answers_only: bool
 ) -> tuple[str, list[Span]]:
     """The example's training text and the character spans the loss is on (all of it unless `answers_only`)."""
-    if data_format == "prompt-completion" and isinstance(example["prompt"], str):
-        text = example["prompt"] + example["completion"] + tokenizer.eos_token
+    if is_plain_text(example, data_format):  # as TRL: BOS (if the tokenizer adds one) + prompt + completion + EOS
+        completion = example["completion"]
+        text = example["prompt"] + completion + ("" if completion.endswith(tokenizer.eos_token) else tokenizer.eos_token)
         return text, [(len(example["prompt"]) if answers_only else 0, len(text))]
-    if data_format == "prompt-completion":
-        prompt, full = example["prompt"], example["prompt"] + example["completion"]
-        text = render(tokenizer, full)
-        if not answers_only:
-            return text, [(0, len(text))]
-        return text, [(_prefix_length(tokenizer, prompt, text, generation_prompt=True), len(text))]
-    messages = example["messages"]
+    messages, prompt_length = conversation(example, data_format)
     text = render(tokenizer, messages)
     if not answers_only:
         return text, [(0, len(text))]
-    spans = [(_prefix_length(tokenizer, messages[:turn], text, generation_prompt=True),
-              _prefix_length(tokenizer, messages[: turn + 1], text))
-             for turn, message in enumerate(messages) if message["role"] == "assistant"]
-    return text, spans
+    answers = [turn for turn in range(prompt_length, len(messages)) if messages[turn]["role"] == "assistant"]
+    return text, [answer_span(tokenizer, messages, turn, text) for turn in answers]
 
 
-def _prefix_length(tokenizer: PreTrainedTokenizerBase, prefix: list[dict], text: str, generation_prompt: bool = False) -> int:
-    """Characters of `text` that the conversation `prefix` renders to; an error if it is not a prefix."""
-    rendered = render(tokenizer, prefix, generation_prompt) if prefix else ""
-    if not text.startswith(rendered):
+def answer_span(tokenizer: PreTrainedTokenizerBase, messages: list[dict], turn: int, text: str) -> Span:
+    """The characters of `text` that assistant message `turn` adds: from the end of the conversation before
+    it, rendered with the generation prompt, to the end of the conversation through it (less the EOS some
+    templates close a conversation with, where the next turn follows instead)."""
+    before = render(tokenizer, messages[:turn], generation_prompt=True) if turn else ""
+    through = render(tokenizer, messages[: turn + 1])
+    if not text.startswith(through) and through.endswith(tokenizer.eos_token):
+        through = through.removesuffix(tokenizer.eos_token)
+    end = len(through)
+    if not text.startswith(before) or not text.startswith(through) or messages[turn]["content"].strip() not in text[len(before):end]:
         raise DataError(
             "the chat template renders a conversation differently once it grows (it rewrites earlier turns, for "
             "example dropping the reasoning of past answers), so the answer tokens cannot be found; use a template "
             "that only appends (--chat_template PATH), or train on every token (--assistant_only_loss false)"
         )
-    return len(rendered)
+    return len(before), end
 
 
 def tokenize_with_mask(
-    text: str, spans: list[Span], tokenizer: PreTrainedTokenizerBase
+    text: str, spans: list[Span], tokenizer: PreTrainedTokenizerBase, plain_text: bool = False
 ) -> tuple[list[int], list[int]]:
-    """Token ids of `text`, and labels: the id where the token starts inside a span, -100 elsewhere."""
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    """Token ids of `text`, and labels: the id where the token starts inside a span, -100 elsewhere.
+    A template writes its own special tokens (BOS); plain text gets the tokenizer's."""
+    encoded = tokenizer(text, add_special_tokens=plain_text, return_offsets_mapping=True)
     labels = [token if any(start <= begin < end for start, end in spans) else IGNORE_INDEX
               for token, (begin, _) in zip(encoded["input_ids"], encoded["offset_mapping"])]
     return encoded["input_ids"], labels
@@ -136,7 +156,7 @@ def tokenize_conversations(
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
     for example in rows:
         text, spans = rendered_with_answers(example, data_format, tokenizer, answers_only)
-        input_ids, labels = tokenize_with_mask(text, spans, tokenizer)
+        input_ids, labels = tokenize_with_mask(text, spans, tokenizer, is_plain_text(example, data_format))
         cut = truncate(input_ids, labels, max_length, truncation_mode)
         if cut is None or all(label == IGNORE_INDEX for label in cut[1][1:]):  # the first label predicts nothing
             continue
@@ -148,11 +168,9 @@ def tokenize_conversations(
 
 def generation_prompt(example: dict[str, Any], data_format: str, tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
     """The text a model is given at inference (everything before the last answer), and that answer."""
-    if data_format == "prompt-completion" and isinstance(example["prompt"], str):
+    if is_plain_text(example, data_format):
         return example["prompt"], example["completion"]
-    if data_format == "prompt-completion":
-        return render(tokenizer, example["prompt"], generation_prompt=True), example["completion"][-1]["content"]
-    messages = example["messages"]
+    messages, _ = conversation(example, data_format)
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     return render(tokenizer, messages[:last], generation_prompt=True), messages[last]["content"]
 

@@ -10,17 +10,21 @@ like any others, and only the adapter's parameters reach the optimizer.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from models.language import ModelError
+
+if TYPE_CHECKING:
+    from training.flags import ModelArguments
 
 MERGED_DIR = "merged"  # under final/: the base model with the adapter merged in (--merge_adapter)
 
 
-def lora_config(model_args) -> LoraConfig:
+def lora_config(model_args: ModelArguments) -> LoraConfig:
     """The `LoraConfig` the flags describe."""
     targets = model_args.lora_target_modules
     return LoraConfig(
@@ -34,26 +38,23 @@ def lora_config(model_args) -> LoraConfig:
     )
 
 
-def add_adapter(model: PreTrainedModel, model_args) -> PeftModel:
+def add_adapter(model: PreTrainedModel, model_args: ModelArguments) -> PeftModel:
     """`model` frozen, with a fresh adapter on the modules `--lora_target_modules` names."""
     try:
         return get_peft_model(model, lora_config(model_args))
     except ValueError as error:
-        if "not found in the base model" not in str(error) and "No modules were targeted" not in str(error):
-            raise
-        raise ModelError(
-            f"--lora_target_modules {' '.join(model_args.lora_target_modules)} matches no module of "
-            f"{type(model).__name__}; its linear modules are: {' '.join(linear_module_names(model))} (or all-linear)"
-        ) from None
+        if "not found in the base model" in str(error) or "No modules were targeted" in str(error):
+            raise ModelError(
+                f"--lora_target_modules {' '.join(model_args.lora_target_modules)} matches no module of "
+                f"{type(model).__name__}; its linear modules are: {' '.join(linear_module_names(model))} (or all-linear)"
+            ) from None
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelError(f"peft cannot add this adapter to {type(model).__name__}: {first_line}; check the --lora_* flags") from None
 
 
 def linear_module_names(model: torch.nn.Module) -> list[str]:
     """The distinct last names of the model's linear layers (what --lora_target_modules matches)."""
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
-
-
-def is_adapter(model: torch.nn.Module) -> bool:
-    return isinstance(model, PeftModel)
 
 
 def trainable_summary(model: PeftModel) -> str:
@@ -62,9 +63,16 @@ def trainable_summary(model: PeftModel) -> str:
 
 
 def merge_adapter(base: str, adapter_dir: Path, trust_remote_code: bool = False) -> Path:
-    """Load the base model and the saved adapter with plain peft, merge, and save a plain model in
-    adapter_dir/merged (one process, CPU: the base model fits in host memory whole here)."""
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
-    merged.save_pretrained(adapter_dir / MERGED_DIR)
+    """Load the base model and the saved adapter with plain peft, merge in fp32, and save a plain model
+    in the base's own dtype in adapter_dir/merged (one process, CPU memory: the whole base model)."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        saved_dtype = AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code).dtype or torch.float32
+        merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+        merged.to(getattr(torch, saved_dtype) if isinstance(saved_dtype, str) else saved_dtype).save_pretrained(
+            adapter_dir / MERGED_DIR)
+    except (OSError, ValueError, RuntimeError) as error:  # the base gone, memory short, ...
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelError(f"--merge_adapter: merging {adapter_dir} into {base} failed ({first_line}); the adapter is "
+                         "saved: merge it later with PeftModel.from_pretrained(base, final).merge_and_unload()") from None
     return adapter_dir / MERGED_DIR

@@ -27,6 +27,7 @@ from transformers import AutoConfig  # noqa: E402
 from models.adapters import lora_config  # noqa: E402
 from models.configs import NAMED_CONFIGS, build_named_config  # noqa: E402
 from models.language import ModelError, build_tokenizer, loading, resolve_block_size  # noqa: E402
+from training.flags import ModelArguments  # noqa: E402
 from training.memory_plan import (  # noqa: E402
     PREFERENCE,
     PlanError,
@@ -78,8 +79,8 @@ def plan(args: argparse.Namespace) -> dict:
     """Every config's figures (bytes) and the recommended config."""
     config = load_config(args)
     dtype = compute_dtype(args.mixed_precision)
-    adapter = lora_config(argparse.Namespace(**vars(args), lora_alpha=2 * args.lora_r, lora_dropout=0.0,
-                                             lora_modules_to_save=None, use_dora=False)) if args.use_peft else None
+    adapter = lora_config(ModelArguments(use_peft=True, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules)
+                          ) if args.use_peft else None  # train.py's other --lora_* defaults
     shape = model_shape(config, dtype, args.trust_remote_code, adapter)
     block_size = resolve_block_size(args.block_size, config)  # as train.py chooses it
     compute_bytes = dtype.itemsize

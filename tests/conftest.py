@@ -368,15 +368,31 @@ def strategy_run(cached_run, base_model):
 LORA_STEPS = 6
 
 
-def lora_args(config: str, base_model: Path) -> tuple[str, ...]:
-    """A LoRA adapter on `base_model`, merged at the end: 6 steps of a global batch of 8 (one process
+@pytest.fixture(scope="session")
+def tied_base_model(base_model, shared_dir) -> Path:
+    """`base_model` as many small published models are: its output layer tied to the input embedding,
+    saved in bf16 (train.py loads it in fp32). What the LoRA runs adapt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def make(directory: Path) -> None:
+        model = AutoModelForCausalLM.from_pretrained(base_model)
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.get_input_embeddings().weight
+        model.to(torch.bfloat16).save_pretrained(directory)
+        AutoTokenizer.from_pretrained(base_model).save_pretrained(directory)
+
+    return made_once(shared_dir / "tied_base_model", make)
+
+
+def lora_args(config: str, base: Path, *extra: str) -> tuple[str, ...]:
+    """A LoRA adapter on `base`, merged at the end: 6 steps of a global batch of 8 (one process
     accumulates 2 micro-batches of 4), checkpoints at steps 3 and 6."""
-    return (*SFT, "--model_name_or_path", str(base_model), "--use_peft", "--merge_adapter",
+    return (*SFT, "--model_name_or_path", str(base), "--use_peft", "--merge_adapter",
             "--max_steps", str(LORA_STEPS), "--logging_steps", "1", "--eval_steps", "3", "--save_steps", "3",
-            "--gradient_accumulation_steps", "2" if config == "single" else "1")
+            "--gradient_accumulation_steps", "2" if config == "single" else "1", *extra)
 
 
 @pytest.fixture(scope="session")
-def lora_run(cached_run, base_model):
-    """`lora_run(config)`: the LoRA run of one config, trained once per test run."""
-    return lambda config: cached_run(config, *lora_args(config, base_model))
+def lora_run(cached_run, tied_base_model):
+    """`lora_run(config, *extra)`: the LoRA run of one config (with `extra` flags), trained once per test run."""
+    return lambda config, *extra: cached_run(config, *lora_args(config, tied_base_model, *extra))

@@ -57,8 +57,10 @@ def test_the_fine_tuning_table_sets_lora_against_full_fine_tuning(fine_tuning) -
     """LoRA trains the same model with gradients and optimizer state for the adapter alone."""
     assert "| fsdp |" in fine_tuning["table"]
     full, lora = (fine_tuning["fine_tuning"]["fsdp"][kind] for kind in ("full", "lora"))
-    assert full["tokens_per_sec"] > 0 and lora["tokens_per_sec"] > 0 and full["parameters"] == lora["parameters"]
+    assert full["tokens_per_sec"] > 0 and lora["tokens_per_sec"] > 0
     full_state, lora_state = full["model_state_bytes_per_rank"], lora["model_state_bytes_per_rank"]
-    assert lora_state["parameters"] == full_state["parameters"]  # the frozen base is still there, sharded alike
+    # the frozen base is still there, sharded alike, and the adapter beside it
+    assert full["parameters"] < lora["parameters"] < 1.25 * full["parameters"]
+    assert full_state["parameters"] < lora_state["parameters"] < 1.25 * full_state["parameters"]
     for part in ("gradients", "optimizer"):
         assert 0 < lora_state[part] < 0.25 * full_state[part], part

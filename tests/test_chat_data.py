@@ -81,6 +81,37 @@ def test_prompt_completion_learns_the_completion_only(tokenizer, conversational)
     assert end_of_answer(tokenizer, plain_text=not conversational) == ("<|endoftext|>" if not conversational else "<|im_end|>")
 
 
+# Hub-style templates without {% generation %} markers: a BOS and a default system prompt written by the
+# template (Llama 3 style), and EOS closing the conversation where the next turn would follow (Phi-3 style).
+HUB_TEMPLATES = {
+    "llama-3 style": ("{{ bos_token }}{% if messages[0]['role'] != 'system' %}<|im_start|>system\nBe brief.<|im_end|>\n"
+                      "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+                      "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "phi-3 style": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}{{ eos_token }}{% endif %}"),
+}
+
+
+@pytest.mark.parametrize("name", HUB_TEMPLATES)
+def test_hub_style_templates_mask_exactly_the_answers_and_their_end_of_turn(tokenizer, name) -> None:
+    templated = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    templated.chat_template = HUB_TEMPLATES[name]
+    text, spans = rendered_with_answers({"messages": CONVERSATION[1:]}, "messages", templated, answers_only=True)
+    input_ids, labels = tokenize_with_mask(text, spans, templated)
+    learned = [token for token, label in zip(input_ids, labels) if label != IGNORE_INDEX]
+    # the conversation's closing EOS is learned with the last answer (where to stop), not after the first
+    closing = [tokenizer.eos_token_id] if name == "phi-3 style" else []
+    assert learned == ids(tokenizer, "owl fox<|im_end|>\n") + ids(tokenizer, "cat<|im_end|>\n") + closing
+    assert labels[0] == IGNORE_INDEX and input_ids.count(tokenizer.eos_token_id) == 1  # BOS / EOS written once
+
+
+def test_a_plain_completion_after_a_messages_prompt_is_the_assistants_answer(tokenizer) -> None:
+    example = {"prompt": [{"role": "user", "content": "Repeat: cat"}], "completion": "cat"}
+    check_example(example, "prompt-completion", "train example 0")
+    input_ids, labels = tokenize_with_mask(*rendered_with_answers(example, "prompt-completion", tokenizer, True), tokenizer)
+    assert [t for t, l in zip(input_ids, labels) if l != IGNORE_INDEX] == ids(tokenizer, "cat<|im_end|>\n")
+
+
 def test_a_template_that_rewrites_earlier_turns_is_named(tokenizer) -> None:
     rewriting = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     rewriting.chat_template = ("{{ messages | length }} turns\n{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"

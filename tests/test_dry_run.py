@@ -11,6 +11,10 @@ import sys
 
 import pytest
 
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from models.configs import build_named_config
+from models.language import SHIPPED_TOKENIZER
 from tests.conftest import CONFIGS, REPO, TINY_RUN, launch
 from training.memory_plan import model_state, read_layout
 
@@ -40,15 +44,8 @@ def test_dry_run_of_a_two_process_offload_launch_prints_its_plan_and_trains_noth
 
 def test_dry_run_of_a_lora_fine_tuning_plans_state_for_the_adapter_alone(tmp_path) -> None:
     """--task sft --use_peft: the chat data, and model state with gradients and optimizer state for the adapter only."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from models.configs import build_named_config
-    from models.language import SHIPPED_TOKENIZER
-
-    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER)
-    AutoModelForCausalLM.from_config(build_named_config("llama-tiny", tokenizer)).save_pretrained(tmp_path / "base")
-    tokenizer.save_pretrained(tmp_path / "base")
-    result = dry_run(tmp_path, "--task", "sft", "--model_name_or_path", str(tmp_path / "base"), "--use_peft")
+    result = dry_run(tmp_path, "--task", "sft", "--model_name_or_path", _files(tmp_path)["{base}"], "--use_peft",
+                     "--chat_template", "models/tokenizer/chat_template.jinja")
     assert result.returncode == 0, result.stderr[-4000:]
     plan = dict(line.split(":", 1) for line in result.stdout.split("=====\n", 2)[-1].strip().splitlines())
     assert "messages examples (loss on answers only;" in plan["data"]
@@ -68,11 +65,28 @@ def dry_run(tmp_path, *args: str, env: dict[str, str] | None = None) -> subproce
 
 
 def _files(tmp_path) -> dict[str, str]:
-    (tmp_path / "chat.jsonl").write_text(20 * (json.dumps({"text": [{"role": "user", "content": "hi"}]}) + "\n"))
-    (tmp_path / "one.txt").write_text("a single document\n")
-    zero2 = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
-    (tmp_path / "clipping.json").write_text(json.dumps(zero2 | {"gradient_clipping": 1.0}))
-    return {name: str(tmp_path / name.strip("{}")) for name in ("{chat.jsonl}", "{one.txt}", "{clipping.json}")}
+    def lines(record: dict) -> str:
+        return 40 * (json.dumps(record) + "\n")
+
+    hello = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    files = {
+        "chat.jsonl": lines({"text": [{"role": "user", "content": "hi"}]}),
+        "one.txt": "a single document\n",
+        "clipping.json": json.dumps(json.loads((REPO / "ds_configs" / "zero2.json").read_text()) | {"gradient_clipping": 1.0}),
+        "no-content.jsonl": lines({"messages": [{"role": "user", "content": ""}, hello[1]]}),
+        "question-answer.jsonl": lines({"question": "q", "answer": "a"}),
+        "hello.jsonl": lines({"messages": hello}),
+        "not-jinja.jinja": "{% for message in messages %}{{ message['content'] }",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    base = tmp_path / "base"  # a model whose tokenizer has no chat template
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER)
+    AutoModelForCausalLM.from_config(build_named_config("llama-tiny", tokenizer)).save_pretrained(base)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    return {f"{{{name}}}": str(tmp_path / name) for name in [*files, "base"]}
 
 
 # case -> (train.py flags, launcher environment, what the one error line says); one per stage that refuses
@@ -84,6 +98,19 @@ MISTAKES = {
         "gradient_clipping is 1.0 in the DeepSpeed JSON but --max_grad_norm is 0.5",
     ),
     "chat data in the text column": (["--train_file", "{chat.jsonl}"], {}, "this is chat data; fine-tune on it with --task sft"),
+    "a chat message with no content": (["--task", "sft", "--train_file", "{no-content.jsonl}"], {},
+                                       "message 0 of 'messages' (user) has no text content"),
+    "data with none of text, messages, or prompt and completion": (
+        ["--task", "sft", "--train_file", "{question-answer.jsonl}"], {},
+        "none of the columns text, messages, or prompt and completion"),
+    "a chat template that is not Jinja": (["--task", "sft", "--chat_template", "{not-jinja.jinja}"], {},
+                                          "is not a valid Jinja chat template"),
+    "a tokenizer without a chat template": (["--task", "sft", "--model_name_or_path", "{base}", "--train_file",
+                                             "{hello.jsonl}"], {}, "give one with --chat_template PATH"),
+    "--lora_target_modules that match nothing": (
+        ["--task", "sft", "--model_name_or_path", "{base}", "--chat_template", "models/tokenizer/chat_template.jinja",
+         "--use_peft", "--lora_target_modules", "qkv"], {},
+        "matches no module of LlamaForCausalLM; its linear modules are: down_proj gate_proj k_proj lm_head o_proj"),
     "too little data to hold out a validation split": (
         ["--train_file", "{one.txt}"], {}, "1 training examples cannot give up --validation_split_percentage 5"
     ),

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a checkpoint the suite trains first (tests/conftest.py `base_model`), on the
+"""LoRA fine-tuning of a checkpoint the suite trains first (tests/conftest.py `tied_base_model`), on the
 embedded chat set: the same adapter under every config, resumed exactly, exported in peft's format
 and merged. (Full fine-tuning under every config: tests/test_parity.py, whose runs fine-tune the
 same checkpoint; the answer mask: tests/test_chat_data.py.)"""
@@ -39,11 +39,15 @@ def test_every_config_trains_the_same_adapter_and_only_the_adapter(config, lora_
     assert len(differences) == LORA_STEPS * 2 + 3 * 2  # loss and lr per step; both evals at 0, 3 and 6
     worst = max(differences, key=lambda d: d.absolute)
     assert worst.absolute <= TOLERANCE, worst
-    for weights in ("adapter_model.safetensors", "merged/model.safetensors"):  # gathered from shards, and merged
+    # Gathered from shards (fp32), and merged into the base in its own dtype, bf16 here: the same up to
+    # bf16's rounding (torch's default bf16 tolerance), which a difference in the last fp32 bits can flip.
+    for weights, tolerance in (("adapter_model.safetensors", {"atol": TOLERANCE, "rtol": 0}),
+                               ("merged/model.safetensors", {})):
         expected, actual = load_file(reference / "final" / weights), load_file(run / "final" / weights)
         assert expected.keys() == actual.keys() and expected
         for name in expected:
-            torch.testing.assert_close(actual[name], expected[name], atol=TOLERANCE, rtol=0, msg=f"{weights}: {name}")
+            torch.testing.assert_close(actual[name], expected[name], **tolerance, msg=f"{weights}: {name}")
+    assert next(iter(load_file(run / "final" / "merged/model.safetensors").values())).dtype == torch.bfloat16
 
     log = (run / "launch.log").read_text()
     trainable = int(re.search(r"adapter: ([\d,]+) trainable parameters", log).group(1).replace(",", ""))
@@ -54,37 +58,32 @@ def test_every_config_trains_the_same_adapter_and_only_the_adapter(config, lora_
     assert 0 < state["optimizer"] <= 12 * trainable + 1024  # AdamW's two moments (and ZeRO's fp32 copy), no more
 
 
-@pytest.mark.parametrize("config", ["ddp", "fsdp", "deepspeed_zero3"])
-def test_a_lora_run_resumes_exactly(config, lora_run, base_model, tmp_path) -> None:
+# ddp's with LoRA dropout: a resumed run must draw the masks the uninterrupted one drew (dropout uses the
+# global RNG, which a checkpoint restores; nothing else may draw from it in between).
+RESUMED = {"ddp": ("--lora_dropout", "0.1"), "fsdp": (), "deepspeed_zero3": ()}
+
+
+@pytest.mark.parametrize("config", RESUMED)
+def test_a_lora_run_resumes_exactly(config, lora_run, tied_base_model, tmp_path) -> None:
     """The checkpoint at step 3 holds the adapter and its optimizer state (gathered from shards under FSDP2
     and ZeRO-3): the resumed run logs what the uninterrupted one did and ends with its adapter."""
-    uninterrupted = lora_run(config)
+    uninterrupted = lora_run(config, *RESUMED[config])
     shutil.copytree(uninterrupted / "checkpoints" / "step_3", tmp_path / "checkpoints" / "step_3")
-    train(config, tmp_path, *lora_args(config, base_model), "--resume_from_checkpoint", "latest")
+    train(config, tmp_path, *lora_args(config, tied_base_model, *RESUMED[config]), "--resume_from_checkpoint", "latest")
     assert_continues_exactly(uninterrupted, tmp_path, 3, LORA_STEPS, "adapter_model.safetensors")
 
 
-def test_a_lora_run_with_dropout_resumes_exactly(cached_run, base_model, tmp_path) -> None:
-    """Dropout draws from the global RNG, which a checkpoint restores: a resumed run draws the same masks
-    (the training loader seeds its iterators from a generator of its own, not from that RNG)."""
-    args = (*lora_args("ddp", base_model), "--lora_dropout", "0.1")
-    uninterrupted = cached_run("ddp", *args)
-    shutil.copytree(uninterrupted / "checkpoints" / "step_3", tmp_path / "checkpoints" / "step_3")
-    train("ddp", tmp_path, *args, "--resume_from_checkpoint", "latest")
-    assert_continues_exactly(uninterrupted, tmp_path, 3, LORA_STEPS, "adapter_model.safetensors")
-
-
-def test_plain_peft_loads_the_adapter_and_reproduces_the_eval_loss(lora_run, base_model, tmp_path) -> None:
-    """final/ under FSDP2 (the anchors' failure case): PeftModel.from_pretrained(base, final/) and the merged
-    model both give the run's last eval loss over the same validation examples."""
+def test_plain_peft_loads_the_adapter_and_reproduces_the_eval_loss(lora_run, tied_base_model, tmp_path) -> None:
+    """final/ under FSDP2 (the anchors' failure case): PeftModel.from_pretrained(base, final/) gives the run's
+    last eval loss over the same validation examples; so does the merged model, to its bf16 rounding."""
     run = lora_run("fsdp")
     logged = [m["eval_loss"] for m in read_metrics(run) if "eval_loss" in m][-1]
-    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tied_base_model, dtype=torch.float32)
     adapted = PeftModel.from_pretrained(base, run / "final").eval()
     merged = AutoModelForCausalLM.from_pretrained(run / "final" / "merged").eval()
     batches = sft_validation_batches(tmp_path)
     assert answer_loss(adapted, batches) == pytest.approx(logged, abs=TOLERANCE)
-    assert answer_loss(merged, batches) == pytest.approx(logged, abs=TOLERANCE)
+    assert answer_loss(merged.float(), batches) == pytest.approx(logged, abs=1e-3)  # merged weights rounded to bf16
 
 
 def read_summary(run) -> dict:

@@ -42,14 +42,15 @@ def tiny_plan(tmp_path_factory):
 @pytest.mark.parametrize(("config", "training"), [(config, "full") for config in [*EVERY_CONFIG, "fsdp_tp"]]
                          + [(config, "lora") for config in EVERY_CONFIG])
 def test_model_state_agrees_with_the_measured_run_within_10_percent(config, training, tiny_plan, strategy_run,
-                                                                     lora_run) -> None:
+                                                                     lora_run, tied_base_model) -> None:
     """Each config's parameters, gradients and optimizer state per rank, as counted from the
     tensors of a real run (2 processes; 1 for single, 4 for fsdp_tp), against the planner (bf16: test_benchmark.py);
     full fine-tuning, and a LoRA adapter on the frozen model (`--use_peft`: gradients and optimizer state for the
     adapter alone)."""
     run = strategy_run(config) if training == "full" else lora_run(config)
     measured = json.loads((run / "summary.json").read_text())
-    plan_for = tiny_plan(measured["processes"] if config != "single" else 2, *(["--use_peft"] if training == "lora" else []))
+    adapter = ["--use_peft", "--model_name_or_path", str(tied_base_model)] if training == "lora" else []  # what it adapts
+    plan_for = tiny_plan(measured["processes"] if config != "single" else 2, *adapter)
     planned = plan_for["configs"][config]
     if training == "lora":
         assert plan_for["trainable_parameters"] < plan_for["parameters"] / 4

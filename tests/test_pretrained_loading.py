@@ -1,6 +1,7 @@
 """Fine-tuning a pretrained directory: FSDP2 builds the model on rank 0 only and broadcasts it
 (fsdp_cpu_ram_efficient_loading), ZeRO-3 loads it partitioned (deepspeed.zero.Init); both train
-exactly as DDP, which builds it whole on every rank (training/accelerator.py `model_construction`)."""
+exactly as DDP, which builds it whole on every rank (training/accelerator.py `model_construction`).
+The runs are the LoRA runs of tests/test_fine_tuning.py; full fine-tuning from a checkpoint: tests/test_parity.py."""
 
 from __future__ import annotations
 
@@ -10,48 +11,24 @@ from transformers import AutoModelForCausalLM
 
 from models.configs import build_named_config
 from models.language import build_tokenizer
-from tests.conftest import read_metrics, train
+from tests.conftest import LORA_STEPS, read_metrics
 from training.strategy_adapters import persistent_buffers
 
 # config -> what its log says of how the model was built
 LOADING = {"ddp": None, "fsdp": "model built on rank 0 only", "deepspeed_zero3": "model built partitioned"}
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    """A tiny Llama saved in bf16, as published checkpoints are, with its tokenizer; its output layer
-    is tied to the input embedding, as in many small models (the random-init runs elsewhere are untied)."""
-    directory = tmp_path_factory.mktemp("pretrained")
-    tokenizer = build_tokenizer(None, None)
-    config = build_named_config("llama-tiny", tokenizer)
-    config.tie_word_embeddings = True
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def fine_tuned(pretrained, tmp_path_factory) -> dict[str, tuple[str, list[dict]]]:
-    runs = {}
-    for config in LOADING:
-        out = tmp_path_factory.mktemp(config)
-        result = train(config, out, "--model_name_or_path", str(pretrained), "--max_steps", "3", "--eval_steps", "3",
-                       "--logging_steps", "1")
-        assert result.returncode == 0, f"{config}:\n{result.stderr[-4000:]}"
-        runs[config] = (result.stderr, read_metrics(out))
-    return runs
-
-
 @pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero3"])
-def test_a_pretrained_model_loads_without_every_rank_holding_it_and_trains_as_ddp(config, fine_tuned) -> None:
-    log, metrics = fine_tuned[config]
+def test_a_pretrained_model_loads_without_every_rank_holding_it_and_trains_as_ddp(config, lora_run) -> None:
+    """The LoRA runs fine-tune a bf16-saved checkpoint with tied embeddings (tests/conftest.py `tied_base_model`)."""
+    log, metrics = (lora_run(config) / "launch.log").read_text(), read_metrics(lora_run(config))
     assert LOADING[config] in log
-    ddp_losses = [m["loss"] for m in fine_tuned["ddp"][1] if "loss" in m]
+    ddp = read_metrics(lora_run("ddp"))
+    assert LOADING["fsdp"] not in (lora_run("ddp") / "launch.log").read_text()  # DDP builds it whole on every rank
     losses = [m["loss"] for m in metrics if "loss" in m]
-    assert len(losses) == 3 and losses == pytest.approx(ddp_losses, abs=1e-5)
+    assert len(losses) == LORA_STEPS and losses == pytest.approx([m["loss"] for m in ddp if "loss" in m], abs=1e-5)
     eval_losses = [m["eval_loss"] for m in metrics if "eval_loss" in m]
-    assert eval_losses == pytest.approx([m["eval_loss"] for m in fine_tuned["ddp"][1] if "eval_loss" in m], abs=1e-5)
+    assert eval_losses == pytest.approx([m["eval_loss"] for m in ddp if "eval_loss" in m], abs=1e-5)
 
 
 @pytest.mark.quick

@@ -32,7 +32,7 @@ from training.flags import (
 )
 from training.metrics import TrackerError, resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
-from training.task_registry import TASKS
+from training.task_registry import ADAPTER_FLAGS, TASKS
 
 
 # TrainingArguments flags that the launcher owns here: the accelerate config or `accelerate launch` sets them.
@@ -120,6 +120,9 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
         raise ArgumentError("--validation_file needs --train_file")
     check_task_flags(model_args, data_args)
     check_adapter_flags(model_args)
+    if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
+        # absolute: an exported adapter names its base model by this path, to be found from anywhere
+        model_args.model_name_or_path = str(Path(model_args.model_name_or_path).resolve())
     if model_args.device_map and requested_strategy() is not Strategy.SINGLE:
         raise ArgumentError(
             f"--device_map splits one model over the GPUs of one process, but the launch asked for "
@@ -201,10 +204,10 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
     model_args.model_config = model_args.model_config or TASKS[task].default_config
     if not model_args.model_name_or_path and model_args.model_config not in configs:
         raise ArgumentError(f"unknown model_config {model_args.model_config!r} for --task {task}; choose one of {sorted(configs)}")
-    for other, entry in TASKS.items():
-        for flag in set(entry.own_flags) - set(TASKS[task].own_flags):
-            if getattr(model_args, flag, getattr(data_args, flag, None)) != FIELD_DEFAULTS[flag]:
-                raise ArgumentError(f"--{flag} is for --task {other}, not {task}; drop it or set --task {other}")
+    for flag in sorted({flag for entry in TASKS.values() for flag in entry.own_flags} - set(TASKS[task].own_flags)):
+        if getattr(model_args, flag, getattr(data_args, flag, None)) != FIELD_DEFAULTS[flag]:
+            owners = [name for name, entry in TASKS.items() if flag in entry.own_flags]
+            raise ArgumentError(f"--{flag} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")
     if data_args.dataset_name and (data_args.train_dir or data_args.train_file):
         raise ArgumentError("--dataset_name and local files (--train_file/--train_dir) exclude each other; give one")
     if data_args.image_size is not None and (data_args.image_size < 8 or model_args.model_name_or_path):
@@ -217,7 +220,7 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
 def check_adapter_flags(model_args: ModelArguments) -> None:
     """LoRA adapts a pretrained model, in one process per device group; its flags need --use_peft."""
     if not model_args.use_peft:
-        for flag in ("merge_adapter", "use_dora", "lora_modules_to_save"):
+        for flag in ADAPTER_FLAGS:
             if getattr(model_args, flag) != FIELD_DEFAULTS[flag]:
                 raise ArgumentError(f"--{flag} is for adapters: add --use_peft, or drop it")
         return

@@ -19,10 +19,10 @@ from contextlib import nullcontext
 
 from accelerate.utils import DeepSpeedPlugin, set_seed
 
+from models.adapters import add_adapter
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import align_deepspeed_config
 from training.errors import StrategyError
-from models.adapters import add_adapter
 from training.memory_plan import (
     Layout,
     activation_bytes,

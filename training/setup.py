@@ -20,6 +20,7 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader
 
+from models.adapters import add_adapter, trainable_summary
 from training.accelerator import build_accelerator, describe, idle_gpu_warning, model_construction
 from training.batchnorm import convert_sync_batchnorm
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
@@ -40,7 +41,6 @@ from training.strategy_adapters import (
     optimizer_offload_device,
     write_effective_deepspeed_config,
 )
-from models.adapters import add_adapter, trainable_summary
 from training.task_registry import build_task
 from training.tasks import Task
 from training.tensor_parallel import apply_tensor_parallel, data_parallel_size, tensor_parallel_size

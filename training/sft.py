@@ -13,8 +13,6 @@ as sharded models need every rank in each forward).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -23,27 +21,31 @@ import jinja2
 import torch
 from accelerate import Accelerator
 from datasets import Dataset, DatasetDict
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from data import DataError, load_raw_datasets, make_collator
+from data import DataError, cache_key, make_collator
 from data.chat import (
     check_example,
     end_of_answer,
     generation_prompt,
+    is_plain_text,
     recognise_format,
+    rendered_with_answers,
     tokenize_conversations,
 )
 from data.default_sft import SFT_VERSION, default_sft_splits
 from models.language import ModelError
+from training.flags import DataArguments, ModelArguments
 from training.tasks import CausalLM
 
 GENERATION_BATCH = 16
+TEMPLATE_CHECKS = 100  # examples per split rendered on every rank before tokenizing: a template's refusals show there
 
 
 class SupervisedFineTuning(CausalLM):
     """Answers to prompts; targets are the answer tokens."""
 
-    def __init__(self, model_args, data_args) -> None:
+    def __init__(self, model_args: ModelArguments, data_args: DataArguments) -> None:
         super().__init__(model_args, data_args)
         self.collator = make_collator(self.processor, packing=False)  # one example per sequence, padded per batch
         if data_args.chat_template:
@@ -55,12 +57,16 @@ class SupervisedFineTuning(CausalLM):
         self.prompts: list[tuple[str, str]] = []  # held-out (prompt, answer) pairs for eval_exact_match
 
     def load_raw_datasets(self, seed: int) -> DatasetDict:
-        d = self.data_args
-        if d.dataset_name or d.train_file:
-            return load_raw_datasets(d.dataset_name, d.dataset_config_name, d.train_file, d.validation_file,
-                                     d.validation_split_percentage, seed)
+        if self.data_args.dataset_name or self.data_args.train_file:
+            return super().load_raw_datasets(seed)
         return DatasetDict({split: Dataset.from_dict({"messages": conversations})
                             for split, conversations in default_sft_splits().items()})
+
+    @property
+    def answers_only(self) -> bool:
+        """Whether the loss is on the answers only: the flag (TRL's name) for the data's format."""
+        d = self.data_args
+        return d.assistant_only_loss if self.data_format == "messages" else d.completion_only_loss
 
     def build_model(self, raw: DatasetDict, empty: bool = False) -> PreTrainedModel:
         model = super().build_model(raw, empty)
@@ -74,23 +80,30 @@ class SupervisedFineTuning(CausalLM):
     def build_datasets(self, raw: DatasetDict, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]:
         d, tokenizer = self.data_args, self.processor
         self.data_format = recognise_format(raw["train"].column_names)
-        self.plain_text = self.data_format == "prompt-completion" and isinstance(raw["train"][0]["prompt"], str)
+        self.plain_text = is_plain_text(raw["train"][0], self.data_format)
         if not self.plain_text:
             check_chat_template(tokenizer)
-        answers_only = d.assistant_only_loss if self.data_format == "messages" else d.completion_only_loss
-        for name, split in raw.items():  # on every rank, before the main process tokenizes: no rank waits on a failed one
+        if not tokenizer.is_fast:  # the answer mask needs each token's characters
+            raise ModelError(f"{type(tokenizer).__name__} is a slow (Python) tokenizer without character offsets; "
+                             "use the model's fast tokenizer (tokenizer.json), e.g. --tokenizer_name of a fast one")
+        # On every rank, before the main process tokenizes (so no rank waits on a failed one): every example's
+        # messages, and the template's rendering and answer mask of the first ones.
+        for name, split in raw.items():
             if recognise_format(split.column_names) != self.data_format:
                 raise DataError(f"the {name} split has columns {split.column_names}, unlike the training split")
             for index, example in enumerate(split):
                 check_example(example, self.data_format, f"{name} example {index}")
-        settings = {"tokenizer": tokenizer, "data_format": self.data_format, "answers_only": answers_only,
+                if index < TEMPLATE_CHECKS:
+                    rendered_with_answers(example, self.data_format, tokenizer, self.answers_only)
+        settings = {"tokenizer": tokenizer, "data_format": self.data_format, "answers_only": self.answers_only,
                     "max_length": self.block_size, "truncation_mode": d.truncation_mode}
         cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "sft"
         cache_dir.mkdir(parents=True, exist_ok=True)
         tokenized = {}
         with main_process_first:
             for name, split in raw.items():
-                key = cache_key(split, settings)
+                key = cache_key(split, f"default-sft-{SFT_VERSION}", tokenizer,
+                                *(value for setting, value in settings.items() if setting != "tokenizer"))
                 tokenized[name] = split.map(tokenize_conversations, batched=True, batch_size=500, fn_kwargs=settings,
                                             remove_columns=split.column_names, new_fingerprint=key,
                                             cache_file_name=str(cache_dir / f"{key}.arrow"), desc=f"Formatting {name}")
@@ -101,8 +114,7 @@ class SupervisedFineTuning(CausalLM):
         return train.remove_columns("truncated"), tokenized["validation"].remove_columns("truncated")
 
     def describe_data(self, train_set: Dataset) -> str:
-        mask = "answers only" if (self.data_args.assistant_only_loss if self.data_format == "messages"
-                                  else self.data_args.completion_only_loss) else "every token"
+        mask = "answers only" if self.answers_only else "every token"
         cut = f"{self.truncated} cut to --max_length {self.block_size} ({self.data_args.truncation_mode})"
         if self.data_args.truncation_mode == "drop":
             cut = f"{self.dropped} longer than --max_length {self.block_size} dropped"
@@ -113,8 +125,8 @@ class SupervisedFineTuning(CausalLM):
     def generation_metrics(self, model: torch.nn.Module, accelerator: Accelerator) -> dict[str, float]:
         if not self.prompts:
             return {}
-        answers = generate_answers(accelerator.unwrap_model(model), self.processor, [p for p, _ in self.prompts],
-                                   self.answer_end(), synced=accelerator.num_processes > 1)
+        answers = generate_answers(accelerator.unwrap_model(model), self.processor, self.prompts, self.answer_end(),
+                                   accelerator.device, self.block_size, synced=accelerator.num_processes > 1)
         right = sum(answer == reference.strip() for answer, (_, reference) in zip(answers, self.prompts))
         return {"eval_exact_match": right / len(self.prompts)}
 
@@ -125,23 +137,30 @@ class SupervisedFineTuning(CausalLM):
         model = AutoModelForCausalLM.from_pretrained(final_dir)
         tokenizer = AutoTokenizer.from_pretrained(final_dir)
         prompt, reference = self.prompts[0] if self.prompts else (self.data_args.sample_prompt, "")
-        answer = generate_answers(model, tokenizer, [prompt], self.answer_end(), synced=False)[0]
+        answer = generate_answers(model, tokenizer, [(prompt, reference)], self.answer_end(), model.device,
+                                  self.block_size, synced=False)[0]
         return f"{prompt!r} -> {answer!r} (reference {reference!r})"
 
 
 @torch.no_grad()
-def generate_answers(model: PreTrainedModel, tokenizer, prompts: list[str], end: str, synced: bool) -> list[str]:
-    """Greedy answers to `prompts`, each cut at `end` (the template's end of an answer) or EOS and stripped."""
+def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[tuple[str, str]],
+                     end: str, device: torch.device, max_length: int, synced: bool) -> list[str]:
+    """Greedy answers to (prompt, reference) pairs, each cut at `end` (the template's end of an answer) or
+    EOS and stripped; room for the reference's tokens and a few more, prompts cut to their last tokens
+    within `max_length`. `synced`: every rank generates until all are done (sharded models)."""
     stop_ids = {tokenizer.eos_token_id} | ({tokenizer.convert_tokens_to_ids(end)} if end in tokenizer.get_vocab() else set())
-    device = next(model.parameters()).device
     answers = []
     for start in range(0, len(prompts), GENERATION_BATCH):
-        encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[start:start + GENERATION_BATCH]]
+        batch = prompts[start:start + GENERATION_BATCH]
+        new_tokens = max(len(tokenizer(reference + end, add_special_tokens=False)["input_ids"]) for _, reference in batch) + 4
+        encoded = [tokenizer(prompt, add_special_tokens=False)["input_ids"][-max(max_length - new_tokens, 1):]
+                   for prompt, _ in batch]
         width = max(len(ids) for ids in encoded)  # left padding: every prompt ends where generation starts
         input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids in encoded], device=device)
         attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=48, do_sample=False,
-                                eos_token_id=sorted(stop_ids), pad_token_id=tokenizer.pad_token_id, synced_gpus=synced)
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                                do_sample=False, eos_token_id=sorted(stop_ids), pad_token_id=tokenizer.pad_token_id,
+                                use_cache=True, synced_gpus=synced)  # the cache, even with gradient checkpointing
         for row in output[:, width:]:
             text = tokenizer.decode(row, skip_special_tokens=False)
             answers.append(text.split(end, 1)[0].split(tokenizer.eos_token, 1)[0].strip())
@@ -156,7 +175,7 @@ def read_chat_template(path: str) -> str:
         raise ModelError(f"cannot read --chat_template {path} ({error.strerror}); give the path of a Jinja file") from None
 
 
-def check_chat_template(tokenizer, source: str = "the tokenizer's chat template") -> None:
+def check_chat_template(tokenizer: PreTrainedTokenizerBase, source: str = "the tokenizer's chat template") -> None:
     """The tokenizer has a chat template, and it renders a conversation."""
     if not tokenizer.chat_template:
         raise ModelError("the tokenizer has no chat template to format conversations with; give one with "
@@ -166,12 +185,3 @@ def check_chat_template(tokenizer, source: str = "the tokenizer's chat template"
                                       tokenize=False)
     except jinja2.TemplateError as error:
         raise ModelError(f"{source} is not a valid Jinja chat template: {error}".replace("\n", " ")) from None
-
-
-def cache_key(split: Dataset, settings: dict) -> str:
-    """Identify a formatted split by everything that changes its content."""
-    source = split._fingerprint if split.cache_files else f"default-sft-{SFT_VERSION}-{len(split)}"
-    tokenizer = settings["tokenizer"]
-    parts = [source, tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template,
-             *(value for name, value in settings.items() if name != "tokenizer")]
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
