@@ -21,6 +21,6 @@ test: setup  ## the test suite: real 2-process CPU runs of every config
 test-quick: setup  ## the quick tier for the edit loop (about a minute, at most 3): unit tests and a few real runs
 	$(PYTHON) -m pytest -m quick
 
-bench: setup  ## every strategy side by side, and train.py against a raw PyTorch DDP loop (about 12 minutes on 2 CPU cores)
+bench: setup  ## every strategy side by side, train.py against a raw PyTorch DDP loop, then full fine-tuning against LoRA (about 15 minutes on 2 CPU cores)
 	$(PYTHON) scripts/benchmark.py
 	$(PYTHON) scripts/benchmark.py --fine_tuning

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-SFT_VERSION = "1"  # bump when the generator changes, so cached tokenizations are rebuilt
+SFT_VERSION = "2"  # bump when the generator changes, so cached tokenizations are rebuilt
 WORDS = ["fox", "owl", "cat", "dog", "bear", "frog", "duck", "wolf", "goat", "deer", "mouse", "rabbit",
          "red", "blue", "green", "key", "book", "apple", "hat", "lamp", "ball", "map", "coin", "bell"]
 SYSTEM = "Answer with the words only."

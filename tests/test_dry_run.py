@@ -76,6 +76,7 @@ def _files(tmp_path) -> dict[str, str]:
         "no-content.jsonl": lines({"messages": [{"role": "user", "content": ""}, hello[1]]}),
         "question-answer.jsonl": lines({"question": "q", "answer": "a"}),
         "hello.jsonl": lines({"messages": hello}),
+        "bad-role.jsonl": lines({"messages": [hello[0], {"role": "bot", "content": "hello"}]}),
         "not-jinja.jinja": "{% for message in messages %}{{ message['content'] }",
     }
     for name, text in files.items():
@@ -100,6 +101,8 @@ MISTAKES = {
     "chat data in the text column": (["--train_file", "{chat.jsonl}"], {}, "this is chat data; fine-tune on it with --task sft"),
     "a chat message with no content": (["--task", "sft", "--train_file", "{no-content.jsonl}"], {},
                                        "message 0 of 'messages' (user) has no text content"),
+    "a chat message with an unknown role": (["--task", "sft", "--train_file", "{bad-role.jsonl}"], {},
+                                            "message 1 of 'messages' has role 'bot'"),
     "data with none of text, messages, or prompt and completion": (
         ["--task", "sft", "--train_file", "{question-answer.jsonl}"], {},
         "none of the columns text, messages, or prompt and completion"),
