@@ -302,8 +302,8 @@ STRATEGY_CLIPPING = 0.5  # below these steps' gradient norms: clipping triggers
 GLOBAL_BATCH = 12
 
 
-# Fine-tuning on the embedded chat set, answers only; 8 held-out prompts answered at each evaluation.
-SFT = ("--task", "sft", "--eval_generation_samples", "8")
+# Fine-tuning on the embedded chat set, answers only; 4 held-out prompts answered at each evaluation.
+SFT = ("--task", "sft", "--eval_generation_samples", "4")
 
 
 def sft_validation_batches(output_dir: Path) -> list[dict[str, torch.Tensor]]:
@@ -365,7 +365,7 @@ def strategy_run(cached_run, base_model):
     return run
 
 
-LORA_STEPS = 6
+LORA_STEPS = 5
 
 
 @pytest.fixture(scope="session")
@@ -385,10 +385,10 @@ def tied_base_model(base_model, shared_dir) -> Path:
 
 
 def lora_args(config: str, base: Path, *extra: str) -> tuple[str, ...]:
-    """A LoRA adapter on `base`, merged at the end: 6 steps of a global batch of 8 (one process
-    accumulates 2 micro-batches of 4), checkpoints at steps 3 and 6."""
+    """A LoRA adapter on `base`, merged at the end: 5 steps of a global batch of 8 (one process
+    accumulates 2 micro-batches of 4), evaluated at steps 0 and 5, a checkpoint at step 3."""
     return (*SFT, "--model_name_or_path", str(base), "--use_peft", "--merge_adapter",
-            "--max_steps", str(LORA_STEPS), "--logging_steps", "1", "--eval_steps", "3", "--save_steps", "3",
+            "--max_steps", str(LORA_STEPS), "--logging_steps", "1", "--eval_steps", str(LORA_STEPS), "--save_steps", "3",
             "--gradient_accumulation_steps", "2" if config == "single" else "1", *extra)
 
 

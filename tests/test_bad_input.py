@@ -59,9 +59,6 @@ LAUNCH_CASES = {
         "ddp", ["--task", "image-classification", "--model_config", "resnet-tiny", "--sync_batchnorm", *RESUME],
         "--sync_batchnorm needs GPUs: torch has no CPU kernels for SyncBatchNorm",
     ),
-    "a chat message with an unknown role": (
-        "ddp", ["--task", "sft", "--train_file", "{bad-role.jsonl}", *RESUME], "message 1 of 'messages' has role 'bot'"
-    ),
     "DeepSpeed JSON clipping disagrees with --max_grad_norm": (
         "{clipping-1.yaml}", ["--max_grad_norm", "0.5", *RESUME], "gradient_clipping is 1.0 in the DeepSpeed JSON"
     ),
@@ -133,8 +130,6 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     (d / "few.txt").write_text("one short line\nand another\n")
     (d / "broken.yaml").write_text("max_steps: [1\n")
     (d / "typo.yaml").write_text("learnin_rate: 0.1\n")
-    bot = [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]
-    (d / "bad-role.jsonl").write_text("\n".join(json.dumps({"messages": bot}) for _ in range(40)))
     zero2 = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
     user_json = {"broken-json": '{"zero_optimization": {', "clipping-1": json.dumps(zero2 | {"gradient_clipping": 1.0}),
                  "own-optimizer": json.dumps(zero2 | {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})}

@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from contextlib import nullcontext
 
 import pytest
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from data import DataError
 from models.configs import build_named_config
-from models.language import SHIPPED_TOKENIZER
+from models.language import SHIPPED_TOKENIZER, ModelError
 from tests.conftest import CONFIGS, REPO, TINY_RUN, launch
+from training.arguments import parse_args
 from training.memory_plan import model_state, read_layout
+from training.task_registry import build_task
 
 MIB = 2**20
 
@@ -99,17 +104,8 @@ MISTAKES = {
         "gradient_clipping is 1.0 in the DeepSpeed JSON but --max_grad_norm is 0.5",
     ),
     "chat data in the text column": (["--train_file", "{chat.jsonl}"], {}, "this is chat data; fine-tune on it with --task sft"),
-    "a chat message with no content": (["--task", "sft", "--train_file", "{no-content.jsonl}"], {},
-                                       "message 0 of 'messages' (user) has no text content"),
     "a chat message with an unknown role": (["--task", "sft", "--train_file", "{bad-role.jsonl}"], {},
                                             "message 1 of 'messages' has role 'bot'"),
-    "data with none of text, messages, or prompt and completion": (
-        ["--task", "sft", "--train_file", "{question-answer.jsonl}"], {},
-        "none of the columns text, messages, or prompt and completion"),
-    "a chat template that is not Jinja": (["--task", "sft", "--chat_template", "{not-jinja.jinja}"], {},
-                                          "is not a valid Jinja chat template"),
-    "a tokenizer without a chat template": (["--task", "sft", "--model_name_or_path", "{base}", "--train_file",
-                                             "{hello.jsonl}"], {}, "give one with --chat_template PATH"),
     "--lora_target_modules that match nothing": (
         ["--task", "sft", "--model_name_or_path", "{base}", "--chat_template", "models/tokenizer/chat_template.jinja",
          "--use_peft", "--lora_target_modules", "qkv"], {},
@@ -118,6 +114,34 @@ MISTAKES = {
         ["--train_file", "{one.txt}"], {}, "1 training examples cannot give up --validation_split_percentage 5"
     ),
 }
+
+
+# More of the sft task's data and model stages (the dry run's above show those stages end in exit 2):
+# case -> (train.py flags, the error, what its one line says)
+SFT_MISTAKES = {
+    "a chat message with no content": (["--train_file", "{no-content.jsonl}"], DataError,
+                                       "message 0 of 'messages' (user) has no text content"),
+    "data with none of text, messages, or prompt and completion": (
+        ["--train_file", "{question-answer.jsonl}"], DataError, "none of the columns text, messages, or prompt and completion"),
+    "a chat template that is not Jinja": (["--chat_template", "{not-jinja.jinja}"], ModelError,
+                                          "is not a valid Jinja chat template"),
+    "a tokenizer without a chat template": (["--model_name_or_path", "{base}", "--train_file", "{hello.jsonl}"], ModelError,
+                                            "give one with --chat_template PATH"),
+}
+
+
+@pytest.mark.parametrize(("args", "error", "message"), SFT_MISTAKES.values(), ids=SFT_MISTAKES.keys())
+def test_chat_data_and_templates_that_cannot_train_are_one_line(tmp_path, args, error, message) -> None:
+    """In-process, the stages a dry run goes through: flags, task (template), data."""
+    files = _files(tmp_path)
+    model_args, data_args, _ = parse_args([*TINY_RUN, "--output_dir", str(tmp_path / "run"), "--task", "sft",
+                                           *(files.get(arg, arg) for arg in args)])
+    with pytest.raises(error, match=re.escape(message)) as refused:
+        task = build_task(model_args, data_args)
+        raw = task.load_raw_datasets(seed=0)
+        task.build_model(raw)
+        task.datasets(raw, nullcontext())
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize(("args", "env", "message"), MISTAKES.values(), ids=MISTAKES.keys())
