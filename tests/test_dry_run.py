@@ -16,6 +16,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import DataError
+from models.adapters import add_adapter
 from models.configs import build_named_config
 from models.language import SHIPPED_TOKENIZER, ModelError
 from tests.conftest import CONFIGS, REPO, TINY_RUN, launch
@@ -106,17 +107,13 @@ MISTAKES = {
     "chat data in the text column": (["--train_file", "{chat.jsonl}"], {}, "this is chat data; fine-tune on it with --task sft"),
     "a chat message with an unknown role": (["--task", "sft", "--train_file", "{bad-role.jsonl}"], {},
                                             "message 1 of 'messages' has role 'bot'"),
-    "--lora_target_modules that match nothing": (
-        ["--task", "sft", "--model_name_or_path", "{base}", "--chat_template", "models/tokenizer/chat_template.jinja",
-         "--use_peft", "--lora_target_modules", "qkv"], {},
-        "matches no module of LlamaForCausalLM; its linear modules are: down_proj gate_proj k_proj lm_head o_proj"),
     "too little data to hold out a validation split": (
         ["--train_file", "{one.txt}"], {}, "1 training examples cannot give up --validation_split_percentage 5"
     ),
 }
 
 
-# More of the sft task's data and model stages (the dry run's above show those stages end in exit 2):
+# More of the sft task's stages (the dry run's unknown role above shows its data stage ends in exit 2):
 # case -> (train.py flags, the error, what its one line says)
 SFT_MISTAKES = {
     "a chat message with no content": (["--train_file", "{no-content.jsonl}"], DataError,
@@ -127,19 +124,25 @@ SFT_MISTAKES = {
                                           "is not a valid Jinja chat template"),
     "a tokenizer without a chat template": (["--model_name_or_path", "{base}", "--train_file", "{hello.jsonl}"], ModelError,
                                             "give one with --chat_template PATH"),
+    "--lora_target_modules that match nothing": (
+        ["--model_name_or_path", "{base}", "--chat_template", "models/tokenizer/chat_template.jinja", "--use_peft",
+         "--lora_target_modules", "qkv"], ModelError,
+        "matches no module of LlamaForCausalLM; its linear modules are: down_proj gate_proj k_proj lm_head o_proj"),
 }
 
 
 @pytest.mark.parametrize(("args", "error", "message"), SFT_MISTAKES.values(), ids=SFT_MISTAKES.keys())
 def test_chat_data_and_templates_that_cannot_train_are_one_line(tmp_path, args, error, message) -> None:
-    """In-process, the stages a dry run goes through: flags, task (template), data."""
+    """In-process, the stages a dry run goes through: flags, task (template), model (adapter), data."""
     files = _files(tmp_path)
     model_args, data_args, _ = parse_args([*TINY_RUN, "--output_dir", str(tmp_path / "run"), "--task", "sft",
                                            *(files.get(arg, arg) for arg in args)])
     with pytest.raises(error, match=re.escape(message)) as refused:
         task = build_task(model_args, data_args)
         raw = task.load_raw_datasets(seed=0)
-        task.build_model(raw)
+        model = task.build_model(raw)
+        if model_args.use_peft:
+            add_adapter(model, model_args)
         task.datasets(raw, nullcontext())
     assert "\n" not in str(refused.value)
 

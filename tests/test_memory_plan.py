@@ -26,14 +26,17 @@ def plan(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict 
 
 @pytest.fixture(scope="module")
 def tiny_plan(tmp_path_factory):
-    """`tiny_plan(num_gpus, *flags)`: the planner's figures for the tiny model the strategy runs train, in fp32."""
+    """`tiny_plan(num_gpus, *flags)`: the planner's figures for the tiny model the strategy runs train, in fp32
+    (scripts/plan_memory.py's own functions, in-process; the script as a user runs it: the tests below)."""
+    from scripts.plan_memory import parse_args as plan_args
+    from scripts.plan_memory import plan as make_plan
+
     plans: dict[tuple, dict] = {}
 
     def figures_for(num_gpus: int, *flags: str) -> dict:
         if (num_gpus, *flags) not in plans:
-            result, plans[num_gpus, *flags] = plan(tmp_path_factory.mktemp("plan"), "--model_config", "llama-tiny",
-                                                   "--num_gpus", str(num_gpus), "--mixed_precision", "no", *flags)
-            assert result.returncode == 0, result.stderr
+            plans[num_gpus, *flags] = make_plan(plan_args(["--model_config", "llama-tiny", "--num_gpus", str(num_gpus),
+                                                           "--mixed_precision", "no", *flags]))
         return plans[num_gpus, *flags]
 
     return figures_for

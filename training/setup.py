@@ -96,10 +96,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     workers = loader_workers(args.dataloader_num_workers, accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     loading = {"collate_fn": task.collator, "num_workers": workers,
                "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda"}
-    # A generator of its own: each epoch's iterator draws its seed from it, not from the global RNG that
-    # dropout uses and a checkpoint restores (a resumed run would otherwise draw different masks).
-    train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
-                              generator=torch.Generator().manual_seed(args.seed), **loading)
+    train_loader = training_loader(train_set, args.per_device_train_batch_size, args.seed, **loading)
     eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, **loading)
 
     align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
@@ -151,6 +148,14 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
                f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args)
+
+
+def training_loader(dataset, batch_size: int, seed: int, **loading) -> DataLoader:
+    """Shuffled batches (by seed and epoch, once accelerate's seedable sampler takes over), with a
+    generator of its own: each epoch's iterator draws its seed from it, not from the global RNG that
+    dropout uses and a checkpoint restores (a resumed run would otherwise draw different masks)."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed),
+                      **loading)
 
 
 def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple[Accelerator, Strategy, str, bool]:
