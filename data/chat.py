@@ -27,7 +27,6 @@ from data.errors import DataError
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
-TRUNCATION_MODES = ("keep_start", "keep_end", "drop")
 Span = tuple[int, int]  # [start, end) characters of the rendered text that are learned
 
 

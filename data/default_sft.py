@@ -2,9 +2,8 @@
 
 Each conversation asks to repeat or to reverse a few words. Only the prompt tells which
 words and which order, so a model that answers right has read it, and no held-out request
-is in the training set. Some
-conversations open with a system message and some run two turns, so the answer mask is
-exercised on every shape. Seeded: every machine builds the same set.
+is in the training set. Some conversations open with a system message and some run two
+turns, so the answer mask is exercised on every shape. Seeded: every machine builds the same set.
 """
 
 from __future__ import annotations

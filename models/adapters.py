@@ -16,7 +16,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from models.language import ModelError
+from models.language import ModelError, first_line
 
 if TYPE_CHECKING:
     from training.flags import ModelArguments
@@ -48,8 +48,8 @@ def add_adapter(model: PreTrainedModel, model_args: ModelArguments) -> PeftModel
                 f"--lora_target_modules {' '.join(model_args.lora_target_modules)} matches no module of "
                 f"{type(model).__name__}; its linear modules are: {' '.join(linear_module_names(model))} (or all-linear)"
             ) from None
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelError(f"peft cannot add this adapter to {type(model).__name__}: {first_line}; check the --lora_* flags") from None
+        raise ModelError(f"peft cannot add this adapter to {type(model).__name__}: {first_line(error)}; "
+                         "check the --lora_* flags") from None
 
 
 def linear_module_names(model: torch.nn.Module) -> list[str]:
@@ -72,7 +72,6 @@ def merge_adapter(base: str, adapter_dir: Path, trust_remote_code: bool = False)
         merged.to(getattr(torch, saved_dtype) if isinstance(saved_dtype, str) else saved_dtype).save_pretrained(
             adapter_dir / MERGED_DIR)
     except (OSError, ValueError, RuntimeError) as error:  # the base gone, memory short, ...
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelError(f"--merge_adapter: merging {adapter_dir} into {base} failed ({first_line}); the adapter is "
+        raise ModelError(f"--merge_adapter: merging {adapter_dir} into {base} failed ({first_line(error)}); the adapter is "
                          "saved: merge it later with PeftModel.from_pretrained(base, final).merge_and_unload()") from None
     return adapter_dir / MERGED_DIR

@@ -25,6 +25,11 @@ class ModelError(ValueError):
     """A model or tokenizer that cannot be loaded or used as asked; the message says how to fix it."""
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's first line, for a one-line error message (its type when it has no text)."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 @contextmanager
 def loading(what: str, source: str) -> Iterator[None]:
     """Turn `transformers` loading failures into one `ModelError` line."""
@@ -36,8 +41,7 @@ def loading(what: str, source: str) -> Iterator[None]:
                 f"{what} {source} needs its own Python code to load; pass --trust_remote_code only if you trust "
                 "that code (it runs on every rank)"
             ) from None
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelError(f"cannot load {what} {source}: {first_line}") from None
+        raise ModelError(f"cannot load {what} {source}: {first_line(error)}") from None
 
 
 def build_tokenizer(
@@ -103,11 +107,12 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
     model.config.use_cache = False
 
 
-def resolve_block_size(requested: int | None, config: PretrainedConfig) -> int:
-    """The requested block size, or the model's maximum (at most 1024); never above the maximum."""
+def resolve_block_size(requested: int | None, config: PretrainedConfig, flag: str = "--block_size") -> int:
+    """The requested length (`flag`: --block_size, or --max_length for fine-tuning), or the model's maximum
+    (at most 1024); never above the maximum."""
     model_max = getattr(config, "max_position_embeddings", None)
     if requested is None:
         return min(model_max or 1024, 1024)
     if model_max is not None and requested > model_max:
-        raise ModelError(f"--block_size {requested} exceeds the model's maximum of {model_max} positions")
+        raise ModelError(f"{flag} {requested} exceeds the model's maximum of {model_max} positions")
     return requested

@@ -19,6 +19,7 @@ import yaml
 from transformers import SchedulerType  # not in training/flags.py: it loads torch, and --help must not
 
 from data import check_data_file
+from models.language import first_line
 from training.checkpoint import complete_checkpoints, newer_checkpoints, require_complete_checkpoint
 from training.strategy import Strategy, requested_strategy
 from training.flags import (
@@ -187,7 +188,7 @@ def check_optimization_flags(train_args: TrainArguments) -> None:
     try:
         check_optimization(train_args)
     except (ValueError, TypeError) as error:
-        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        detail = first_line(error)
         raise ArgumentError(f"--optim {train_args.optim} with --lr_scheduler_type {train_args.lr_scheduler_type} "
                             f"cannot start: {detail}; check --adam_beta1/--adam_beta2/--adam_epsilon and "
                             "--lr_scheduler_kwargs") from None

@@ -34,7 +34,7 @@ from data.chat import (
     tokenize_conversations,
 )
 from data.default_sft import SFT_VERSION, default_sft_splits
-from models.language import ModelError
+from models.language import ModelError, resolve_block_size
 from training.flags import DataArguments, ModelArguments
 from training.tasks import CausalLM
 
@@ -70,10 +70,7 @@ class SupervisedFineTuning(CausalLM):
 
     def build_model(self, raw: DatasetDict, empty: bool = False) -> PreTrainedModel:
         model = super().build_model(raw, empty)
-        requested, model_max = self.data_args.max_length, getattr(model.config, "max_position_embeddings", None)
-        if requested is not None and model_max is not None and requested > model_max:
-            raise ModelError(f"--max_length {requested} exceeds the model's maximum of {model_max} positions")
-        self.block_size = requested or min(model_max or 1024, 1024)
+        self.block_size = resolve_block_size(self.data_args.max_length, model.config, "--max_length")
         self.settings = {"max_length": self.block_size}
         return model
 
