@@ -3,6 +3,8 @@
     python scripts/benchmark.py                                  # llama-small, bf16, 2 processes, all configs
     python scripts/benchmark.py --model_config llama-tiny --steps 8 --configs ddp fsdp --rounds 1
     python scripts/benchmark.py --fine_tuning                    # full fine-tuning against LoRA, per strategy
+    python scripts/benchmark.py --compression --plot docs/compression.png   # --ddp_comm_hook on the default job
+    python scripts/benchmark.py --scaling --plot docs/scaling.png           # weak scaling on 1, 2, 4 processes
 
 Every config trains the same model on the same data for `--steps` optimizer steps with
 `accelerate launch train.py`. The table shows, per strategy: tokens/s and step time
@@ -13,7 +15,8 @@ scripts/plan_memory.py predicts for that config (training/memory_plan.py). Then
 train.py on DDP and `scripts/raw_ddp.py` run alternately, `--rounds` times each (the
 overhead figure is the median of the per-round ratios: back-to-back runs share the machine's
 state), and the data preparation rate (tokenize + pack of the default corpus) is measured
-in-process.
+in-process. The other tables are described by their functions (`fine_tuning_table`,
+`compression_table`, `scaling_table`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -35,6 +39,7 @@ sys.path.insert(0, str(REPO))  # the template's modules: metrics, the planner, d
 from training.metrics import read_metrics  # noqa: E402
 
 CONFIGS = ["ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"]
+SCALING_CONFIGS = ["ddp", "fsdp", "deepspeed_zero2"]
 RUN_TIMEOUT_S = 1800  # a run that takes longer is stuck: stop it rather than hang the benchmark
 
 
@@ -63,16 +68,21 @@ def environment(output_dir: Path) -> dict[str, str]:
                          "TOKENIZERS_PARALLELISM": "false"}
 
 
-def train_run(config: str, args: argparse.Namespace, output_dir: Path, task: tuple[str, ...] = ()) -> dict:
-    """One train.py run; its summary.json, per-step medians, and the time from launch to step 1.
-    `task`: train.py flags that replace pretraining with `--block_size` (fine-tuning's)."""
+def speed_flags(args: argparse.Namespace, task: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """train.py flags for a speed measurement: the benchmark's model, batch and steps, no evaluation or saving.
+    `task`: flags that replace pretraining with `--block_size` (fine-tuning's)."""
+    return ("--model_config", args.model_config, "--per_device_train_batch_size", str(args.per_device_train_batch_size),
+            *(task or ("--block_size", str(args.block_size))), "--max_steps", str(args.steps),
+            "--logging_steps", str(args.log_every), "--eval_strategy", "no", "--save_steps", str(10**9))
+
+
+def train_run(config: str, args: argparse.Namespace, output_dir: Path, flags: tuple[str, ...] | None = None,
+              processes: int | None = None) -> dict:
+    """One train.py run (`flags`, default `speed_flags`) on `processes` (default --num_processes); its
+    summary.json, per-step medians, and the time from launch to step 1."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
-               "--num_processes", str(args.num_processes), "--mixed_precision", args.mixed_precision,
-               "--main_process_port", str(free_port()), "train.py",
-               "--model_config", args.model_config, "--per_device_train_batch_size", str(args.per_device_train_batch_size),
-               *(task or ("--block_size", str(args.block_size))), "--max_steps", str(args.steps),
-               "--logging_steps", str(args.log_every),
-               "--eval_strategy", "no", "--save_steps", str(10**9),  # training speed only
+               "--num_processes", str(processes or args.num_processes), "--mixed_precision", args.mixed_precision,
+               "--main_process_port", str(free_port()), "train.py", *(speed_flags(args) if flags is None else flags),
                "--output_dir", str(output_dir)]
     metrics = output_dir / "metrics.jsonl"
     launched = time.perf_counter()
@@ -156,8 +166,8 @@ def fine_tuning_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str
              "| LoRA: model state/rank (MiB) | LoRA / full state |", "|---|---:|---:|---|---|---:|"]
     results = {}
     for config in args.configs:
-        full = train_run(config, args, scratch / f"{config}-full", sft)
-        lora = train_run(config, args, scratch / f"{config}-lora", (*sft, "--use_peft"))
+        full = train_run(config, args, scratch / f"{config}-full", speed_flags(args, sft))
+        lora = train_run(config, args, scratch / f"{config}-lora", speed_flags(args, (*sft, "--use_peft")))
         states = [run["model_state_bytes_per_rank"] for run in (full, lora)]
         full_state, lora_state = (f"{mib(sum(s.values()))}: {mib(s['parameters'])} + {mib(s['gradients'])} + "
                                   f"{mib(s['optimizer'])}" for s in states)
@@ -168,12 +178,83 @@ def fine_tuning_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str
     return lines, {"fine_tuning": results}
 
 
+def compression_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str], dict]:
+    """The default job (plus --train_flags) under the ddp config with each --ddp_comm_hook: the bytes each rank
+    all-reduces per optimizer step (counted by the hook's wrapper), tokens/s and the losses; `allreduce` is
+    DDP's uncompressed all-reduce through the same counter."""
+    extra = tuple(shlex.split(args.train_flags))
+    lines = [f"gradient compression: the default job{' with ' + args.train_flags if extra else ''}, ddp, "
+             f"{args.num_processes} processes, {args.mixed_precision}; PowerSGD rank {args.power_sgd_rank} from step "
+             f"{args.power_sgd_start_step}", "",
+             "| --ddp_comm_hook | all-reduced per step per rank (KiB) | vs allreduce | tokens/s | final train loss "
+             "| final eval loss |", "|---|---:|---:|---:|---:|---:|"]
+    results, curves = {}, {}
+    for hook in args.hooks:
+        power_sgd = ("--power_sgd_rank", str(args.power_sgd_rank), "--power_sgd_start_step", str(args.power_sgd_start_step))
+        flags = ("--ddp_comm_hook", hook, *(power_sgd if "power_sgd" in hook else ()), *extra)
+        run = results[hook] = train_run("ddp", args, scratch / hook, flags)
+        curves[hook] = [(m["step"], m["loss"]) for m in read_metrics(scratch / hook) if "loss" in m]
+        sent, baseline = run["gradient_allreduce_bytes_per_step"], results.get("allreduce", {}).get("gradient_allreduce_bytes_per_step")
+        lines.append(f"| {hook} | {sent / 1024:,.1f} | {f'{sent / baseline:.3f}' if baseline else ''} | "
+                     f"{run['tokens_per_sec']:,.0f} | {run['train_loss']:.4f} | {run.get('eval_loss', float('nan')):.4f} |")
+        print(lines[-1], flush=True)
+    if args.plot:
+        plot_curves(args.plot, "train loss by --ddp_comm_hook (ddp, default job)", "optimizer step", "train loss",
+                    curves, log_y=True)
+    return lines, {"compression": results}
+
+
+def scaling_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str], dict]:
+    """Weak scaling: the same per-process batch on 1, 2, 4... processes of one thread each, per config;
+    speed-up is throughput over one process's, efficiency is speed-up over processes."""
+    lines = [f"weak scaling: {args.model_config}, {args.mixed_precision}, {args.per_device_train_batch_size} x "
+             f"{args.block_size} tokens per process per step, {args.steps} steps, 1 thread per process "
+             f"(OMP_NUM_THREADS=1), on a machine with {os.cpu_count()} cores", "",
+             "| strategy | processes | tokens/s | speed-up | efficiency |", "|---|---:|---:|---:|---:|"]
+    results, throughput, efficiency = {}, {}, {}
+    for config in args.configs:
+        for processes in args.processes:
+            run = train_run(config, args, scratch / f"{config}-{processes}", processes=processes)
+            one = results.get(config, {}).get(1, run)["tokens_per_sec"]
+            speedup = run["tokens_per_sec"] / one
+            results.setdefault(config, {})[processes] = run | {"speedup": speedup, "efficiency": speedup / processes}
+            throughput.setdefault(config, []).append((processes, run["tokens_per_sec"]))
+            efficiency.setdefault(config, []).append((processes, speedup / processes))
+            lines.append(f"| {config} | {processes} | {run['tokens_per_sec']:,.0f} | {speedup:.2f} | {speedup / processes:.0%} |")
+            print(lines[-1], flush=True)
+    if args.plot:
+        plot_panels(args.plot, f"weak scaling on {os.cpu_count()} cores", "processes",
+                    [("tokens/s (all processes)", throughput), ("efficiency (speed-up / processes)", efficiency)])
+    return lines, {"scaling": results}
+
+
+def plot_curves(path: Path, title: str, xlabel: str, ylabel: str, curves: dict, log_y: bool = False) -> None:
+    plot_panels(path, title, xlabel, [(ylabel, curves)], log_y)
+
+
+def plot_panels(path: Path, title: str, xlabel: str, panels: list[tuple[str, dict]], log_y: bool = False) -> None:
+    """One panel per (ylabel, {label: [(x, y)]}), side by side, written to `path`."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6 * len(panels), 4.5))
+    figure.suptitle(title)
+    for axes, (ylabel, curves) in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels):
+        for label, points in curves.items():
+            axes.plot(*zip(*points), "o-" if len(points) < 10 else "-", label=label, markersize=4)
+        axes.set(xlabel=xlabel, ylabel=ylabel)
+        axes.grid(alpha=0.3)
+        axes.legend()
+        if log_y:
+            axes.set_yscale("log")
+    figure.savefig(path, dpi=100, bbox_inches="tight")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_config", default="llama-small")
-    parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="Default: every config; --scaling: " + " ".join(SCALING_CONFIGS))
     parser.add_argument("--num_processes", type=int, default=2)
-    parser.add_argument("--mixed_precision", default="bf16", choices=["no", "bf16"])
+    parser.add_argument("--mixed_precision", choices=["no", "bf16"], help="Default: bf16; --compression: no (the default job's).")
     parser.add_argument("--per_device_train_batch_size", type=int, default=8)
     parser.add_argument("--block_size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
@@ -182,13 +263,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="train.py/raw DDP pairs for the overhead figure.")
     parser.add_argument("--fine_tuning", action="store_true",
                         help="Instead: full fine-tuning against LoRA per strategy (--block_size is then --max_length).")
+    parser.add_argument("--compression", action="store_true",
+                        help="Instead: the default job under ddp with each --hooks (bytes all-reduced, tokens/s, losses).")
+    parser.add_argument("--hooks", nargs="+", default=["allreduce", "fp16", "power_sgd", "batched_power_sgd"],
+                        help="--compression: the --ddp_comm_hook values, allreduce (the uncompressed baseline) first.")
+    parser.add_argument("--power_sgd_rank", type=int, default=1)
+    parser.add_argument("--power_sgd_start_step", type=int, default=20, help="About 10%% of the default job on 2 processes.")
+    parser.add_argument("--train_flags", default="", help="--compression: train.py flags added to the default job's.")
+    parser.add_argument("--scaling", action="store_true",
+                        help="Instead: weak scaling of --configs (default ddp fsdp deepspeed_zero2) on --processes.")
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="--scaling: process counts, 1 first.")
+    parser.add_argument("--plot", type=Path, help="--compression/--scaling: also draw the figure to this PNG.")
     parser.add_argument("--output", type=Path, help="Also write the tables to this markdown file.")
     parser.add_argument("--json", type=Path, help="Also write every figure to this JSON file.")
     args = parser.parse_args()
-    if args.fine_tuning:
+    args.configs = args.configs or (SCALING_CONFIGS if args.scaling else CONFIGS)
+    args.mixed_precision = args.mixed_precision or ("no" if args.compression else "bf16")
+    table = {"fine_tuning": fine_tuning_table, "compression": compression_table, "scaling": scaling_table}
+    if chosen := [name for name in table if getattr(args, name)]:
         with tempfile.TemporaryDirectory() as scratch:
-            lines, results = fine_tuning_table(args, Path(scratch))
-        write_outputs(lines, {"settings": vars(args) | {"output": None, "json": None}, **results}, args)
+            lines, results = table[chosen[0]](args, Path(scratch))
+        write_outputs(lines, {"settings": vars(args) | {"output": None, "json": None, "plot": None}, **results}, args)
         return
 
     lines = [f"model {args.model_config}, {args.num_processes} processes, {args.mixed_precision}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +67,44 @@ def test_the_fine_tuning_table_sets_lora_against_full_fine_tuning(fine_tuning) -
     assert full_state["parameters"] < lora_state["parameters"] < 1.25 * full_state["parameters"]
     for part in ("gradients", "optimizer"):
         assert 0 < lora_state[part] < 0.25 * full_state[part], part
+
+
+def run_benchmark(out: Path, *flags: str) -> dict:
+    """scripts/benchmark.py with `flags`, as a user runs it; its table, JSON figures and the figure's path."""
+    command = [sys.executable, "scripts/benchmark.py", *flags, "--warmup", "2", "--output", str(out / "table.md"),
+               "--json", str(out / "results.json"), "--plot", str(out / "figure.png")]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {"table": (out / "table.md").read_text(), "plot": out / "figure.png", **json.loads((out / "results.json").read_text())}
+
+
+HOOKS = ("allreduce", "fp16", "batched_power_sgd")  # power_sgd: tests/test_compression.py
+
+
+def test_the_compression_table_counts_the_bytes_each_hook_sends(tmp_path) -> None:
+    """Counted by the hook's wrapper: DDP's all-reduce sends every fp32 gradient, fp16 half of that, PowerSGD
+    (from step 2 of 6) low-rank factors for the matrices after its first plain step."""
+    short = "--model_config llama-tiny --max_steps 6 --block_size 64 --per_device_train_batch_size 4 --logging_steps 2 " \
+            "--eval_steps 6 --max_eval_samples 16"
+    figures = run_benchmark(tmp_path, "--compression", "--hooks", *HOOKS, "--power_sgd_start_step", "2",
+                            "--train_flags", short)
+    runs = figures["compression"]
+    sent = {hook: runs[hook]["gradient_allreduce_bytes_per_step"] for hook in HOOKS}
+    assert sent["allreduce"] == runs["allreduce"]["parameters"] * 4
+    assert sent["fp16"] == sent["allreduce"] / 2
+    assert sent["allreduce"] * 2 / 6 < sent["batched_power_sgd"] < sent["allreduce"] * 0.4  # 2 plain steps of 6
+    for hook in HOOKS:
+        assert f"| {hook} |" in figures["table"] and runs[hook]["tokens_per_sec"] > 0 and runs[hook]["steps"] == 6
+    assert runs["fp16"]["train_loss"] == pytest.approx(runs["allreduce"]["train_loss"], rel=1e-3)
+    assert figures["plot"].stat().st_size > 10_000
+
+
+def test_the_scaling_table_sets_each_process_count_against_one(tmp_path) -> None:
+    figures = run_benchmark(tmp_path, "--scaling", "--configs", "ddp", "--processes", "1", "2", "--model_config",
+                            "llama-tiny", "--steps", "6", "--log_every", "2", "--per_device_train_batch_size", "4",
+                            "--block_size", "64")
+    one, two = (figures["scaling"]["ddp"][str(n)] for n in (1, 2))
+    assert one["processes"] == 1 and two["processes"] == 2 and one["speedup"] == 1
+    assert two["speedup"] == pytest.approx(two["tokens_per_sec"] / one["tokens_per_sec"])
+    assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
+    assert "| ddp | 2 |" in figures["table"] and figures["plot"].stat().st_size > 10_000

@@ -121,6 +121,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
         raise ArgumentError("--validation_file needs --train_file")
     check_task_flags(model_args, data_args)
     check_adapter_flags(model_args)
+    check_comm_hook_flags(train_args)
     if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
         # absolute: an exported adapter names its base model by this path, to be found from anywhere
         model_args.model_name_or_path = str(Path(model_args.model_name_or_path).resolve())
@@ -235,6 +236,17 @@ def check_adapter_flags(model_args: ModelArguments) -> None:
     if model_args.lora_r < 1 or model_args.lora_alpha <= 0 or not 0 <= model_args.lora_dropout < 1:
         raise ArgumentError(f"--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1); got "
                             f"{model_args.lora_r}, {model_args.lora_alpha}, {model_args.lora_dropout}")
+
+
+def check_comm_hook_flags(train_args: TrainArguments) -> None:
+    """--power_sgd_* set PowerSGD, and PowerSGD needs two plain steps first (torch's rule with error feedback)."""
+    if "power_sgd" not in (train_args.ddp_comm_hook or ""):
+        for flag in ("power_sgd_rank", "power_sgd_start_step"):
+            if getattr(train_args, flag) != FIELD_DEFAULTS[flag]:
+                raise ArgumentError(f"--{flag} is for --ddp_comm_hook power_sgd or batched_power_sgd: add one, or drop it")
+    if train_args.power_sgd_rank < 1 or train_args.power_sgd_start_step < 2:
+        raise ArgumentError(f"--power_sgd_rank must be >= 1 and --power_sgd_start_step >= 2; got "
+                            f"{train_args.power_sgd_rank}, {train_args.power_sgd_start_step}")
 
 
 def check_writable(directory: str) -> None:

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from accelerate.utils import DeepSpeedPlugin, set_seed
 
 from models.adapters import add_adapter
+from training.compression import check_comm_hook
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import align_deepspeed_config
 from training.errors import StrategyError
@@ -62,10 +63,12 @@ def dry_run(model_args, data_args, args) -> str | None:
     strategy, processes = requested_strategy(), int(os.environ.get("WORLD_SIZE", "1"))
     # Planned on a login node for GPU machines: check as on a GPU, and say what this machine would refuse.
     check_launch_config(strategy, on_cpu=False)
+    check_comm_hook(args.ddp_comm_hook, strategy, processes, on_cpu=False)
     cpu_note = ""
     if not has_accelerator_device():
         try:
             check_launch_config(strategy, on_cpu=True)
+            check_comm_hook(args.ddp_comm_hook, strategy, processes, on_cpu=True)
         except StrategyError as error:
             cpu_note = f"\nnote:            no GPU here; on CPU machines the run would stop: {error}"
     layout = launched_layout(strategy, args)

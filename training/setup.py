@@ -25,6 +25,7 @@ from training.accelerator import build_accelerator, describe, idle_gpu_warning, 
 from training.batchnorm import convert_sync_batchnorm
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
 from training.collectives import preflight
+from training.compression import GradientTraffic, keep_power_sgd_state_in_checkpoints, register_comm_hook
 from training.console import one_voice
 from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.flags import DataArguments, ModelArguments, TrainArguments
@@ -73,7 +74,7 @@ class Run:
     speed: SpeedMeter
     first_step: int  # the step this launch started from (0, or the resumed checkpoint's)
     model_args: ModelArguments
-
+    traffic: GradientTraffic | None  # the bytes --ddp_comm_hook sent, when one is set
 
 
 def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArguments, stop_requests: StopRequests) -> Run:
@@ -105,6 +106,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, torch_optimizer, train_loader, eval_loader, scheduler
     )
+    traffic = register_comm_hook(model, args.ddp_comm_hook, args.power_sgd_rank, args.power_sgd_start_step)
+    keep_power_sgd_state_in_checkpoints(accelerator, model)
     model_state = model_state_probe(model, torch_optimizer, lambda: held_gradients(model))  # bytes per rank, at step 2
     verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
     write_effective_deepspeed_config(accelerator, args.output_dir)
@@ -147,7 +150,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     model_name = model_args.model_name_or_path or model_args.model_config
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
-               f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args)
+               f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args, traffic)
 
 
 def training_loader(dataset, batch_size: int, seed: int, **loading) -> DataLoader:
@@ -162,6 +165,7 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
     """The Accelerator, checked to run the configured strategy; the start-up lines on the main process."""
     accelerator = build_accelerator(
         args.ddp_timeout,
+        args.ddp_comm_hook,
         # Synchronise by step count only: train.py reads a whole window ahead (see
         # accumulation_windows), so the dataloader's end is seen before the window's last step.
         gradient_accumulation_plugin=GradientAccumulationPlugin(

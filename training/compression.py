@@ -1,0 +1,166 @@
+"""Owns gradient compression for DDP (`--ddp_comm_hook`): the hook, the bytes it sends, and PowerSGD's state in checkpoints.
+
+accelerate's `DistributedDataParallelKwargs(comm_hook=...)` builds torch's hooks and their state;
+they are registered here, after `prepare`, for what accelerate's own registration does not do:
+- the hook is wrapped to count the bytes every all-reduce it issues carries (per rank: the
+  payload handed to the collective, whatever algorithm the backend then runs), on a process
+  group of its own so that nothing else is counted;
+- PowerSGD's state (error feedback, the warm-started P and Q, its random generator, its step
+  counter) differs per rank and lives inside the hook: each rank saves its own with every
+  checkpoint (`powersgd_rank<N>.pt`) and restores it on resume, so a resumed run continues exactly.
+FSDP and DeepSpeed own their communication, so the flag is for the ddp config only.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+from training.errors import StrategyError
+from training.strategy import Strategy
+
+logger = get_logger(__name__)
+
+COMM_HOOKS = {  # --ddp_comm_hook: accelerate's hook types; "allreduce" is DDP's own all-reduce as a (counted) hook
+    "allreduce": None,
+    "fp16": DDPCommunicationHookType.FP16,
+    "bf16": DDPCommunicationHookType.BF16,
+    "power_sgd": DDPCommunicationHookType.POWER_SGD,
+    "batched_power_sgd": DDPCommunicationHookType.BATCHED_POWER_SGD,
+}
+POWER_SGD_STATE = "powersgd_rank{rank}.pt"
+
+
+def check_comm_hook(hook: str | None, strategy: Strategy, processes: int, on_cpu: bool) -> None:
+    """Refuse a hook that cannot run here, with the fix."""
+    if hook is None:
+        return
+    if strategy is not Strategy.DDP or processes < 2:
+        where = strategy.value if strategy is not Strategy.DDP else "one process"
+        raise StrategyError(f"--ddp_comm_hook compresses DDP's all-reduce between processes, and this run is {where} "
+                            "(FSDP and DeepSpeed own their communication); launch with accelerate_configs/ddp.yaml on "
+                            "2 or more processes, or drop the flag")
+    if hook == "bf16" and on_cpu:
+        raise StrategyError("--ddp_comm_hook bf16 needs CUDA (torch's bf16 hook) and this machine has none; "
+                            "use fp16, power_sgd or batched_power_sgd on CPU")
+
+
+@dataclass
+class GradientTraffic:
+    """Bytes the gradient hook hands to all-reduce on this rank, counted as it calls the collective."""
+
+    bytes_sent: int = 0
+    group: dist.ProcessGroup | None = None  # the hook's own group: only its collectives count
+
+    def counting(self) -> None:
+        """Count every `torch.distributed.all_reduce` on `group` (torch's hooks call it by module attribute,
+        also from the callbacks they chain after returning)."""
+        all_reduce = dist.all_reduce
+
+        @functools.wraps(all_reduce)
+        def counted(tensor, *args, group=None, **kwargs):
+            if group is not None and group is self.group:
+                self.bytes_sent += tensor.numel() * tensor.element_size()
+            return all_reduce(tensor, *args, group=group, **kwargs)
+
+        dist.all_reduce = counted
+
+
+def register_comm_hook(model: torch.nn.Module, hook: str | None, power_sgd_rank: int,
+                       power_sgd_start_step: int) -> GradientTraffic | None:
+    """After `prepare`, before the first step: the --ddp_comm_hook on the DDP model, built by accelerate's
+    `DistributedDataParallelKwargs` and registered on a counted process group of its own."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if hook is None:
+        return None
+    traffic = GradientTraffic(group=dist.new_group())  # every rank, same order: the ranks of the default group
+    traffic.counting()
+    if hook == "allreduce":
+        model.register_comm_hook(traffic.group, default_hooks.allreduce_hook)
+        return traffic
+
+    class OnCountedGroup:  # what accelerate's registration calls, with the group put in
+        @staticmethod
+        def register_comm_hook(state, hook):
+            if isinstance(state, powerSGD_hook.PowerSGDState):
+                state.process_group = traffic.group
+            model.register_comm_hook(state if state is not None else traffic.group, hook)
+
+    if hook == "batched_power_sgd":
+        orthogonalize_single_matrices_too()
+    power_sgd = {"matrix_approximation_rank": power_sgd_rank, "start_powerSGD_iter": power_sgd_start_step}
+    DistributedDataParallelKwargs(comm_hook=COMM_HOOKS[hook],
+                                  comm_state_option=power_sgd if "power_sgd" in hook else {}).register_comm_hook(OnCountedGroup)
+    return traffic
+
+
+def orthogonalize_single_matrices_too() -> None:
+    """torch 2.13's `batched_powerSGD_hook` orthogonalises one 2-D matrix per bucket with `_orthogonalize`, which
+    since pytorch#75157 accepts batches (3-D) only and raises AssertionError at the first compressed step: give it
+    the matrix as a batch of one (a view: the result lands in the matrix). tests/test_compression.py fails once
+    torch no longer needs this."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    batches_only = powerSGD_hook._orthogonalize
+    if getattr(batches_only, "accepts_single_matrices", False):
+        return
+
+    def orthogonalize(matrices: torch.Tensor, epsilon: float = 0) -> None:
+        batches_only(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+
+    orthogonalize.accepts_single_matrices = True
+    powerSGD_hook._orthogonalize = orthogonalize
+
+
+def power_sgd_state(model: torch.nn.Module):
+    """The PowerSGDState DDP holds for its hook, if the model runs PowerSGD."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    return next((state for _, state in getattr(model, "_comm_hooks", []) if isinstance(state, PowerSGDState)), None)
+
+
+def keep_power_sgd_state_in_checkpoints(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """Each rank saves its PowerSGD state with every checkpoint and restores it on resume."""
+    state = power_sgd_state(model)
+    if state is None:
+        return
+    rank = accelerator.process_index
+
+    def save(models, weights, output_dir: str) -> None:
+        torch.save(power_sgd_state_dict(state), Path(output_dir) / POWER_SGD_STATE.format(rank=rank))
+
+    def load(models, input_dir: str) -> None:
+        path = Path(input_dir) / POWER_SGD_STATE.format(rank=rank)
+        if not path.is_file():  # another process count, or saved without PowerSGD
+            logger.warning(f"{path.name} not in {input_dir}: PowerSGD's error feedback on rank {rank} starts afresh")
+            return
+        load_power_sgd_state_dict(state, torch.load(path, weights_only=True))
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+
+
+def power_sgd_state_dict(state) -> dict:
+    """Everything PowerSGD carries from step to step, as tensors and numbers (weights-only loadable)."""
+    kind, keys, position, has_gauss, cached_gaussian = state.rng.get_state()
+    return {"iter": state.iter, "error_dict": state.error_dict, "p_memory_dict": state.p_memory_dict,
+            "q_memory_dict": state.q_memory_dict, "rng_keys": torch.from_numpy(keys.astype(np.int64)),
+            "rng": [kind, position, has_gauss, cached_gaussian],
+            "numel": [state.total_numel_before_compression, state.total_numel_after_compression]}
+
+
+def load_power_sgd_state_dict(state, saved: dict) -> None:
+    kind, position, has_gauss, cached_gaussian = saved["rng"]
+    state.rng.set_state((kind, saved["rng_keys"].numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
+    state.iter, state.error_dict = saved["iter"], saved["error_dict"]
+    state.p_memory_dict, state.q_memory_dict = saved["p_memory_dict"], saved["q_memory_dict"]
+    state.total_numel_before_compression, state.total_numel_after_compression = saved["numel"]
