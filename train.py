@@ -167,25 +167,19 @@ def train_step(run: Run, window: list[dict]) -> tuple[torch.Tensor, torch.Tensor
     """One optimizer step over a window of micro-batches; returns the step's loss (on the device)
     and the gradient norm before clipping (nan when --max_grad_norm is 0 and nothing was measured)."""
     accelerator, task, model = run.accelerator, run.task, run.model
-    # The loss is the mean over every target (token, or image) of the global batch (all
-    # micro-batches on all ranks), not a mean of per-batch means, so padded batches weigh by their tokens.
+    # The loss is the mean over every target (token, or image) of the global batch: each
+    # micro-batch's loss sum is divided by the count over the whole window on all ranks.
     window_targets = accelerator.reduce(sum(task.count_targets(batch) for batch in window), "sum")
     clip_norm = run.args.max_grad_norm if run.args.max_grad_norm > 0 else math.inf  # inf: measure, never clip
     step_loss, grad_norm = torch.zeros((), device=accelerator.device), math.nan
     for batch in window:
         with accelerator.accumulate(model):
-            logits = task.forward(model, batch)
-            loss = task.loss_sums(logits, batch)[0].sum() / window_targets
-            del logits  # e.g. tokens x vocabulary floats: freed now, not after the optimizer step
-            # Every strategy averages gradients over micro-steps and processes; scale back up
-            # so the update is the gradient of the global token mean. (Tensor parallelism averages
-            # over data-parallel ranks only, and its tp ranks each counted the window's targets.)
-            accelerator.backward(loss * run.args.gradient_accumulation_steps * accelerator.num_processes)
+            # forward, loss and backward (training/loss.py; pipeline stages: training/pipeline.py)
+            step_loss += run.forward_backward(batch, window_targets)  # stays on device: no host sync here
             if accelerator.sync_gradients:
                 grad_norm = clip_gradients(accelerator, model, clip_norm)
             run.optimizer.step()
             run.optimizer.zero_grad()
-        step_loss += loss.detach()  # stays on device: no host sync in the hot loop
     return step_loss, grad_norm
 
 

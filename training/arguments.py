@@ -33,6 +33,7 @@ from training.flags import (
 )
 from training.metrics import TrackerError, resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
+from training.pipeline import check_pipeline_flags
 from training.task_registry import ADAPTER_FLAGS, TASKS
 
 
@@ -95,7 +96,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
 def validate(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
     """Reject settings that cannot train, on every rank, before any process group starts."""
     positive = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                "logging_steps", "eval_steps", "save_steps", "ddp_timeout"]
+                "logging_steps", "eval_steps", "save_steps", "ddp_timeout", "pipeline_parallel_size",
+                "pipeline_microbatches"]
     for name in positive:
         if getattr(train_args, name) < 1:
             raise ArgumentError(f"--{name} must be at least 1, got {getattr(train_args, name)}")
@@ -122,6 +124,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     check_task_flags(model_args, data_args)
     check_adapter_flags(model_args)
     check_comm_hook_flags(train_args)
+    check_pipeline_flags(model_args, data_args, train_args)
     if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
         # absolute: an exported adapter names its base model by this path, to be found from anywhere
         model_args.model_name_or_path = str(Path(model_args.model_name_or_path).resolve())

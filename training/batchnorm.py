@@ -55,6 +55,11 @@ def average_running_statistics(model: torch.nn.Module, accelerator: Accelerator)
     stats = running_statistics(model)
     if not stats or accelerator.num_processes == 1:
         return
-    averaged = accelerator.reduce(torch.cat([buffer.float().flatten() for buffer in stats]), "mean")
+    flat = torch.cat([buffer.float().flatten() for buffer in stats])
+    if (replicas := getattr(model, "replica_group", None)) is not None:  # pipeline stages: over their own replicas
+        torch.distributed.all_reduce(flat, group=replicas)
+        averaged = flat / torch.distributed.get_world_size(replicas)
+    else:
+        averaged = accelerator.reduce(flat, "mean")
     for buffer, values in zip(stats, averaged.split([buffer.numel() for buffer in stats])):
         buffer.copy_(values.view_as(buffer))

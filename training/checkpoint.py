@@ -23,6 +23,7 @@ from accelerate.utils import broadcast_object_list
 from transformers.utils import PushToHubMixin
 
 from training.batchnorm import average_running_statistics
+from training.pipeline import StageModules
 from training.safe_loading import safe_unpickling
 from training.strategy_adapters import own_class_while_saving
 
@@ -40,6 +41,7 @@ class TrainerState:
     steps_in_epoch: int = 0  # optimizer steps taken in `epoch`: the data position to skip to
     global_batch: int = 0  # sequences per optimizer step; resuming needs the same
     num_processes: int = 1  # that saved the checkpoint
+    pipeline_stages: int = 1  # the model cut into this many stages (training/pipeline.py), each saved apart
 
 
 def checkpoints_root(output_dir: str) -> Path:
@@ -143,7 +145,8 @@ class ResumeError(RuntimeError):
     """A checkpoint that cannot continue this run exactly; the message says what to do."""
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max_steps: int) -> TrainerState:
+def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max_steps: int,
+                    pipeline_stages: int = 1) -> TrainerState:
     """Restore model, optimizer, scheduler and RNG state; return where training stood.
 
     Checks first, on every rank, that the checkpoint can continue this run exactly.
@@ -161,6 +164,13 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
         raise ResumeError(
             f"{path} was trained with a global batch of {state.global_batch}, this run has {global_batch}; "
             "keep per_device_train_batch_size x processes x gradient_accumulation_steps the same to resume"
+        )
+    if state.pipeline_stages != pipeline_stages:
+        raise ResumeError(
+            f"{path} holds a model cut into {state.pipeline_stages} pipeline stage(s) and this run cuts it into "
+            f"{pipeline_stages}; resume with the layout that saved it (--pipeline_parallel_size and "
+            "--pipeline_schedule: Interleaved1F1B has two stages per process), or start a new run from its weights "
+            "(final/ of that run, or the checkpoint's stages merged) with --model_name_or_path"
         )
     if (path / DEEPSPEED_DIR).is_dir() and state.num_processes != accelerator.num_processes:
         raise ResumeError(
@@ -194,6 +204,8 @@ def export_final(accelerator: Accelerator, model, processor: PushToHubMixin, out
     """
     final_dir = Path(output_dir) / "final"
     average_running_statistics(model, accelerator)
+    if isinstance(model, StageModules):  # each process holds some stages: merged on rank 0
+        return model.export(accelerator, processor, final_dir)
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)

@@ -21,6 +21,7 @@ from accelerate.utils import DeepSpeedPlugin, set_seed
 
 from models.adapters import add_adapter
 from training.compression import check_comm_hook
+from training.pipeline import check_pipeline_launch
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import align_deepspeed_config
 from training.errors import StrategyError
@@ -64,6 +65,7 @@ def dry_run(model_args, data_args, args) -> str | None:
     # Planned on a login node for GPU machines: check as on a GPU, and say what this machine would refuse.
     check_launch_config(strategy, on_cpu=False)
     check_comm_hook(args.ddp_comm_hook, strategy, processes, on_cpu=False)
+    check_pipeline_launch(args, strategy, processes)
     cpu_note = ""
     if not has_accelerator_device():
         try:

@@ -208,6 +208,17 @@ class TrainArguments:
         metadata={"help": "PowerSGD: optimizer steps of plain all-reduce before compression starts (torch's "
                           "start_powerSGD_iter; at least 2; about 10%% of the run, and no fewer than the warmup)."},
     )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Pipeline stages: the model cut layer-wise over this many processes (ddp config; launch a "
+                          "multiple of it: the rest are replicas). See training/pipeline.py."},
+    )
+    pipeline_schedule: str = field(
+        default="1F1B", metadata={"help": "Pipeline: torch's schedule.", "choices": ["GPipe", "1F1B", "Interleaved1F1B"]}
+    )
+    pipeline_microbatches: int = field(
+        default=4, metadata={"help": "Pipeline: equal micro-batches each per-device batch is cut into."}
+    )
     torch_compile: bool = field(default=False, metadata={"help": "Compile the model with torch.compile (inductor)."})
     dataloader_num_workers: int | None = field(
         default=None,

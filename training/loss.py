@@ -33,8 +33,8 @@ def correct_next_tokens(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 
 
 def class_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-example cross-entropy, and a count of one target per example."""
-    return F.cross_entropy(logits.float(), labels, reduction="none"), torch.ones_like(labels)
+    """Per-example cross-entropy, and a count of one target per example (none for an ignored label)."""
+    return F.cross_entropy(logits.float(), labels, reduction="none"), (labels != IGNORE_INDEX).long()
 
 
 def accumulation_windows(batches: Iterable[dict], size: int) -> Iterator[list[dict]]:
@@ -116,3 +116,20 @@ class NonFiniteGuard:
                 f"{what} (NaN or inf) at step {first}; stopped without saving anything from that step on. "
                 "Lower --learning_rate, keep --max_grad_norm > 0, or resume from an earlier checkpoint"
             )
+
+
+def forward_backward(accelerator, task, model: torch.nn.Module, accumulation: int, batch: dict,
+                     window_targets: torch.Tensor) -> torch.Tensor:
+    """One micro-step under every data-parallel strategy: forward, loss, backward; returns this process's
+    share of the step's loss. (Pipeline stages run their schedule instead: training/pipeline.py.)
+
+    The loss is the mean over every target (token, or image) of the global batch (all micro-batches
+    on all ranks), not a mean of per-batch means, so padded batches weigh by their tokens."""
+    logits = task.forward(model, batch)
+    loss = task.loss_sums(logits, batch)[0].sum() / window_targets
+    del logits  # e.g. tokens x vocabulary floats: freed now, not after the optimizer step
+    # Every strategy averages gradients over micro-steps and processes; scale back up so the
+    # update is the gradient of the global token mean. (Tensor parallelism averages over
+    # data-parallel ranks only, and its tp ranks each counted the window's targets.)
+    accelerator.backward(loss * accumulation * accelerator.num_processes)
+    return loss.detach()

@@ -6,7 +6,9 @@ the model built and laid out, the data loaders, `prepare`, a resumed state, the 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from accelerate import Accelerator
@@ -33,6 +35,8 @@ from training.layer_split import split_layers
 from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
 from training.performance import SpeedMeter, compute_dtype, model_state_probe, parameter_count, peak_flops
+from training.loss import forward_backward as data_parallel_forward_backward
+from training.pipeline import StageModules, check_pipeline_launch, pipelined, prepare_pipeline, stage_count
 from training.preemption import StopRequests
 from training.strategy import Strategy, master_weight_dtypes, verify_prepared, verify_strategy
 from training.strategy_adapters import (
@@ -75,6 +79,7 @@ class Run:
     first_step: int  # the step this launch started from (0, or the resumed checkpoint's)
     model_args: ModelArguments
     traffic: GradientTraffic | None  # the bytes --ddp_comm_hook sent, when one is set
+    forward_backward: Callable[[dict, torch.Tensor], torch.Tensor]  # one micro-step: (batch, window targets) -> loss
 
 
 def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArguments, stop_requests: StopRequests) -> Run:
@@ -89,8 +94,11 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         raw = task.load_raw_datasets(args.seed)
     model = build_model(accelerator, task, raw, model_args, args.seed)
     num_parameters = parameter_count(model)
+    if pipelined(args):  # this process keeps its stages of the model (training/pipeline.py)
+        model = StageModules(accelerator, model, args)
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
-    global_batch = global_batch_size(args, data_parallel_size(accelerator))
+    replicas = data_parallel_size(accelerator) // args.pipeline_parallel_size  # processes that read different batches
+    global_batch = global_batch_size(args, replicas)
     steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
     train_set = train_set.select(range(steps_per_epoch * global_batch))
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking in start_accelerator).
@@ -103,9 +111,12 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
     torch_optimizer = build_optimizer(model, args, offloaded=optimizer_offload_device(accelerator) != "none")
     scheduler = build_scheduler(torch_optimizer, args, max_steps)
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+    prepare = partial(prepare_pipeline, accelerator, task, args.seed) if pipelined(args) else accelerator.prepare
+    model, optimizer, train_loader, eval_loader, scheduler = prepare(
         model, torch_optimizer, train_loader, eval_loader, scheduler
     )
+    forward_backward = (partial(model.forward_backward, accelerator) if pipelined(args) else
+                        partial(data_parallel_forward_backward, accelerator, task, model, args.gradient_accumulation_steps))
     traffic = register_comm_hook(model, args.ddp_comm_hook, args.power_sgd_rank, args.power_sgd_start_step)
     keep_power_sgd_state_in_checkpoints(accelerator, model)
     model_state = model_state_probe(model, torch_optimizer, lambda: held_gradients(model))  # bytes per rank, at step 2
@@ -118,10 +129,11 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         main_process_only=True,
     )
 
-    state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes)
+    state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes,
+                         pipeline_stages=stage_count(args))
     resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir, accelerator)
     if resume_path:
-        state = load_checkpoint(accelerator, resume_path, global_batch, max_steps)
+        state = load_checkpoint(accelerator, resume_path, global_batch, max_steps, stage_count(args))
         state.num_processes = accelerator.num_processes
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
     if args.overwrite_output_dir:  # only now: every check before has passed
@@ -145,12 +157,14 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     )
     peak = peak_flops(accelerator.device, compute_dtype(accelerator.mixed_precision), tf32)
     model_devices = sorted({p.device for p in model.parameters()}, key=str) if model_args.device_map else None
-    speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit, tensor_parallel_size(accelerator),
+    speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit,
+                       tensor_parallel_size(accelerator) * args.pipeline_parallel_size,  # ranks that read each batch
                        memory_devices=model_devices)
     model_name = model_args.model_name_or_path or model_args.model_config
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
-               f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args, traffic)
+               f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args, traffic,
+               forward_backward)
 
 
 def training_loader(dataset, batch_size: int, seed: int, **loading) -> DataLoader:
@@ -184,6 +198,7 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
         dynamo_plugin=TorchDynamoPlugin(backend="inductor" if args.torch_compile else "no"),
     )
     strategy = verify_strategy(accelerator)
+    check_pipeline_launch(args, strategy, accelerator.num_processes)
     one_voice(accelerator.is_main_process)  # the other ranks report errors only
     tf32 = use_tf32(args.tf32, accelerator.device, accelerator.mixed_precision)
     run_description = f"{describe(accelerator, strategy)} tf32={'on' if tf32 else 'off'}"

@@ -108,8 +108,8 @@ def wrapped_strategy(model: torch.nn.Module) -> Strategy:
         return Strategy.DEEPSPEED
     if isinstance(model, (FSDPModule, FullyShardedDataParallel)):
         return Strategy.FSDP
-    if isinstance(model, DistributedDataParallel):
-        return Strategy.DDP
+    if isinstance(model, DistributedDataParallel) or hasattr(model, "replica_group"):
+        return Strategy.DDP  # (pipeline stages: their replicas average gradients as DDP does, training/pipeline.py)
     return Strategy.SINGLE
 
 EXPECTED_TYPES = {

@@ -46,6 +46,7 @@ class Task(ABC):
     """The interface train.py uses; see the module docstring."""
 
     unit: str  # what throughput counts: "tokens" or "samples"
+    model_input: str  # the batch key the model's first layer reads (a pipeline's first stage is fed it)
     fixed_input_shapes = False  # every batch the same shape: cuDNN may tune its convolutions once (GPUs)
     can_build_empty = True  # build_model honours `empty` (training/accelerator.py `model_construction`)
 
@@ -109,6 +110,7 @@ class CausalLM(Task):
     """Next-token prediction on text; targets are tokens."""
 
     unit = "tokens"
+    model_input = "input_ids"
 
     def __init__(self, model_args, data_args) -> None:
         super().__init__(model_args, data_args)
@@ -167,6 +169,7 @@ class ImageClassification(Task):
     """One label per image; targets are images."""
 
     unit = "samples"
+    model_input = "pixel_values"
     fixed_input_shapes = True
     # Small models; and accelerate broadcasts parameters only, not BatchNorm's statistics.
     can_build_empty = False

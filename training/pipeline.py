@@ -1,0 +1,263 @@
+"""Owns pipeline parallelism: the model's stages on processes, run by torch's schedules over micro-batches.
+
+`--pipeline_parallel_size P` cuts the model into P consecutive stages (models/stages.py), one
+per process (Interleaved1F1B: two per process, 2P in all, stage s on process s mod P), and the
+N launched processes into N/P replicas of that pipeline: processes r*P .. r*P+P-1 form replica
+r, so one replica's stages sit on neighbouring ranks (one node, where they fit). accelerate has
+no pipeline parallelism for training; `torch.distributed.pipelining` runs the schedule
+(`--pipeline_schedule`, over `--pipeline_microbatches` equal slices of each batch), and the
+replicas average their gradients after each window of micro-steps, as DDP does.
+
+What changes for the rest of train.py, all through `StageModules`, the model it trains here:
+- one micro-step is `StageModules.forward_backward` (the schedule runs forward and backward
+  of every micro-batch) instead of a forward and `accelerator.backward`;
+- the loss is the same token mean over the global batch: each micro-batch's loss sum is divided
+  by the window's target count, on the last stage, and reported from there;
+- clipping takes the norm over every stage's gradients; evaluation runs the schedule forward only
+  and sums on the last stage; checkpoints hold each stage's weights and optimizer state under the
+  model's own parameter names; `final/` is the whole model, merged from the stages on rank 0.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.data_loader import prepare_data_loader
+from accelerate.logging import get_logger
+from accelerate.optimizer import AcceleratedOptimizer
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.data import DataLoader
+
+from models.stages import split_into_stages
+from training.errors import ArgumentError, StrategyError
+from training.strategy import Strategy
+
+logger = get_logger(__name__)
+
+SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
+STAGES_PER_PROCESS = {"Interleaved1F1B": 2}  # virtual stages: a process computes two non-neighbouring stages
+STAGE_WEIGHTS = "pipeline_stage{index}.safetensors"
+STAGE_OPTIMIZER = "pipeline_optimizer_rank{rank}.pt"
+
+
+def pipelined(args) -> bool:
+    return args.pipeline_parallel_size > 1
+
+
+def stage_count(args) -> int:
+    """Stages the model is cut into (1 without a pipeline)."""
+    return args.pipeline_parallel_size * STAGES_PER_PROCESS.get(args.pipeline_schedule, 1) if pipelined(args) else 1
+
+
+def check_pipeline_flags(model_args, data_args, args) -> None:
+    """Flag combinations a pipeline cannot run, refused before any process group (ArgumentError)."""
+    if not pipelined(args):
+        return
+    size, micro = args.pipeline_parallel_size, args.pipeline_microbatches
+    for flag, value in (("per_device_train_batch_size", args.per_device_train_batch_size),
+                        ("per_device_eval_batch_size", args.per_device_eval_batch_size)):
+        if value % micro:
+            raise ArgumentError(f"--{flag} {value} is cut into --pipeline_microbatches {micro} equal micro-batches: "
+                                "make it a multiple of that")
+    if args.pipeline_schedule != "GPipe" and micro < size:
+        raise ArgumentError(f"--pipeline_schedule {args.pipeline_schedule} needs at least one micro-batch per stage: "
+                            f"--pipeline_microbatches {micro} < --pipeline_parallel_size {size}; raise it (more "
+                            "micro-batches also shrink the idle bubble) or use GPipe")
+    if args.pipeline_schedule == "Interleaved1F1B" and micro % size:
+        raise ArgumentError(f"Interleaved1F1B runs micro-batches in rounds of --pipeline_parallel_size {size}: make "
+                            f"--pipeline_microbatches ({micro}) a multiple of it")
+    unsupported = {"--device_map": model_args.device_map, "--use_peft": model_args.use_peft,
+                   "--task sft": model_args.task == "sft", "--packing false": not data_args.packing,
+                   "--ddp_comm_hook": args.ddp_comm_hook, "--torch_compile": args.torch_compile,
+                   "--gradient_checkpointing": model_args.gradient_checkpointing}
+    if found := [flag for flag, used in unsupported.items() if used]:
+        raise ArgumentError(f"{', '.join(found)} with --pipeline_parallel_size is not supported (stages exchange "
+                            "fixed-shape activations of whole models); drop it, or train without pipeline stages")
+
+
+def check_pipeline_launch(args, strategy: Strategy, world_size: int) -> None:
+    """The launch fits the pipeline: a DDP-style config whose process count is a multiple of the stages."""
+    if not pipelined(args):
+        return
+    if strategy is not Strategy.DDP:
+        raise StrategyError(f"--pipeline_parallel_size runs under accelerate_configs/ddp.yaml (replicas average "
+                            f"gradients as DDP does), not {strategy.value}: FSDP and ZeRO with pipeline stages are "
+                            "not supported; launch with ddp.yaml")
+    if world_size % args.pipeline_parallel_size:
+        raise StrategyError(f"{world_size} processes cannot hold whole pipelines of --pipeline_parallel_size "
+                            f"{args.pipeline_parallel_size}; launch a multiple of it (--num_processes)")
+
+
+class StageModules(nn.ModuleList):
+    """This process's pipeline stages: what train.py trains in place of the model (see the module docstring)."""
+
+    def __init__(self, accelerator: Accelerator, model: nn.Module, args) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        size = args.pipeline_parallel_size
+        replicas = accelerator.num_processes // size
+        mesh = init_device_mesh(accelerator.device.type, (replicas, size), mesh_dim_names=("dp", "pp"))
+        every_stage = split_into_stages(model, stage_count(args))
+        rank = mesh.get_local_rank("pp")
+        indices = list(range(rank, len(every_stage), size))
+        super().__init__([every_stage[i] for i in indices])
+        for index, stage in enumerate(every_stage):  # free the other stages' weights (the model keeps their names)
+            if index not in indices:
+                stage.to("meta")
+        self.to(accelerator.device)
+        self.__dict__["whole_model"] = model  # not a submodule: this process's stages in place, the others on "meta"
+        self.indices, self.num_stages, self.stage_rank = indices, len(every_stage), rank
+        self.replica, self.replicas = mesh.get_local_rank("dp"), replicas
+        self.stage_group, self.replica_group = mesh.get_group("pp"), mesh.get_group("dp")
+        self.args, self.task, self.schedule, self.optimizer, self.loss_scale, self.metrics = args, None, None, None, None, None
+        logger.info(f"pipeline: {self.num_stages} stages over {size} processes x {replicas} replica(s), "
+                    f"{args.pipeline_schedule} with {args.pipeline_microbatches} micro-batches; rank 0 holds stages "
+                    f"{indices} ({sum(p.numel() for p in self.parameters()):,} parameters)", main_process_only=True)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.indices
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.indices
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This process's stage weights under the whole model's names."""
+        return {stage.full_name(name): tensor.detach().cpu().contiguous()
+                for stage in self for name, tensor in stage.state_dict().items()}
+
+    # ------------------------------------------------------------ prepare
+
+    def prepare(self, accelerator: Accelerator, task, seed: int, optimizer, train_loader: DataLoader,
+                eval_loader: DataLoader, scheduler):
+        """What `accelerator.prepare` does for the other strategies: the schedule over this process's stages;
+        the loaders sharded over replicas (every stage of a replica reads the same batches); the optimizer
+        stepping only when gradients are synchronised; the schedule and checkpoint hooks registered."""
+        from torch.distributed import pipelining
+
+        stages = [pipelining.PipelineStage(stage, index, self.num_stages, accelerator.device, group=self.stage_group)
+                  for stage, index in zip(self, self.indices)]
+        schedule_class = getattr(pipelining, SCHEDULES[self.args.pipeline_schedule])
+        self.task = task
+        self.schedule = schedule_class(stages if len(stages) > 1 or "Interleaved" in self.args.pipeline_schedule
+                                       else stages[0], n_microbatches=self.args.pipeline_microbatches,
+                                       loss_fn=self.loss, scale_grads=False)
+        shard = {"device": accelerator.device, "num_processes": self.replicas, "process_index": self.replica,
+                 "put_on_device": True}
+        train_loader = prepare_data_loader(train_loader, use_seedable_sampler=True, data_seed=seed, **shard)
+        # Evaluation in batches of the training batch's shape (the stages' buffers have it), each replica its own
+        # examples with none repeated; `evaluate` pads the last batch with ignored rows.
+        eval_loader = prepare_data_loader(
+            DataLoader(eval_loader.dataset, batch_size=self.args.per_device_train_batch_size,
+                       collate_fn=eval_loader.collate_fn), even_batches=False, **shard)
+        accelerator.register_save_state_pre_hook(self.save)
+        accelerator.register_load_state_pre_hook(self.load)
+        self.optimizer = optimizer
+        return self, AcceleratedOptimizer(optimizer, device_placement=False), train_loader, eval_loader, \
+            accelerator.prepare(scheduler)
+
+    # ------------------------------------------------------------ train and evaluate
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss on the last stage: its share of the window's token mean (training), or
+        nothing but the sums it adds to the evaluation's totals."""
+        batch = {"labels": labels}
+        sums, counts = self.task.loss_sums(logits, batch)
+        if self.metrics is not None:
+            self.metrics += torch.stack([sums.sum().double(), counts.sum().double(),
+                                         self.task.correct(logits, batch).sum().double()])
+            return sums.sum()
+        return sums.sum() * self.loss_scale
+
+    def run_schedule(self, accelerator: Accelerator, batch: dict, train: bool, losses: list | None = None) -> None:
+        inputs = (batch[self.task.model_input],) if self.has_first else ()
+        with accelerator.autocast():
+            (self.schedule.step if train else self.schedule.eval)(*inputs, target=batch["labels"], losses=losses)
+
+    def forward_backward(self, accelerator: Accelerator, batch: dict, window_targets: torch.Tensor) -> torch.Tensor:
+        """One micro-step: the schedule's forward and backward of every micro-batch; returns this process's share
+        of the step's loss (the last stage's; zero elsewhere). `window_targets` is counted on every process, so
+        each replica's batch once per stage."""
+        self.loss_scale = self.args.pipeline_parallel_size / window_targets
+        losses = []
+        self.run_schedule(accelerator, batch, train=True, losses=losses)
+        if accelerator.sync_gradients and self.replicas > 1:  # the replicas' gradients summed, as DDP averages
+            for param in self.parameters():
+                if param.grad is not None:
+                    dist.all_reduce(param.grad, group=self.replica_group)
+        return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=accelerator.device)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of every stage's gradients (each process holds some stages)."""
+        grads = [param.grad for param in self.parameters() if param.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads).double() ** 2 if grads else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(local, group=self.stage_group)
+        total = local.sqrt().float()
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total) if math.isfinite(max_norm) else None
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, dataloader: DataLoader, accelerator: Accelerator, task) -> dict[str, float]:
+        """The validation loss and accuracy over every example: the schedule forward only, summed on the last stage."""
+        self.eval()
+        self.metrics = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+        for batch in dataloader:
+            self.run_schedule(accelerator, padded(batch, self.args.per_device_train_batch_size), train=False)
+        totals, self.metrics = self.metrics, None
+        dist.all_reduce(totals)  # the last stage's sums, from every replica
+        self.train()
+        loss_sum, targets, right = totals.tolist()
+        return task.eval_metrics(loss_sum / targets, right / targets)
+
+    # ------------------------------------------------------------ checkpoints and export
+
+    def save(self, models, weights, output_dir: str) -> None:
+        """(accelerate's save pre-hook) One replica saves each stage's weights and this process's optimizer state."""
+        if self.replica != 0:
+            return
+        for stage, index in zip(self, self.indices):
+            save_file({stage.full_name(name): tensor.detach().cpu().contiguous()
+                       for name, tensor in stage.state_dict().items()},
+                      Path(output_dir) / STAGE_WEIGHTS.format(index=index))
+        torch.save(self.optimizer.state_dict(), Path(output_dir) / STAGE_OPTIMIZER.format(rank=self.stage_rank))
+
+    def load(self, models, input_dir: str) -> None:
+        """(accelerate's load pre-hook) Every replica restores its stages' weights and optimizer state."""
+        for stage, index in zip(self, self.indices):
+            saved = load_file(Path(input_dir) / STAGE_WEIGHTS.format(index=index))
+            stage.load_state_dict({name: saved[stage.full_name(name)] for name in stage.state_dict()})
+        self.optimizer.load_state_dict(torch.load(Path(input_dir) / STAGE_OPTIMIZER.format(rank=self.stage_rank),
+                                                  weights_only=True))
+
+    def export(self, accelerator: Accelerator, processor, final_dir: Path) -> Path:
+        """The whole model in `final_dir` as `transformers` saves it: every stage's weights gathered to rank 0."""
+        gathered = [None] * accelerator.num_processes if accelerator.is_main_process else None
+        dist.gather_object(self.full_state_dict() if self.replica == 0 else None, gathered, dst=0)
+        if accelerator.is_main_process:
+            merged = {name: tensor for part in gathered if part for name, tensor in part.items()}
+            self.whole_model.load_state_dict(merged, assign=True)
+            self.whole_model.save_pretrained(final_dir)
+            processor.save_pretrained(final_dir)
+        accelerator.wait_for_everyone()
+        return final_dir
+
+
+def prepare_pipeline(accelerator: Accelerator, task, seed: int, model: StageModules, *objects):
+    """`accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)` for pipeline stages."""
+    return model.prepare(accelerator, task, seed, *objects)
+
+
+def padded(batch: dict, rows: int) -> dict:
+    """`batch` with rows appended up to `rows`: copies of its first row whose labels are all ignored."""
+    missing = rows - len(batch["labels"])
+    if missing == 0:
+        return batch
+    ignored = {key: torch.cat([value, value[:1].expand(missing, *value.shape[1:])]) for key, value in batch.items()}
+    ignored["labels"][-missing:] = -100
+    return ignored
