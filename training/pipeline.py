@@ -195,11 +195,12 @@ class StageModules(nn.ModuleList):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of every stage's gradients (each process holds some stages)."""
-        grads = [param.grad for param in self.parameters() if param.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads).double() ** 2 if grads else torch.zeros((), dtype=torch.float64)
+        params = [param for param in self.parameters() if param.grad is not None]
+        local = torch.nn.utils.get_total_norm([param.grad for param in params]).double() ** 2
         dist.all_reduce(local, group=self.stage_group)
         total = local.sqrt().float()
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total) if math.isfinite(max_norm) else None
+        if math.isfinite(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
     @torch.no_grad()
