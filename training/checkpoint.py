@@ -169,8 +169,8 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
         raise ResumeError(
             f"{path} holds a model cut into {state.pipeline_stages} pipeline stage(s) and this run cuts it into "
             f"{pipeline_stages}; resume with the layout that saved it (--pipeline_parallel_size and "
-            "--pipeline_schedule: Interleaved1F1B has two stages per process), or start a new run from its weights "
-            "(final/ of that run, or the checkpoint's stages merged) with --model_name_or_path"
+            "--pipeline_schedule: Interleaved1F1B has two stages per process), or start a new run from that run's "
+            "final/ with --model_name_or_path (the optimizer state is not carried over)"
         )
     if (path / DEEPSPEED_DIR).is_dir() and state.num_processes != accelerator.num_processes:
         raise ResumeError(

@@ -115,6 +115,8 @@ class StageModules(nn.ModuleList):
         self.replica, self.replicas = mesh.get_local_rank("dp"), replicas
         self.stage_group, self.replica_group = mesh.get_group("pp"), mesh.get_group("dp")
         self.args, self.task, self.schedule, self.optimizer, self.loss_scale, self.metrics = args, None, None, None, None, None
+        # trainable tensors per stage, every stage's (each process builds the whole model first)
+        self.tensors_per_stage = [sum(p.requires_grad for p in stage.parameters()) for stage in every_stage]
         logger.info(f"pipeline: {self.num_stages} stages over {size} processes x {replicas} replica(s), "
                     f"{args.pipeline_schedule} with {args.pipeline_microbatches} micro-batches; rank 0 holds stages "
                     f"{indices} ({sum(p.numel() for p in self.parameters()):,} parameters)", main_process_only=True)
@@ -139,15 +141,9 @@ class StageModules(nn.ModuleList):
         """What `accelerator.prepare` does for the other strategies: the schedule over this process's stages;
         the loaders sharded over replicas (every stage of a replica reads the same batches); the optimizer
         stepping only when gradients are synchronised; the schedule and checkpoint hooks registered."""
-        from torch.distributed import pipelining
-
-        stages = [pipelining.PipelineStage(stage, index, self.num_stages, accelerator.device, group=self.stage_group)
-                  for stage, index in zip(self, self.indices)]
-        schedule_class = getattr(pipelining, SCHEDULES[self.args.pipeline_schedule])
         self.task = task
-        self.schedule = schedule_class(stages if len(stages) > 1 or "Interleaved" in self.args.pipeline_schedule
-                                       else stages[0], n_microbatches=self.args.pipeline_microbatches,
-                                       loss_fn=self.loss, scale_grads=False)
+        example = train_loader.collate_fn([train_loader.dataset[0]] * self.args.per_device_train_batch_size)
+        self.schedule = self.build_schedule(accelerator, self.activation_shapes(accelerator, example))
         shard = {"device": accelerator.device, "num_processes": self.replicas, "process_index": self.replica,
                  "put_on_device": True}
         train_loader = prepare_data_loader(train_loader, use_seedable_sampler=True, data_seed=seed, **shard)
@@ -161,6 +157,36 @@ class StageModules(nn.ModuleList):
         self.optimizer = optimizer
         return self, AcceleratedOptimizer(optimizer, device_placement=False), train_loader, eval_loader, \
             accelerator.prepare(scheduler)
+
+    def build_schedule(self, accelerator: Accelerator, shapes: list[tuple] | None = None):
+        """torch's schedule over this process's stages; `shapes`: each stage's (inputs, outputs), else inferred."""
+        from torch.distributed import pipelining
+
+        stages = [pipelining.PipelineStage(stage, index, self.num_stages, accelerator.device, group=self.stage_group,
+                                           **({"input_args": shapes[i][0], "output_args": shapes[i][1]} if shapes else {}))
+                  for i, (stage, index) in enumerate(zip(self, self.indices))]
+        schedule_class = getattr(pipelining, SCHEDULES[self.args.pipeline_schedule])
+        multi = issubclass(schedule_class, pipelining.schedules.PipelineScheduleMulti)
+        return schedule_class(stages if multi else stages[0], n_microbatches=self.args.pipeline_microbatches,
+                              loss_fn=self.loss, scale_grads=False)
+
+    def activation_shapes(self, accelerator: Accelerator, example: dict) -> list[tuple]:
+        """Each of this process's stages' input and output (empty tensors of the right shape and dtype), found by
+        one step of a throwaway schedule on an example batch. Given to the stages up front, they keep torch from
+        inferring them inside the first step by running each stage on uninitialised tensors: in training mode that
+        would feed BatchNorm's running statistics garbage (NaN, measured). Here the stages are in eval mode, the
+        example's gradients are scaled to zero and dropped, and no random number is drawn outside a fork."""
+        probe = self.schedule = self.build_schedule(accelerator)
+        self.eval()
+        self.loss_scale = 0.0
+        with torch.random.fork_rng(devices=[]):
+            self.run_schedule(accelerator, {key: value.to(accelerator.device) for key, value in example.items()},
+                              train=True, losses=[])
+        self.zero_grad(set_to_none=True)
+        self.train()
+        stages = probe._stages if hasattr(probe, "_stages") else [probe._stage]
+        return [tuple(tuple(meta.to_tensor(accelerator.device) for meta in metas)
+                      for metas in (stage._stage_meta.inputs, stage._stage_meta.outputs)) for stage in stages]
 
     # ------------------------------------------------------------ train and evaluate
 
@@ -194,13 +220,23 @@ class StageModules(nn.ModuleList):
         return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=accelerator.device)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm of every stage's gradients (each process holds some stages)."""
-        params = [param for param in self.parameters() if param.grad is not None]
-        local = torch.nn.utils.get_total_norm([param.grad for param in params]).double() ** 2
-        dist.all_reduce(local, group=self.stage_group)
-        total = local.sqrt().float()
+        """Clip by the norm of every stage's gradients, each process holding some stages. Computed as
+        `torch.nn.utils.clip_grad_norm_` computes it for the whole model (the norm of the per-tensor norms, in
+        the model's parameter order), to the last bit: a model with BatchNorm over small batches amplifies
+        a last-bit difference in the clipping factor into a different run within a few steps (measured)."""
+        params = [[param for param in stage.parameters() if param.grad is not None] for stage in self]
+        norms = [torch.linalg.vector_norm(param.grad) for stage in params for param in stage]
+        counts = [len(stage) for stage in params]
+        width = self.num_stages * max(self.tensors_per_stage)
+        local = torch.zeros(width, device=norms[0].device)  # this process's stages' norms, at their stages' places
+        for stage_index, stage_norms in zip(self.indices, torch.stack(norms).split(counts)):
+            start = stage_index * max(self.tensors_per_stage)
+            local[start:start + len(stage_norms)] = stage_norms
+        dist.all_reduce(local, group=self.stage_group)  # every place is filled by exactly one process
+        slots = local.view(self.num_stages, -1)
+        total = torch.linalg.vector_norm(torch.cat([slots[i, :n] for i, n in enumerate(self.tensors_per_stage)]))
         if math.isfinite(max_norm):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            torch.nn.utils.clip_grads_with_norm_([param for stage in params for param in stage], max_norm, total)
         return total
 
     @torch.no_grad()
