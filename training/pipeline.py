@@ -59,11 +59,9 @@ def check_pipeline_flags(model_args, data_args, args) -> None:
     if not pipelined(args):
         return
     size, micro = args.pipeline_parallel_size, args.pipeline_microbatches
-    for flag, value in (("per_device_train_batch_size", args.per_device_train_batch_size),
-                        ("per_device_eval_batch_size", args.per_device_eval_batch_size)):
-        if value % micro:
-            raise ArgumentError(f"--{flag} {value} is cut into --pipeline_microbatches {micro} equal micro-batches: "
-                                "make it a multiple of that")
+    if args.per_device_train_batch_size % micro:  # (evaluation batches take the training batch's shape)
+        raise ArgumentError(f"--per_device_train_batch_size {args.per_device_train_batch_size} is cut into "
+                            f"--pipeline_microbatches {micro} equal micro-batches: make it a multiple of that")
     if args.pipeline_schedule != "GPipe" and micro < size:
         raise ArgumentError(f"--pipeline_schedule {args.pipeline_schedule} needs at least one micro-batch per stage: "
                             f"--pipeline_microbatches {micro} < --pipeline_parallel_size {size}; raise it (more "

@@ -1,0 +1,196 @@
+"""Pipeline stages (--pipeline_parallel_size): every schedule, and 2 stages x 2 replicas, train what one process trains.
+
+The model is a 4-layer Llama in Hub format (so Interleaved1F1B has a layer for each of its 4
+stages). One process accumulates 4 micro-batches of 2; the pipelines cut batches into
+micro-batches of 2 as well, so each forward sees the same shapes and only the order of the
+gradient sums differs: the tolerance of tests/test_parity.py holds. Clipping triggers (0.5),
+weight decay and the cosine schedule are on, evaluation and a checkpoint at step 4.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts.compare_metrics import compare
+from safetensors.torch import load_file
+
+from tests.conftest import assert_continues_exactly, made_once, read_metrics, train, with_processes
+from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
+from training.checkpoint import ResumeError, load_checkpoint
+from training.errors import ArgumentError, StrategyError
+from training.pipeline import check_pipeline_flags, check_pipeline_launch
+from training.flags import DataArguments, ModelArguments, TrainArguments
+from training.strategy import Strategy
+
+STEPS, SAVED = 8, 4
+LAYOUTS = {  # name -> (processes, train.py flags): each a global batch of 8 in micro-batches of 2
+    "single": (1, ("--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4")),
+    "GPipe": (2, ("--pipeline_parallel_size", "2", "--pipeline_schedule", "GPipe", "--pipeline_microbatches", "2",
+                  "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2")),
+    "1F1B": (2, ("--pipeline_parallel_size", "2", "--pipeline_schedule", "1F1B", "--pipeline_microbatches", "4",
+                 "--per_device_train_batch_size", "8")),
+    "Interleaved1F1B": (2, ("--pipeline_parallel_size", "2", "--pipeline_schedule", "Interleaved1F1B",
+                            "--pipeline_microbatches", "2", "--per_device_train_batch_size", "4",
+                            "--gradient_accumulation_steps", "2")),
+    "2 stages x 2 replicas": (4, ("--pipeline_parallel_size", "2", "--pipeline_microbatches", "2",
+                                  "--per_device_train_batch_size", "4")),
+}
+
+
+@pytest.fixture(scope="session")
+def four_layer_model(shared_dir) -> Path:
+    """llama-tiny with 4 decoder layers, initialised and saved as a Hub-format directory."""
+    from transformers import AutoModelForCausalLM
+
+    from models.configs import build_named_config
+    from models.language import build_tokenizer
+
+    def make(directory: Path) -> None:
+        tokenizer = build_tokenizer(None, None)
+        config = build_named_config("llama-tiny", tokenizer)
+        config.num_hidden_layers = 4
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
+    return made_once(shared_dir / "four_layer_model", make)
+
+
+def layout_args(model: Path, name: str) -> tuple[str, ...]:
+    return ("--model_name_or_path", str(model), "--max_steps", str(STEPS), "--logging_steps", "1", "--eval_steps",
+            str(SAVED), "--save_steps", str(SAVED), "--per_device_eval_batch_size", "2", "--max_grad_norm", "0.5",
+            "--warmup_ratio", "0.1", *LAYOUTS[name][1])
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(cached_run, four_layer_model, shared_dir):
+    """`pipeline_run(name)`: the run of one of LAYOUTS, trained once per test run."""
+
+    def run(name: str) -> Path:
+        processes = LAYOUTS[name][0]
+        config = "single" if processes == 1 else with_processes("ddp", processes, shared_dir / "configs")
+        return cached_run(config, *layout_args(four_layer_model, name))
+
+    return run
+
+
+@pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "single"])
+def test_every_schedule_and_pp_x_dp_trains_what_one_process_trains(name, pipeline_run) -> None:
+    reference, run = pipeline_run("single"), pipeline_run(name)
+    differences = compare(reference, run, keys=("loss", "lr", "eval_loss"))
+    assert len(differences) == STEPS * 2 + 3  # loss and lr at every step; eval at the start, step 4 and the end
+    worst = max(differences, key=lambda d: d.absolute)
+    assert worst.absolute <= LOSS_TOLERANCE, worst
+    assert max(m["grad_norm"] for m in read_metrics(run) if "grad_norm" in m) > 0.5  # clipping at work
+    expected, actual = (load_file(d / "final" / "model.safetensors") for d in (reference, run))
+    assert expected.keys() == actual.keys()  # final/ is the whole model, merged from the stages
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], atol=WEIGHT_TOLERANCE, rtol=0, msg=key)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["parameters"] == json.loads((reference / "summary.json").read_text())["parameters"]
+    stages = 4 if name == "Interleaved1F1B" else 2
+    saved = run / "checkpoints" / f"step_{SAVED}"
+    assert sorted(p.name for p in saved.glob("pipeline_stage*")) == [f"pipeline_stage{i}.safetensors" for i in range(stages)]
+
+
+def test_a_pipeline_resumes_exactly_and_refuses_another_layout(pipeline_run, four_layer_model, tmp_path) -> None:
+    run = pipeline_run("Interleaved1F1B")  # two stages per process: the most files to put back
+    shutil.copytree(run / "checkpoints" / f"step_{SAVED}", tmp_path / "checkpoints" / f"step_{SAVED}")
+    train("ddp", tmp_path, *layout_args(four_layer_model, "Interleaved1F1B"), "--resume_from_checkpoint", "latest")
+    assert_continues_exactly(run, tmp_path, SAVED, last_step=STEPS)
+    with pytest.raises(ResumeError, match="cut into 4 pipeline stage.s. and this run cuts it into 1; resume with the layout"):
+        load_checkpoint(None, run / "checkpoints" / f"step_{SAVED}", global_batch=8, max_steps=STEPS, pipeline_stages=1)
+
+
+def test_a_resnet_pipeline_trains_what_one_process_trains(tmp_path) -> None:
+    """BatchNorm in the stages: its running statistics (evaluation) and small-batch gradients (clipping) agree."""
+    flags = ("--task", "image-classification", "--model_config", "resnet-tiny", "--max_steps", "6", "--logging_steps", "1",
+             "--eval_steps", "3", "--save_strategy", "no", "--max_eval_samples", "24", "--learning_rate", "3e-3",
+             "--warmup_steps", "2", "--per_device_eval_batch_size", "2")
+    train("single", tmp_path / "one", *flags, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2")
+    train("ddp", tmp_path / "stages", *flags, "--per_device_train_batch_size", "4", "--pipeline_parallel_size", "2",
+          "--pipeline_microbatches", "2")
+    differences = compare(tmp_path / "one", tmp_path / "stages", keys=("loss", "eval_loss", "eval_accuracy"))
+    assert len(differences) == 6 + 3 * 2
+    assert max(d.absolute for d in differences) <= LOSS_TOLERANCE
+
+
+def flags(**overrides) -> tuple[ModelArguments, DataArguments, TrainArguments]:
+    groups = (ModelArguments(), DataArguments(), TrainArguments(pipeline_parallel_size=2))
+    for group in groups:
+        for key, value in overrides.items():
+            if hasattr(group, key):
+                setattr(group, key, value)
+    return groups
+
+
+REFUSED_FLAGS = {
+    "batch not cut evenly": ({"per_device_train_batch_size": 6}, "--per_device_train_batch_size 6 is cut into"),
+    "fewer micro-batches than stages for 1F1B": ({"pipeline_microbatches": 1, "per_device_train_batch_size": 1,
+                                                  "per_device_eval_batch_size": 1}, "needs at least one micro-batch per stage"),
+    "Interleaved1F1B rounds": ({"pipeline_schedule": "Interleaved1F1B", "pipeline_microbatches": 3,
+                                "per_device_train_batch_size": 6, "per_device_eval_batch_size": 6}, "a multiple of it"),
+    "layer split across GPUs as well": ({"device_map": "auto"}, "--device_map with --pipeline_parallel_size is not supported"),
+    "LoRA": ({"use_peft": True}, "--use_peft with --pipeline_parallel_size is not supported"),
+    "unpacked data": ({"packing": False}, "--packing false with --pipeline_parallel_size is not supported"),
+}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("overrides", "message"), REFUSED_FLAGS.values(), ids=REFUSED_FLAGS.keys())
+def test_flags_a_pipeline_cannot_run_are_refused(overrides, message) -> None:
+    with pytest.raises(ArgumentError, match=message):
+        check_pipeline_flags(*flags(**overrides))
+
+
+@pytest.mark.quick
+def test_launches_a_pipeline_cannot_run_are_refused() -> None:
+    args = flags()[2]
+    with pytest.raises(StrategyError, match="not fsdp: FSDP and ZeRO with pipeline stages are not supported"):
+        check_pipeline_launch(args, Strategy.FSDP, 2)
+    with pytest.raises(StrategyError, match="3 processes cannot hold whole pipelines"):
+        check_pipeline_launch(args, Strategy.DDP, 3)
+    check_pipeline_launch(args, Strategy.DDP, 4)
+
+
+@pytest.mark.quick
+def test_models_stages_cannot_hold_are_refused_with_what_is_supported() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from models.configs import build_named_config
+    from models.language import build_tokenizer
+    from models.stages import StageError, split_into_stages
+
+    config = build_named_config("llama-tiny", build_tokenizer(None, None))
+    with pytest.raises(StageError, match="2 layers cannot fill 4 pipeline stages"):
+        split_into_stages(AutoModelForCausalLM.from_config(config), 4)
+    config.tie_word_embeddings = True
+    with pytest.raises(StageError, match="pipeline stages need untied embeddings"):
+        split_into_stages(AutoModelForCausalLM.from_config(config), 2)
+    with pytest.raises(StageError, match="pipeline stages are defined for decoder-only Llama-family"):
+        split_into_stages(torch.nn.Sequential(torch.nn.Linear(2, 2)), 2)
+
+
+@pytest.mark.quick
+def test_stages_compute_what_the_whole_model_computes() -> None:
+    """Run one after another in one process, the stages give the model's logits; uneven layer counts balance."""
+    from transformers import AutoModelForCausalLM
+
+    from models.configs import build_named_config
+    from models.language import build_tokenizer
+    from models.stages import balanced, split_into_stages
+
+    assert balanced(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+    config = build_named_config("llama-tiny", build_tokenizer(None, None))
+    config.num_hidden_layers = 3
+    model = AutoModelForCausalLM.from_config(config).eval()
+    tokens = torch.randint(0, config.vocab_size, (2, 16))
+    hidden = tokens
+    for stage in split_into_stages(model, 2):
+        hidden = stage(hidden)
+    torch.testing.assert_close(hidden, model(input_ids=tokens).logits, rtol=0, atol=0)
