@@ -5,6 +5,7 @@
     python scripts/benchmark.py --fine_tuning                    # full fine-tuning against LoRA, per strategy
     python scripts/benchmark.py --compression --plot docs/compression.png   # --ddp_comm_hook on the default job
     python scripts/benchmark.py --scaling --plot docs/scaling.png           # weak scaling on 1, 2, 4 processes
+    python scripts/benchmark.py --pipeline --plot docs/pipeline.png         # pipeline schedules against a layer split
 
 Every config trains the same model on the same data for `--steps` optimizer steps with
 `accelerate launch train.py`. The table shows, per strategy: tokens/s and step time
@@ -16,7 +17,7 @@ train.py on DDP and `scripts/raw_ddp.py` run alternately, `--rounds` times each 
 overhead figure is the median of the per-round ratios: back-to-back runs share the machine's
 state), and the data preparation rate (tokenize + pack of the default corpus) is measured
 in-process. The other tables are described by their functions (`fine_tuning_table`,
-`compression_table`, `scaling_table`).
+`compression_table`, `scaling_table`, `pipeline_table`).
 """
 
 from __future__ import annotations
@@ -178,6 +179,67 @@ def fine_tuning_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str
     return lines, {"fine_tuning": results}
 
 
+def pipeline_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str], dict]:
+    """The same model and global batch on 2 processes of one thread each as a naive layer split (GPipe over one
+    micro-batch: one stage computes while the other waits), GPipe and 1F1B over --microbatches: throughput,
+    the bubble (the share of the stages' time spent waiting, from when each stage computed each micro-batch)
+    and the theoretical one, (p - 1) / (m + p - 1)."""
+    stages = 2
+    lines = [f"pipeline: {args.model_config} in {stages} stages on {stages} processes of 1 thread, {args.mixed_precision}, "
+             f"{args.per_device_train_batch_size} x {args.block_size} tokens per step, {args.steps} steps", "",
+             "| schedule | micro-batches | tokens/s | vs naive split | bubble, measured | bubble, theory |",
+             "|---|---:|---:|---:|---:|---:|"]
+    results, timelines = {}, {}
+    runs = [("naive split", "GPipe", 1)] + [(name, name, m) for name in ("GPipe", "1F1B") for m in args.microbatches]
+    for label, schedule, micro in runs:
+        output_dir = scratch / f"{schedule}-{micro}"
+        flags = (*speed_flags(args), "--pipeline_parallel_size", str(stages), "--pipeline_schedule", schedule,
+                 "--pipeline_microbatches", str(micro), "--pipeline_timeline")
+        run = train_run("ddp", args, output_dir, flags, processes=stages)
+        events = [e for e in json.loads((output_dir / "pipeline_timeline.json").read_text()) if e["step"] > args.warmup]
+        measured, theory = bubble(events, stages), (stages - 1) / (micro + stages - 1)
+        naive = results.get("naive split", run)["tokens_per_sec"]
+        results[label if label == "naive split" else f"{schedule} m={micro}"] = run | {"bubble": measured, "theory": theory}
+        timelines[f"{schedule} m={micro}"] = events
+        lines.append(f"| {label} | {micro} | {run['tokens_per_sec']:,.0f} | {run['tokens_per_sec'] / naive:.2f}x | "
+                     f"{measured:.0%} | {theory:.0%} |")
+        print(lines[-1], flush=True)
+    if args.plot:
+        plot_timelines(args.plot, {key: timelines[key] for key in (f"GPipe m={max(args.microbatches)}",
+                                                                    f"1F1B m={max(args.microbatches)}")}, stages)
+    return lines, {"pipeline": results}
+
+
+def bubble(events: list[dict], stages: int) -> float:
+    """1 - (time the stages computed) / (stages x wall time of the steps), over the recorded steps."""
+    steps = {}
+    for event in events:
+        first, last, busy = steps.get(event["step"], (event["start"], event["end"], 0.0))
+        steps[event["step"]] = (min(first, event["start"]), max(last, event["end"]), busy + event["end"] - event["start"])
+    wall = sum(last - first for first, last, _ in steps.values())
+    return 1 - sum(busy for *_, busy in steps.values()) / (stages * wall)
+
+
+def plot_timelines(path: Path, timelines: dict[str, list[dict]], stages: int) -> None:
+    """One recorded step per schedule: a row per stage, a bar per micro-batch's forward (F) and backward (B)."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(12, 1.6 * stages * len(timelines)))
+    for axes, (name, events) in zip(figure.subplots(len(timelines), 1, squeeze=False)[:, 0], timelines.items()):
+        step = [e for e in events if e["step"] == max(e["step"] for e in events)]
+        origin = min(e["start"] for e in step)
+        for e in step:
+            axes.barh(e["stage"], (e["end"] - e["start"]) * 1000, left=(e["start"] - origin) * 1000, height=0.6,
+                      color="tab:blue" if e["kind"] == "forward" else "tab:orange", edgecolor="white")
+            axes.text((e["start"] - origin + (e["end"] - e["start"]) / 2) * 1000, e["stage"],
+                      f"{e['kind'][0].upper()}{e['micro_batch']}", ha="center", va="center", color="white", fontsize=8)
+        axes.set(title=f"{name}: one step, measured (F forward, B backward of micro-batch n)", xlabel="ms",
+                 yticks=range(stages), yticklabels=[f"stage {s}" for s in range(stages)])
+        axes.invert_yaxis()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
 def compression_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str], dict]:
     """The default job (plus --train_flags) under the ddp config with each --ddp_comm_hook: the bytes each rank
     all-reduces per optimizer step (counted by the hook's wrapper), tokens/s and the losses; `allreduce` is
@@ -273,13 +335,17 @@ def main() -> None:
     parser.add_argument("--scaling", action="store_true",
                         help="Instead: weak scaling of --configs (default ddp fsdp deepspeed_zero2) on --processes.")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="--scaling: process counts, 1 first.")
-    parser.add_argument("--plot", type=Path, help="--compression/--scaling: also draw the figure to this PNG.")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="Instead: naive layer split, GPipe and 1F1B on 2 processes (throughput, bubble).")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8], help="--pipeline: micro-batch counts.")
+    parser.add_argument("--plot", type=Path, help="--compression/--scaling/--pipeline: also draw the figure to this PNG.")
     parser.add_argument("--output", type=Path, help="Also write the tables to this markdown file.")
     parser.add_argument("--json", type=Path, help="Also write every figure to this JSON file.")
     args = parser.parse_args()
     args.configs = args.configs or (SCALING_CONFIGS if args.scaling else CONFIGS)
     args.mixed_precision = args.mixed_precision or ("no" if args.compression else "bf16")
-    table = {"fine_tuning": fine_tuning_table, "compression": compression_table, "scaling": scaling_table}
+    table = {"fine_tuning": fine_tuning_table, "compression": compression_table, "scaling": scaling_table,
+             "pipeline": pipeline_table}
     if chosen := [name for name in table if getattr(args, name)]:
         with tempfile.TemporaryDirectory() as scratch:
             lines, results = table[chosen[0]](args, Path(scratch))

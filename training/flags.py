@@ -219,6 +219,11 @@ class TrainArguments:
     pipeline_microbatches: int = field(
         default=4, metadata={"help": "Pipeline: equal micro-batches each per-device batch is cut into."}
     )
+    pipeline_timeline: bool = field(
+        default=False,
+        metadata={"help": "Pipeline: record when each stage computes each micro-batch (wall clock) into "
+                          "output_dir/pipeline_timeline.json, for scripts/benchmark.py --pipeline."},
+    )
     torch_compile: bool = field(default=False, metadata={"help": "Compile the model with torch.compile (inductor)."})
     dataloader_num_workers: int | None = field(
         default=None,

@@ -20,7 +20,9 @@ What changes for the rest of train.py, all through `StageModules`, the model it 
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -114,6 +116,7 @@ class StageModules(nn.ModuleList):
         self.stage_group, self.replica_group = mesh.get_group("pp"), mesh.get_group("dp")
         self.args, self.task, self.schedule, self.optimizer, self.loss_scale, self.metrics = args, None, None, None, None, None
         # trainable tensors per stage, every stage's (each process builds the whole model first)
+        self.timeline, self.steps_run = [], 0  # --pipeline_timeline: what each stage computed when
         self.tensors_per_stage = [sum(p.requires_grad for p in stage.parameters()) for stage in every_stage]
         logger.info(f"pipeline: {self.num_stages} stages over {size} processes x {replicas} replica(s), "
                     f"{args.pipeline_schedule} with {args.pipeline_microbatches} micro-batches; rank 0 holds stages "
@@ -163,10 +166,26 @@ class StageModules(nn.ModuleList):
         stages = [pipelining.PipelineStage(stage, index, self.num_stages, accelerator.device, group=self.stage_group,
                                            **({"input_args": shapes[i][0], "output_args": shapes[i][1]} if shapes else {}))
                   for i, (stage, index) in enumerate(zip(self, self.indices))]
+        if shapes and self.args.pipeline_timeline:
+            for stage in stages:
+                self.record_timeline(stage)
         schedule_class = getattr(pipelining, SCHEDULES[self.args.pipeline_schedule])
         multi = issubclass(schedule_class, pipelining.schedules.PipelineScheduleMulti)
         return schedule_class(stages if multi else stages[0], n_microbatches=self.args.pipeline_microbatches,
                               loss_fn=self.loss, scale_grads=False)
+
+    def record_timeline(self, stage) -> None:
+        """Wrap the stage's per-micro-batch forward and backward to log (step, stage, micro-batch, kind, start, end)."""
+        for kind in ("forward", "backward"):
+            method = getattr(stage, f"{kind}_one_chunk")
+
+            def timed(chunk: int, *args, _method=method, _kind=kind, **kwargs):
+                start = time.time()
+                result = _method(chunk, *args, **kwargs)
+                self.timeline.append((self.steps_run, stage.stage_index, chunk, _kind, start, time.time()))
+                return result
+
+            setattr(stage, f"{kind}_one_chunk", timed)
 
     def activation_shapes(self, accelerator: Accelerator, example: dict) -> list[tuple]:
         """Each of this process's stages' input and output (empty tensors of the right shape and dtype), found by
@@ -210,6 +229,7 @@ class StageModules(nn.ModuleList):
         each replica's batch once per stage."""
         self.loss_scale = self.args.pipeline_parallel_size / window_targets
         losses = []
+        self.steps_run += 1
         self.run_schedule(accelerator, batch, train=True, losses=losses)
         if accelerator.sync_gradients and self.replicas > 1:  # the replicas' gradients summed, as DDP averages
             for param in self.parameters():
@@ -274,6 +294,13 @@ class StageModules(nn.ModuleList):
         """The whole model in `final_dir` as `transformers` saves it: every stage's weights gathered to rank 0."""
         gathered = [None] * accelerator.num_processes if accelerator.is_main_process else None
         dist.gather_object(self.full_state_dict() if self.replica == 0 else None, gathered, dst=0)
+        if self.args.pipeline_timeline:
+            timelines = [None] * accelerator.num_processes if accelerator.is_main_process else None
+            dist.gather_object(self.timeline if self.replica == 0 else [], timelines, dst=0)
+            if accelerator.is_main_process:
+                events = [dict(zip(("step", "stage", "micro_batch", "kind", "start", "end"), event))
+                          for timeline in timelines for event in timeline]
+                (final_dir.parent / "pipeline_timeline.json").write_text(json.dumps(events))
         if accelerator.is_main_process:
             merged = {name: tensor for part in gathered if part for name, tensor in part.items()}
             self.whole_model.load_state_dict(merged, assign=True)
