@@ -108,3 +108,15 @@ def test_the_scaling_table_sets_each_process_count_against_one(tmp_path) -> None
     assert two["speedup"] == pytest.approx(two["tokens_per_sec"] / one["tokens_per_sec"])
     assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
     assert "| ddp | 2 |" in figures["table"] and figures["plot"].stat().st_size > 10_000
+
+
+def test_the_pipeline_table_sets_schedules_against_a_naive_layer_split(tmp_path) -> None:
+    figures = run_benchmark(tmp_path, "--pipeline", "--model_config", "llama-tiny", "--steps", "5", "--log_every", "1",
+                            "--per_device_train_batch_size", "4", "--block_size", "32", "--microbatches", "2")
+    runs = figures["pipeline"]
+    assert list(runs) == ["naive split", "GPipe m=2", "1F1B m=2"]
+    assert runs["naive split"]["theory"] == 1 / 2 and runs["1F1B m=2"]["theory"] == 1 / 3
+    for name, run in runs.items():
+        assert f"| {name.split(' m=')[0]} |" in figures["table"] and run["tokens_per_sec"] > 0 and run["processes"] == 2
+        assert 0 < run["bubble"] < 1, name  # from when each stage computed each micro-batch
+    assert figures["plot"].stat().st_size > 10_000

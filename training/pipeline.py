@@ -310,6 +310,13 @@ class StageModules(nn.ModuleList):
         return final_dir
 
 
+def parameters_per_process(model: nn.Module, args) -> int:
+    """The most parameters one process holds when `model` is cut into this run's stages (for the dry run's plan)."""
+    stages = split_into_stages(model, stage_count(args))
+    size = args.pipeline_parallel_size
+    return max(sum(p.numel() for stage in stages[rank::size] for p in stage.parameters()) for rank in range(size))
+
+
 def prepare_pipeline(accelerator: Accelerator, task, seed: int, model: StageModules, *objects):
     """`accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)` for pipeline stages."""
     return model.prepare(accelerator, task, seed, *objects)
