@@ -59,6 +59,9 @@ LAUNCH_CASES = {
         "ddp", ["--task", "image-classification", "--model_config", "resnet-tiny", "--sync_batchnorm", *RESUME],
         "--sync_batchnorm needs GPUs: torch has no CPU kernels for SyncBatchNorm",
     ),
+    "pipeline stages under FSDP": (
+        "fsdp", ["--pipeline_parallel_size", "2", *RESUME], "FSDP and ZeRO with pipeline stages are not supported"
+    ),
     "DeepSpeed JSON clipping disagrees with --max_grad_norm": (
         "{clipping-1.yaml}", ["--max_grad_norm", "0.5", *RESUME], "gradient_clipping is 1.0 in the DeepSpeed JSON"
     ),
