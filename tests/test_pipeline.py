@@ -23,7 +23,7 @@ from tests.conftest import assert_continues_exactly, made_once, read_metrics, tr
 from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
 from training.checkpoint import ResumeError, load_checkpoint
 from training.errors import ArgumentError, StrategyError
-from training.pipeline import check_pipeline_flags, check_pipeline_launch
+from training.pipeline_layout import check_pipeline_flags, check_pipeline_launch
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.strategy import Strategy
 

@@ -33,7 +33,7 @@ from training.flags import (
 )
 from training.metrics import TrackerError, resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
-from training.pipeline import check_pipeline_flags
+from training.pipeline_layout import check_pipeline_flags
 from training.task_registry import ADAPTER_FLAGS, TASKS
 
 

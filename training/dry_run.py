@@ -21,7 +21,7 @@ from accelerate.utils import DeepSpeedPlugin, set_seed
 
 from models.adapters import add_adapter
 from training.compression import check_comm_hook
-from training.pipeline import check_pipeline_launch, parameters_per_process, pipelined, stage_count
+from training.pipeline_layout import check_pipeline_launch, parameters_per_process, pipelined, stage_count
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import align_deepspeed_config
 from training.errors import StrategyError

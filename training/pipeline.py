@@ -36,61 +36,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from models.stages import split_into_stages
-from training.errors import ArgumentError, StrategyError
-from training.strategy import Strategy
+from training.pipeline_layout import SCHEDULES, stage_count
 
 logger = get_logger(__name__)
 
-SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
-STAGES_PER_PROCESS = {"Interleaved1F1B": 2}  # virtual stages: a process computes two non-neighbouring stages
 STAGE_WEIGHTS = "pipeline_stage{index}.safetensors"
 STAGE_OPTIMIZER = "pipeline_optimizer_rank{rank}.pt"
-
-
-def pipelined(args) -> bool:
-    return args.pipeline_parallel_size > 1
-
-
-def stage_count(args) -> int:
-    """Stages the model is cut into (1 without a pipeline)."""
-    return args.pipeline_parallel_size * STAGES_PER_PROCESS.get(args.pipeline_schedule, 1) if pipelined(args) else 1
-
-
-def check_pipeline_flags(model_args, data_args, args) -> None:
-    """Flag combinations a pipeline cannot run, refused before any process group (ArgumentError)."""
-    if not pipelined(args):
-        return
-    size, micro = args.pipeline_parallel_size, args.pipeline_microbatches
-    if args.per_device_train_batch_size % micro:  # (evaluation batches take the training batch's shape)
-        raise ArgumentError(f"--per_device_train_batch_size {args.per_device_train_batch_size} is cut into "
-                            f"--pipeline_microbatches {micro} equal micro-batches: make it a multiple of that")
-    if args.pipeline_schedule != "GPipe" and micro < size:
-        raise ArgumentError(f"--pipeline_schedule {args.pipeline_schedule} needs at least one micro-batch per stage: "
-                            f"--pipeline_microbatches {micro} < --pipeline_parallel_size {size}; raise it (more "
-                            "micro-batches also shrink the idle bubble) or use GPipe")
-    if args.pipeline_schedule == "Interleaved1F1B" and micro % size:
-        raise ArgumentError(f"Interleaved1F1B runs micro-batches in rounds of --pipeline_parallel_size {size}: make "
-                            f"--pipeline_microbatches ({micro}) a multiple of it")
-    unsupported = {"--device_map": model_args.device_map, "--use_peft": model_args.use_peft,
-                   "--task sft": model_args.task == "sft", "--packing false": not data_args.packing,
-                   "--ddp_comm_hook": args.ddp_comm_hook, "--torch_compile": args.torch_compile,
-                   "--gradient_checkpointing": model_args.gradient_checkpointing}
-    if found := [flag for flag, used in unsupported.items() if used]:
-        raise ArgumentError(f"{', '.join(found)} with --pipeline_parallel_size is not supported (stages exchange "
-                            "fixed-shape activations of whole models); drop it, or train without pipeline stages")
-
-
-def check_pipeline_launch(args, strategy: Strategy, world_size: int) -> None:
-    """The launch fits the pipeline: a DDP-style config whose process count is a multiple of the stages."""
-    if not pipelined(args):
-        return
-    if strategy is not Strategy.DDP:
-        raise StrategyError(f"--pipeline_parallel_size runs under accelerate_configs/ddp.yaml (replicas average "
-                            f"gradients as DDP does), not {strategy.value}: FSDP and ZeRO with pipeline stages are "
-                            "not supported; launch with ddp.yaml")
-    if world_size % args.pipeline_parallel_size:
-        raise StrategyError(f"{world_size} processes cannot hold whole pipelines of --pipeline_parallel_size "
-                            f"{args.pipeline_parallel_size}; launch a multiple of it (--num_processes)")
 
 
 class StageModules(nn.ModuleList):
@@ -308,13 +259,6 @@ class StageModules(nn.ModuleList):
             processor.save_pretrained(final_dir)
         accelerator.wait_for_everyone()
         return final_dir
-
-
-def parameters_per_process(model: nn.Module, args) -> int:
-    """The most parameters one process holds when `model` is cut into this run's stages (for the dry run's plan)."""
-    stages = split_into_stages(model, stage_count(args))
-    size = args.pipeline_parallel_size
-    return max(sum(p.numel() for stage in stages[rank::size] for p in stage.parameters()) for rank in range(size))
 
 
 def prepare_pipeline(accelerator: Accelerator, task, seed: int, model: StageModules, *objects):

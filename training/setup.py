@@ -36,7 +36,8 @@ from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
 from training.performance import SpeedMeter, compute_dtype, model_state_probe, parameter_count, peak_flops
 from training.loss import forward_backward as data_parallel_forward_backward
-from training.pipeline import StageModules, check_pipeline_launch, pipelined, prepare_pipeline, stage_count
+from training.pipeline import StageModules, prepare_pipeline
+from training.pipeline_layout import check_pipeline_launch, pipelined, stage_count
 from training.preemption import StopRequests
 from training.strategy import Strategy, master_weight_dtypes, verify_prepared, verify_strategy
 from training.strategy_adapters import (
