@@ -66,12 +66,14 @@ class StageModules(nn.ModuleList):
         self.replica, self.replicas = mesh.get_local_rank("dp"), replicas
         self.stage_group, self.replica_group = mesh.get_group("pp"), mesh.get_group("dp")
         self.args, self.task, self.schedule, self.optimizer, self.loss_scale, self.metrics = args, None, None, None, None, None
-        # trainable tensors per stage, every stage's (each process builds the whole model first)
         self.timeline, self.steps_run = [], 0  # --pipeline_timeline: what each stage computed when
+        # trainable tensors per stage, every stage's (each process builds the whole model first): for clipping
         self.tensors_per_stage = [sum(p.requires_grad for p in stage.parameters()) for stage in every_stage]
-        logger.info(f"pipeline: {self.num_stages} stages over {size} processes x {replicas} replica(s), "
-                    f"{args.pipeline_schedule} with {args.pipeline_microbatches} micro-batches; rank 0 holds stages "
-                    f"{indices} ({sum(p.numel() for p in self.parameters()):,} parameters)", main_process_only=True)
+        layers = [len(getattr(stage, "layers", getattr(stage, "blocks", ()))) for stage in every_stage]
+        logger.info(f"pipeline: {self.num_stages} stages ({', '.join(map(str, layers))} layers) over {size} processes "
+                    f"x {replicas} replica(s), {args.pipeline_schedule} with {args.pipeline_microbatches} micro-batches; "
+                    f"rank 0 holds stages {indices} ({sum(p.numel() for p in self.parameters()):,} parameters)",
+                    main_process_only=True)
 
     @property
     def has_first(self) -> bool:
