@@ -212,7 +212,7 @@ def test_every_command_on_the_front_page_parses() -> None:
         r"^```bash\n(.*?)^```", section(README, "## Quick start"), re.MULTILINE | re.DOTALL)][:2]
     assert setup_and_train.endswith("&& accelerate launch train.py")
     assert setup_and_test in (REPO / ".ci" / "run").read_text()
-    assert len(README.splitlines()) <= 150  # a front page; the rest lives in docs/
+    assert len(README.splitlines()) <= 170  # a front page (with the measured tables issue 19 asks for there); the rest lives in docs/
 
 
 # ---- links: every relative link resolves, to a file and a heading ----------------------------
