@@ -23,6 +23,7 @@ from training.strategy_adapters import optimizer_offload_device
 from training.tensor_parallel import data_parallel_size, tensor_parallel_size
 
 logger = get_logger(__name__)
+ONE_BUCKET_MB = 2**20  # DDP's bucket size when every gradient must share one bucket
 
 
 def build_accelerator(ddp_timeout: int, ddp_comm_hook: str | None = None, **accelerator_kwargs) -> Accelerator:
@@ -46,8 +47,12 @@ def build_accelerator(ddp_timeout: int, ddp_comm_hook: str | None = None, **acce
     # PowerSGD keeps state per gradient bucket, and DDP re-orders its buckets after the first step of
     # every launch (by the order gradients arrived): a resumed run would apply the saved state to other
     # parameters. Looking for unused parameters keeps the buckets in their first order, in every launch.
+    # On gloo (CPU) torch's PowerSGD hooks deadlock at the first compressed step once there are two
+    # buckets or more (measured, torch 2.13): one bucket holds every gradient there.
+    power_sgd = "power_sgd" in (ddp_comm_hook or "")
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False,
-                                        find_unused_parameters="power_sgd" in (ddp_comm_hook or ""))
+                                        find_unused_parameters=power_sgd,
+                                        **({"bucket_cap_mb": ONE_BUCKET_MB} if power_sgd and on_cpu else {}))
     return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
 
 
