@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from models.stages import split_into_stages
+from training.loss import IGNORE_INDEX
 from training.pipeline_layout import SCHEDULES, stage_count
 
 logger = get_logger(__name__)
@@ -83,10 +84,10 @@ class StageModules(nn.ModuleList):
     def has_last(self) -> bool:
         return self.num_stages - 1 in self.indices
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """This process's stage weights under the whole model's names."""
+    def full_state_dict(self, stages: list[nn.Module] | None = None) -> dict[str, torch.Tensor]:
+        """`stages`' weights (default: this process's) under the whole model's names, on the CPU."""
         return {stage.full_name(name): tensor.detach().cpu().contiguous()
-                for stage in self for name, tensor in stage.state_dict().items()}
+                for stage in (self if stages is None else stages) for name, tensor in stage.state_dict().items()}
 
     # ------------------------------------------------------------ prepare
 
@@ -230,9 +231,7 @@ class StageModules(nn.ModuleList):
         if self.replica != 0:
             return
         for stage, index in zip(self, self.indices):
-            save_file({stage.full_name(name): tensor.detach().cpu().contiguous()
-                       for name, tensor in stage.state_dict().items()},
-                      Path(output_dir) / STAGE_WEIGHTS.format(index=index))
+            save_file(self.full_state_dict([stage]), Path(output_dir) / STAGE_WEIGHTS.format(index=index))
         torch.save(self.optimizer.state_dict(), Path(output_dir) / STAGE_OPTIMIZER.format(rank=self.stage_rank))
 
     def load(self, models, input_dir: str) -> None:
@@ -274,5 +273,5 @@ def padded(batch: dict, rows: int) -> dict:
     if missing == 0:
         return batch
     ignored = {key: torch.cat([value, value[:1].expand(missing, *value.shape[1:])]) for key, value in batch.items()}
-    ignored["labels"][-missing:] = -100
+    ignored["labels"][-missing:] = IGNORE_INDEX
     return ignored
