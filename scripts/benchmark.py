@@ -139,6 +139,10 @@ def data_preparation_rate(block_size: int) -> float:
         return (len(train) + len(validation)) * block_size / (time.perf_counter() - start)
 
 
+def precision(args: argparse.Namespace) -> str:
+    return "fp32" if args.mixed_precision == "no" else args.mixed_precision
+
+
 def mib(value: float) -> str:
     return f"{value / 2**20:,.1f}"
 
@@ -187,13 +191,12 @@ def pipeline_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str], 
     the bubble (the share of the stages' time spent waiting, from when each stage computed each micro-batch)
     and the theoretical one, (p - 1) / (m + p - 1)."""
     stages = 2
-    precision = "fp32" if args.mixed_precision == "no" else args.mixed_precision
-    lines = [f"pipeline: {args.model_config} in {stages} stages on {stages} processes of 1 thread, {precision}, "
+    lines = [f"pipeline: {args.model_config} in {stages} stages on {stages} processes of 1 thread, {precision(args)}, "
              f"{args.per_device_train_batch_size} x {args.block_size} tokens per step, {args.steps} steps", "",
              "| schedule | micro-batches | tokens/s | vs naive split | bubble, measured | bubble, theory |",
              "|---|---:|---:|---:|---:|---:|"]
     results, timelines = {}, {}
-    runs = [("naive split", "GPipe", 1)] + [(name, name, m) for name in ("GPipe", "1F1B") for m in args.microbatches]
+    runs = [("naive split", "GPipe", 1)] + [(name, name, m) for name in args.schedules for m in args.microbatches]
     for label, schedule, micro in runs:
         output_dir = scratch / f"{schedule}-{micro}"
         flags = (*speed_flags(args), "--pipeline_parallel_size", str(stages), "--pipeline_schedule", schedule,
@@ -208,8 +211,8 @@ def pipeline_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str], 
                      f"{measured:.0%} | {theory:.0%} |")
         print(lines[-1], flush=True)
     if args.plot:
-        plot_timelines(args.plot, {key: timelines[key] for key in (f"GPipe m={max(args.microbatches)}",
-                                                                    f"1F1B m={max(args.microbatches)}")}, stages)
+        plot_timelines(args.plot, {f"{name} m={max(args.microbatches)}": timelines[f"{name} m={max(args.microbatches)}"]
+                                   for name in args.schedules}, stages)
     return lines, {"pipeline": results}
 
 
@@ -249,7 +252,7 @@ def compression_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str
     DDP's uncompressed all-reduce through the same counter."""
     extra = tuple(shlex.split(args.train_flags))
     lines = [f"gradient compression: the default job{' with ' + args.train_flags if extra else ''}, ddp, "
-             f"{args.num_processes} processes, {args.mixed_precision}; PowerSGD rank {args.power_sgd_rank} from step "
+             f"{args.num_processes} processes, {precision(args)}; PowerSGD rank {args.power_sgd_rank} from step "
              f"{args.power_sgd_start_step}", "",
              "| --ddp_comm_hook | all-reduced per step per rank (KiB) | vs allreduce | tokens/s | final train loss "
              "| final eval loss |", "|---|---:|---:|---:|---:|---:|"]
@@ -273,7 +276,7 @@ def scaling_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str], d
     """Weak scaling: the same per-process batch on 1, 2, 4... processes of one thread each, per config;
     speed-up is throughput over one process's, efficiency is speed-up over processes."""
     counts = " / ".join(map(str, args.processes))
-    lines = [f"weak scaling: {args.model_config}, {args.mixed_precision}, {args.per_device_train_batch_size} x "
+    lines = [f"weak scaling: {args.model_config}, {precision(args)}, {args.per_device_train_batch_size} x "
              f"{args.block_size} tokens per process per step, {args.steps} steps, 1 thread per process "
              f"(OMP_NUM_THREADS=1), on a machine with {os.cpu_count()} cores", "",
              f"| strategy | tokens/s on {counts} processes | speed-up | efficiency |", "|---|---|---|---|"]
@@ -348,6 +351,8 @@ def main() -> None:
     parser.add_argument("--pipeline", action="store_true",
                         help="Instead: naive layer split, GPipe and 1F1B on 2 processes (throughput, bubble).")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8], help="--pipeline: micro-batch counts.")
+    parser.add_argument("--schedules", nargs="+", default=["GPipe", "1F1B"], choices=["GPipe", "1F1B"],
+                        help="--pipeline: the schedules set against the naive split.")
     parser.add_argument("--plot", type=Path, help="--compression/--scaling/--pipeline: also draw the figure to this PNG.")
     parser.add_argument("--output", type=Path, help="Also write the tables to this markdown file.")
     parser.add_argument("--json", type=Path, help="Also write every figure to this JSON file.")

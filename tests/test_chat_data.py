@@ -3,6 +3,7 @@ and a loss that does not depend on how a global batch of masked examples is spli
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,7 @@ from data.errors import DataError
 from models.configs import build_named_config
 from models.language import build_tokenizer
 from train import train_step
+from training.loss import forward_backward
 
 pytestmark = pytest.mark.quick
 CONVERSATION = [
@@ -194,7 +196,8 @@ def test_accumulation_1x8_and_4x2_give_the_same_loss_and_gradients_on_masked_dat
         optimizer.zero_grad = lambda set_to_none=True: kept.update({n: p.grad.clone() for n, p in model.named_parameters()})
         model, optimizer = accelerator.prepare(model, optimizer)
         run = SimpleNamespace(accelerator=accelerator, task=task, model=model, optimizer=optimizer,
-                              args=SimpleNamespace(max_grad_norm=0.0, gradient_accumulation_steps=accumulation))
+                              args=SimpleNamespace(max_grad_norm=0.0, gradient_accumulation_steps=accumulation),
+                              forward_backward=partial(forward_backward, accelerator, task, model, accumulation))
         window = [collate(examples[i:i + micro_batch]) for i in range(0, 8, micro_batch)]
         loss, _ = train_step(run, window)
         return float(loss), kept
