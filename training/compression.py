@@ -29,13 +29,6 @@ from training.strategy import Strategy
 
 logger = get_logger(__name__)
 
-COMM_HOOKS = {  # --ddp_comm_hook: accelerate's hook types; "allreduce" is DDP's own all-reduce as a (counted) hook
-    "allreduce": None,
-    "fp16": DDPCommunicationHookType.FP16,
-    "bf16": DDPCommunicationHookType.BF16,
-    "power_sgd": DDPCommunicationHookType.POWER_SGD,
-    "batched_power_sgd": DDPCommunicationHookType.BATCHED_POWER_SGD,
-}
 POWER_SGD_STATE = "powersgd_rank{rank}.pt"
 
 
@@ -98,7 +91,8 @@ def register_comm_hook(model: torch.nn.Module, hook: str | None, power_sgd_rank:
     if hook == "batched_power_sgd":
         orthogonalize_single_matrices_too()
     power_sgd = {"matrix_approximation_rank": power_sgd_rank, "start_powerSGD_iter": power_sgd_start_step}
-    DistributedDataParallelKwargs(comm_hook=COMM_HOOKS[hook],
+    # --ddp_comm_hook's names are accelerate's DDPCommunicationHookType values
+    DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(hook),
                                   comm_state_option=power_sgd if "power_sgd" in hook else {}).register_comm_hook(OnCountedGroup)
     return traffic
 
