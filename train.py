@@ -207,7 +207,7 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
         "steps": steps_run,
         "total_steps": state.completed_steps,
         "wall_time_s": time.time() - psutil.Process().create_time(),
-        **run.speed.report(gather_scalars(accelerator, run.speed.whole_run(steps_run))),
+        **run.speed.report(gather_scalars(accelerator, run.speed.whole_run())),
         "model_state_bytes_per_rank": max_over_ranks(run.model_state, accelerator),
         **({"gradient_allreduce_bytes_per_step": run.traffic.bytes_sent / steps_run} if run.traffic and steps_run else {}),
         **outcome,

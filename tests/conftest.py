@@ -12,8 +12,10 @@ import os
 # The suite tests CPU semantics (gloo, the CPU accommodation, the fp16 and SyncBatchNorm
 # refusals): GPUs are hidden from it and from every launch, before torch can see them.
 # Tests marked `gpu` get them back (`launch(..., gpu=True)`) and are skipped without one.
-# (Hence the imports below this line.)
-VISIBLE_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")
+# (Hence the imports below this line.) This file is imported twice, as pytest's conftest and as
+# `tests.conftest` by the test modules: the second import must still see the machine's setting.
+os.environ.setdefault("SUITE_CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
+VISIBLE_GPUS = None if os.environ["SUITE_CUDA_VISIBLE_DEVICES"] == "<unset>" else os.environ["SUITE_CUDA_VISIBLE_DEVICES"]
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import hashlib

@@ -30,7 +30,7 @@ GPU_STEPS = 8
 @pytest.mark.parametrize("config", ["ddp", "fsdp", "deepspeed_zero3"])
 def test_bf16_on_one_gpu_follows_the_cpu_fp32_losses(config, tmp_path) -> None:
     """A few steps with bf16 on 1 GPU (NCCL, CUDA) against the same config in fp32 on CPU: the
-    per-step losses agree within bf16's precision. Not yet run on a GPU: see issue 16."""
+    per-step losses agree within bf16's precision. Passed on an H100 (docs/gpus.md)."""
     one_process = with_processes(config, 1, tmp_path / "configs")
     args = ("--max_steps", str(GPU_STEPS), "--logging_steps", "1", "--eval_steps", "100", "--block_size", "64")
     cpu = train(one_process, tmp_path / "cpu", *args)

@@ -88,6 +88,22 @@ def test_cpu_mfu_never_exceeds_100_percent(probed_peak, mfu) -> None:
 
 
 @pytest.mark.quick
+def test_whole_run_figures_leave_out_the_launchs_first_step(monkeypatch) -> None:
+    """The first step carries start-up (torch.compile took 50 s of a 60-step run on an H100)."""
+    speed, clock = SpeedMeter(torch.device("cpu"), None, None), iter([0.0, 50.0, 50.0, 51.0, 51.0, 52.0])
+    monkeypatch.setattr("training.performance.time.perf_counter", lambda: next(clock))
+    for _ in range(3):
+        speed.start_step()
+        speed.end_step(units=100)
+    assert (speed.whole_run()["units_per_sec"], speed.whole_run()["step_time"]) == (100.0, 1.0)
+    alone = SpeedMeter(torch.device("cpu"), None, None)
+    monkeypatch.setattr("training.performance.time.perf_counter", iter([0.0, 4.0]).__next__)
+    alone.start_step()
+    alone.end_step(units=100)
+    assert alone.whole_run()["units_per_sec"] == 25.0  # a launch of one step: that step
+
+
+@pytest.mark.quick
 def test_model_state_bytes_are_counted_from_the_tensors(tiny_model) -> None:
     """One process, fp32 AdamW: 4 bytes of weights, 4 of gradients, 8 of moments per parameter."""
     optimizer = build_optimizer(tiny_model, TrainArguments(learning_rate=1e-3, weight_decay=0.1))
@@ -112,6 +128,12 @@ def test_torch_compile_trains_the_same_model_on_ddp(cached_run) -> None:
     assert "model wrapped as OptimizedModule" in (compiled / "launch.log").read_text()  # compiled, around DDP
     losses = [[m["loss"] for m in read_metrics(run) if "loss" in m] for run in (eager, compiled)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-3)  # inductor reorders float math, nothing more
+    # final/ holds the model's own weight names (not torch.compile's `_orig_mod.` ones): it loads whole,
+    # with the weights the eager run trained
+    models = [AutoModelForCausalLM.from_pretrained(run / "final", output_loading_info=True) for run in (eager, compiled)]
+    assert models[1][1]["missing_keys"] == set() and models[1][1]["unexpected_keys"] == set()
+    for name, weight in models[1][0].state_dict().items():
+        torch.testing.assert_close(weight, models[0][0].state_dict()[name], rtol=0, atol=1e-4)
 
 
 def test_every_run_reports_speed_and_memory(cached_run) -> None:

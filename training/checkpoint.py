@@ -206,6 +206,9 @@ def export_final(accelerator: Accelerator, model, processor: PushToHubMixin, out
     average_running_statistics(model, accelerator)
     if isinstance(model, StageModules):  # each process holds some stages: merged on rank 0
         return model.export(accelerator, processor, final_dir)
+    # --torch_compile wraps the strategy's wrapper, and accelerate's unwrapping keeps it: the weights
+    # would be saved as `_orig_mod.model...`, which transformers drops on loading (a random model).
+    model = getattr(model, "_orig_mod", model)
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)

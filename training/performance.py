@@ -159,7 +159,8 @@ class SpeedMeter:
     steps since the last report.
 
     Only time inside `start_step`/`end_step` counts, so evaluation and checkpoints do not
-    lower the figures. On GPUs the steps are timed on the host: the sync at each report
+    lower the figures; the whole-run figures also leave out a launch's first step, which
+    carries its start-up (CUDA context, autotuning, torch.compile: 50 s on an H100). On GPUs the steps are timed on the host: the sync at each report
     (the loss leaves the device then) keeps the sum of step times equal to the wall time.
     """
 
@@ -171,8 +172,9 @@ class SpeedMeter:
         # --device_map: one process holds layers on several GPUs, each with its own peak
         self.memory_devices = memory_devices or [device]
         self.ranks_per_batch = ranks_per_batch  # tensor parallelism: a group of ranks works on one batch
-        self.units = self.steps = self.total_units = 0
+        self.units = self.steps = self.total_units = self.total_steps = 0
         self.seconds = self.total_seconds = 0.0
+        self.first_step: tuple[int, float] = (0, 0.0)  # units, seconds
         self._started = 0.0
 
     def start_step(self) -> None:
@@ -185,7 +187,11 @@ class SpeedMeter:
             torch.accelerator.synchronize(self.device)
         elapsed = time.perf_counter() - self._started
         self.units, self.steps, self.seconds = self.units + units, self.steps + 1, self.seconds + elapsed
-        self.total_units, self.total_seconds = self.total_units + units, self.total_seconds + elapsed
+        if self.first_step[1]:  # not the launch's first step
+            self.total_units, self.total_seconds = self.total_units + units, self.total_seconds + elapsed
+            self.total_steps += 1
+        else:
+            self.first_step = (units, elapsed)
 
     def interval(self) -> dict[str, float]:
         """This rank's figures since the last call, for `collectives.gather_scalars`; starts the next interval."""
@@ -194,9 +200,12 @@ class SpeedMeter:
         self.seconds = 0.0
         return figures
 
-    def whole_run(self, steps: int) -> dict[str, float]:
-        """This rank's figures over the whole run, for `collectives.gather_scalars`."""
-        return self._local(self.total_units, steps, self.total_seconds)
+    def whole_run(self) -> dict[str, float]:
+        """This rank's figures over the launch's steps after its first (or the first, if alone),
+        for `collectives.gather_scalars`."""
+        if self.total_steps:
+            return self._local(self.total_units, self.total_steps, self.total_seconds)
+        return self._local(self.first_step[0], 1, self.first_step[1])
 
     def _local(self, units: int, steps: int, seconds: float) -> dict[str, float]:
         seconds = max(seconds, 1e-9)
