@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from models.language import ModelError, first_line
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # peft is imported where it is used: it takes 1.7 s, which runs without adapters need not pay
+    from peft import LoraConfig, PeftModel
+
     from training.flags import ModelArguments
 
 MERGED_DIR = "merged"  # under final/: the base model with the adapter merged in (--merge_adapter)
@@ -26,6 +27,8 @@ MERGED_DIR = "merged"  # under final/: the base model with the adapter merged in
 
 def lora_config(model_args: ModelArguments) -> LoraConfig:
     """The `LoraConfig` the flags describe."""
+    from peft import LoraConfig
+
     targets = model_args.lora_target_modules
     return LoraConfig(
         r=model_args.lora_r,
@@ -40,6 +43,8 @@ def lora_config(model_args: ModelArguments) -> LoraConfig:
 
 def add_adapter(model: PreTrainedModel, model_args: ModelArguments) -> PeftModel:
     """`model` frozen, with a fresh adapter on the modules `--lora_target_modules` names."""
+    from peft import get_peft_model
+
     try:
         return get_peft_model(model, lora_config(model_args))
     except ValueError as error:
@@ -65,6 +70,8 @@ def trainable_summary(model: PeftModel) -> str:
 def merge_adapter(base: str, adapter_dir: Path, trust_remote_code: bool = False) -> Path:
     """Load the base model and the saved adapter with plain peft, merge in fp32, and save a plain model
     in the base's own dtype in adapter_dir/merged (one process, CPU memory: the whole base model)."""
+    from peft import PeftModel
+
     try:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
         saved_dtype = AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code).dtype or torch.float32
