@@ -214,6 +214,8 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
         "wall_time_s": time.time() - psutil.Process().create_time(),
         **run.speed.report(gather_scalars(accelerator, run.speed.whole_run())),
         "model_state_bytes_per_rank": max_over_ranks(run.model_state, accelerator),
+        **({"teacher_state_bytes_per_rank": max_over_ranks({"parameters": run.teacher_bytes}, accelerator)}
+           if run.teacher_bytes is not None else {}),
         **({"gradient_allreduce_bytes_per_step": run.traffic.bytes_sent / steps_run} if run.traffic and steps_run else {}),
         **outcome,
     }

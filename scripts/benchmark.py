@@ -6,6 +6,7 @@
     python scripts/benchmark.py --compression --plot docs/compression.png   # --ddp_comm_hook on the default job
     python scripts/benchmark.py --scaling --plot docs/scaling.png           # weak scaling on 1, 2, 4 processes
     python scripts/benchmark.py --pipeline --plot docs/pipeline.png         # pipeline schedules against a layer split
+    python scripts/benchmark.py --distillation --plot docs/distillation.png # a student alone and distilled
 
 Every config trains the same model on the same data for `--steps` optimizer steps with
 `accelerate launch train.py`. The table shows, per strategy: tokens/s and step time
@@ -17,7 +18,8 @@ train.py on DDP and `scripts/raw_ddp.py` run alternately, `--rounds` times each 
 overhead figure is the median of the per-round ratios: back-to-back runs share the machine's
 state), and the data preparation rate (tokenize + pack of the default corpus) is measured
 in-process. The other tables are described by their functions (`fine_tuning_table`,
-`compression_table`, `scaling_table`, `pipeline_table`).
+`compression_table`, `scaling_table`, `pipeline_table`,
+`distillation_table`).
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ from training.metrics import read_metrics  # noqa: E402
 
 CONFIGS = ["ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"]
 SCALING_CONFIGS = ["ddp", "fsdp", "deepspeed_zero2"]
-DEFAULTS = {"per_device_train_batch_size": 8, "steps": 30, "warmup": 5, "log_every": 5}
-PIPELINE_DEFAULTS = {"per_device_train_batch_size": 64, "steps": 12, "warmup": 4, "log_every": 4, "mixed_precision": "no"}
+DEFAULTS = {"model_config": "llama-small", "per_device_train_batch_size": 8, "steps": 30, "warmup": 5, "log_every": 5}
+PIPELINE_DEFAULTS = {"model_config": "llama-small", "per_device_train_batch_size": 64, "steps": 12, "warmup": 4, "log_every": 4, "mixed_precision": "no"}
+DISTILLATION_DEFAULTS = {"model_config": "llama-tiny", "per_device_train_batch_size": 8, "steps": 300, "warmup": 5,
+                         "log_every": 25}
 RUN_TIMEOUT_S = 1800  # a run that takes longer is stuck: stop it rather than hang the benchmark
 
 
@@ -183,6 +187,37 @@ def fine_tuning_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str
                      f"{lora_state} | {sum(states[1].values()) / sum(states[0].values()):.3f} |")
         print(lines[-1], flush=True)
     return lines, {"fine_tuning": results}
+
+
+def distillation_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str], dict]:
+    """The student (--model_config) trained alone and distilled from a larger teacher for the same --steps on
+    the embedded corpus, under the first of --configs: eval loss along the way and at the end. The teacher is
+    --teacher, or the default job's model, trained first by train.py itself (`accelerate launch train.py`)."""
+    teacher = args.teacher
+    if teacher is None:
+        train_run("single", args, scratch / "teacher", flags=(), processes=1)
+        teacher = scratch / "teacher" / "final"
+    config, extra = args.configs[0], tuple(shlex.split(args.train_flags))
+    student = ("--model_config", args.model_config, "--per_device_train_batch_size", str(args.per_device_train_batch_size),
+               "--max_steps", str(args.steps), "--logging_steps", str(args.log_every), "--eval_steps", str(args.log_every),
+               "--save_strategy", "no")
+    runs = {"alone": student, "distilled": (*student, "--teacher_model_name_or_path", str(teacher), *extra)}
+    lines = [f"distillation: {args.model_config} on the embedded corpus, {config}, {args.num_processes} processes, "
+             f"{precision(args)}, {args.per_device_train_batch_size} sequences per rank per step, {args.steps} steps; "
+             f"teacher {teacher if args.teacher else 'the default job (' + str(teacher) + ')'}{', ' + args.train_flags if extra else ''}",
+             "", "| student | final eval loss | best eval loss | tokens/s | teacher weights/rank (MiB) |", "|---|---:|---:|---:|---:|"]
+    results, curves = {}, {}
+    for name, flags in runs.items():
+        run = results[name] = train_run(config, args, scratch / name, flags)
+        curves[name] = [(m["step"], m["eval_loss"]) for m in read_metrics(scratch / name) if "eval_loss" in m]
+        teacher_state = run.get("teacher_state_bytes_per_rank", {}).get("parameters")
+        lines.append(f"| {name} | {run['eval_loss']:.4f} | {min(loss for _, loss in curves[name]):.4f} | "
+                     f"{run['tokens_per_sec']:,.0f} | {mib(teacher_state) if teacher_state else ''} |")
+        print(lines[-1], flush=True)
+    if args.plot:
+        plot_curves(args.plot, f"{args.model_config}: eval loss, alone and distilled", "optimizer step", "eval loss",
+                    curves, log_y=True)
+    return lines, {"distillation": results | {"teacher": str(teacher)}}
 
 
 def pipeline_table(args: argparse.Namespace, scratch: Path) -> tuple[list[str], dict]:
@@ -326,7 +361,7 @@ def plot_panels(path: Path, title: str, xlabel: str, panels: list[tuple[str, dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model_config", default="llama-small")
+    parser.add_argument("--model_config", help="Default: llama-small; --distillation: llama-tiny (the student).")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="Default: every config; --scaling: " + " ".join(SCALING_CONFIGS))
     parser.add_argument("--num_processes", type=int, default=2)
     parser.add_argument("--mixed_precision", choices=["no", "bf16"], help="Default: bf16; --compression: no (the default job's).")
@@ -353,19 +388,23 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8], help="--pipeline: micro-batch counts.")
     parser.add_argument("--schedules", nargs="+", default=["GPipe", "1F1B"], choices=["GPipe", "1F1B"],
                         help="--pipeline: the schedules set against the naive split.")
-    parser.add_argument("--plot", type=Path, help="--compression/--scaling/--pipeline: also draw the figure to this PNG.")
+    parser.add_argument("--distillation", action="store_true",
+                        help="Instead: --model_config (default llama-tiny) trained alone and distilled from --teacher "
+                             "(default: the default job's model, trained first) for --steps; eval loss curves.")
+    parser.add_argument("--teacher", type=Path, help="--distillation: a trained teacher (Hub format).")
+    parser.add_argument("--plot", type=Path, help="--compression/--scaling/--pipeline/--distillation: also draw the figure to this PNG.")
     parser.add_argument("--output", type=Path, help="Also write the tables to this markdown file.")
     parser.add_argument("--json", type=Path, help="Also write every figure to this JSON file.")
     args = parser.parse_args()
     args.configs = args.configs or (SCALING_CONFIGS if args.scaling else CONFIGS)
     # The pipeline table: fp32 and 64 sequences per step, so that 8 micro-batches still keep a core busy
     # (bf16 with 8 per step measured 1.27x for 1F1B over the naive split; this 1.77x).
-    defaults = PIPELINE_DEFAULTS if args.pipeline else DEFAULTS
+    defaults = PIPELINE_DEFAULTS if args.pipeline else DISTILLATION_DEFAULTS if args.distillation else DEFAULTS
     for key, value in defaults.items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
-    args.mixed_precision = args.mixed_precision or ("no" if args.compression else "bf16")
+    args.mixed_precision = args.mixed_precision or ("no" if args.compression or args.distillation else "bf16")
     table = {"fine_tuning": fine_tuning_table, "compression": compression_table, "scaling": scaling_table,
-             "pipeline": pipeline_table}
+             "pipeline": pipeline_table, "distillation": distillation_table}
     if chosen := [name for name in table if getattr(args, name)]:
         with tempfile.TemporaryDirectory() as scratch:
             lines, results = table[chosen[0]](args, Path(scratch))

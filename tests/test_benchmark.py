@@ -123,3 +123,18 @@ def test_the_pipeline_table_sets_schedules_against_a_naive_layer_split(tmp_path)
         assert f"| {name.split(' m=')[0]} |" in figures["table"] and run["tokens_per_sec"] > 0 and run["processes"] == 2
         assert 0 < run["bubble"] < 1, name  # from when each stage computed each micro-batch
     assert figures["plot"].stat().st_size > 10_000
+
+
+def test_the_distillation_table_sets_a_taught_student_against_one_alone(tmp_path, base_model) -> None:
+    """The same student and steps, alone and taught (here by the suite's base model: the documented table trains
+    the default job as its teacher); the eval loss along the way, and the teacher's weights reported apart."""
+    figures = run_benchmark(tmp_path, "--distillation", "--teacher", str(base_model), "--steps", "4", "--log_every", "2",
+                            "--per_device_train_batch_size", "4")
+    runs = figures["distillation"]
+    assert runs["teacher"] == str(base_model)
+    for name in ("alone", "distilled"):
+        assert f"| {name} |" in figures["table"] and runs[name]["steps"] == 4 and runs[name]["tokens_per_sec"] > 0
+    assert runs["distilled"]["teacher_state_bytes_per_rank"]["parameters"] > 0
+    assert "teacher_state_bytes_per_rank" not in runs["alone"]
+    assert runs["distilled"]["eval_loss"] != runs["alone"]["eval_loss"]
+    assert figures["plot"].stat().st_size > 10_000

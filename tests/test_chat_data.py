@@ -28,7 +28,7 @@ from data.errors import DataError
 from models.configs import build_named_config
 from models.language import build_tokenizer
 from train import train_step
-from training.loss import forward_backward
+from training.loss import forward_backward, label_loss_sums
 
 pytestmark = pytest.mark.quick
 CONVERSATION = [
@@ -197,7 +197,8 @@ def test_accumulation_1x8_and_4x2_give_the_same_loss_and_gradients_on_masked_dat
         model, optimizer = accelerator.prepare(model, optimizer)
         run = SimpleNamespace(accelerator=accelerator, task=task, model=model, optimizer=optimizer,
                               args=SimpleNamespace(max_grad_norm=0.0, gradient_accumulation_steps=accumulation),
-                              forward_backward=partial(forward_backward, accelerator, task, model, accumulation))
+                              forward_backward=partial(forward_backward, accelerator, partial(label_loss_sums, task), model,
+                                                       accumulation))
         window = [collate(examples[i:i + micro_batch]) for i in range(0, 8, micro_batch)]
         loss, _ = train_step(run, window)
         return float(loss), kept

@@ -93,7 +93,11 @@ def _files(tmp_path) -> dict[str, str]:
     tokenizer.chat_template = None
     tokenizer.save_pretrained(base)
     (base / "chat_template.jinja").unlink(missing_ok=True)
-    return {f"{{{name}}}": str(tmp_path / name) for name in [*files, "base"]}
+    other = tmp_path / "other-vocabulary"  # a teacher whose tokenizer has one token more
+    AutoModelForCausalLM.from_config(build_named_config("llama-tiny", tokenizer)).save_pretrained(other)
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(other)
+    return {f"{{{name}}}": str(tmp_path / name) for name in [*files, "base", "other-vocabulary"]}
 
 
 # case -> (train.py flags, launcher environment, what the one error line says); one per stage that refuses
@@ -107,6 +111,11 @@ MISTAKES = {
     "chat data in the text column": (["--train_file", "{chat.jsonl}"], {}, "this is chat data; fine-tune on it with --task sft"),
     "a chat message with an unknown role": (["--task", "sft", "--train_file", "{bad-role.jsonl}"], {},
                                             "message 1 of 'messages' has role 'bot'"),
+    "a teacher that does not load": (["--teacher_model_name_or_path", "{one.txt}"], {}, "cannot load teacher"),
+    "a teacher with another vocabulary": (["--teacher_model_name_or_path", "{other-vocabulary}"], {},
+                                          "has another vocabulary than the student's tokenizer (920 vs 919 tokens; e.g. '<extra>' differs)"),
+    "--distillation_alpha outside [0, 1]": (["--teacher_model_name_or_path", "{base}", "--distillation_alpha", "1.5"], {},
+                                            "it must be in [0, 1], got 1.5"),
     "too little data to hold out a validation split": (
         ["--train_file", "{one.txt}"], {}, "1 training examples cannot give up --validation_split_percentage 5"
     ),

@@ -107,3 +107,20 @@ def test_bf16_trains_batch_norm_models(config: str, shape_folders, tmp_path) -> 
     assert all(0 < m["loss"] < 5 for m in metrics if "loss" in m)
     assert 0 <= metrics[-1]["eval_accuracy"] <= 1
     assert "validation images right" in result.stdout
+
+
+def test_a_classifier_distils_from_a_teacher_with_the_same_labels(image_run, shape_folders, tmp_path) -> None:
+    """FSDP2 shards the student and the teacher (the single run's export: BatchNorm, in eval mode): the same
+    run as image_run's fsdp one, taught, trains differently from the same start; the teacher is in no checkpoint."""
+    plain = image_run("fsdp")
+    result = launch("fsdp", "train.py", *IMAGE_RUN, "--per_device_train_batch_size", "4", "--train_dir",
+                    str(shape_folders / "train"), "--validation_dir", str(shape_folders / "validation"),
+                    "--output_dir", str(tmp_path), "--teacher_model_name_or_path", str(image_run("single") / "final"),
+                    "--distillation_alpha", "0.9", "--distillation_temperature", "4")
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert "teacher weights" in result.stdout
+    taught, alone = ([m for m in read_metrics(run) if "loss" in m or "eval_loss" in m] for run in (tmp_path, plain))
+    assert taught[0]["eval_loss"] == pytest.approx(alone[0]["eval_loss"])  # the same student at the start
+    assert all(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(taught, alone) if "loss" in a and "loss" in b)
+    saved = [p.name for p in (tmp_path / "checkpoints").rglob("*")]
+    assert "pytorch_model_fsdp_0" in saved and "pytorch_model_fsdp_1" not in saved

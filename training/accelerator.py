@@ -6,6 +6,8 @@ whole fp32 copy when it need not (`model_construction`)."""
 from __future__ import annotations
 
 import os
+import sys
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -33,6 +35,8 @@ def build_accelerator(ddp_timeout: int, ddp_comm_hook: str | None = None, **acce
     `ddp_comm_hook` is checked to fit the strategy here, and registered after `prepare`.
     """
     strategy = requested_strategy()
+    if strategy is Strategy.DEEPSPEED:
+        skip_deepspeed_muon_check()
     timeout = timedelta(seconds=ddp_timeout)
     on_cpu = not has_accelerator_device()
     check_launch_config(strategy, on_cpu)
@@ -54,6 +58,23 @@ def build_accelerator(ddp_timeout: int, ddp_comm_hook: str | None = None, **acce
                                         find_unused_parameters=power_sgd,
                                         **({"bucket_cap_mb": ONE_BUCKET_MB} if power_sgd and on_cpu else {}))
     return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
+
+
+def skip_deepspeed_muon_check() -> None:
+    """ZeRO imports DeepSpeed's Muon optimizer to ask whether the optimizer is one, and its Muon update
+    in the gradient reduction whether it is used or not; that module compiles with torch's inductor as it
+    loads: 1.5 s of CPU per rank at every start (measured, DeepSpeed 0.19.8). train.py never builds Muon
+    (`--optim`): stand-in modules answer instead, with a class nothing is an instance of."""
+    def never_called(*_args, **_kwargs):
+        raise RuntimeError("DeepSpeed's Muon update was called, but train.py builds no Muon optimizer")
+
+    muon = type("MuonWithAuxAdam", (), {})
+    for name, names in {"muon_optimizer": {"MuonWithAuxAdam": muon},
+                        "original_muon": {"MuonWithAuxAdam": muon, "muon_update": never_called,
+                                          "adam_update": never_called}}.items():
+        stand_in = types.ModuleType(f"deepspeed.runtime.zero.muon.{name}")
+        stand_in.__dict__.update(names)
+        sys.modules.setdefault(stand_in.__name__, stand_in)
 
 
 def describe(accelerator: Accelerator, strategy: Strategy) -> str:

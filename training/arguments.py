@@ -124,6 +124,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     check_task_flags(model_args, data_args)
     check_adapter_flags(model_args)
     check_comm_hook_flags(train_args)
+    check_distillation_flags(model_args, train_args)
     check_pipeline_flags(model_args, data_args, train_args)
     if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
         # absolute: an exported adapter names its base model by this path, to be found from anywhere
@@ -250,6 +251,27 @@ def check_comm_hook_flags(train_args: TrainArguments) -> None:
     if train_args.power_sgd_rank < 1 or train_args.power_sgd_start_step < 2:
         raise ArgumentError(f"--power_sgd_rank must be >= 1 and --power_sgd_start_step >= 2; got "
                             f"{train_args.power_sgd_rank}, {train_args.power_sgd_start_step}")
+
+
+DISTILLATION_FLAGS = ("distillation_alpha", "distillation_temperature", "distillation_loss")
+
+
+def check_distillation_flags(model_args: ModelArguments, train_args: TrainArguments) -> None:
+    """The distillation settings need a teacher, and the teacher a data-parallel layout (training/distillation.py)."""
+    if not model_args.teacher_model_name_or_path:
+        for flag in DISTILLATION_FLAGS:
+            if getattr(train_args, flag) != FIELD_DEFAULTS[flag]:
+                raise ArgumentError(f"--{flag} is for distillation: add --teacher_model_name_or_path, or drop it")
+        return
+    if not 0 <= train_args.distillation_alpha <= 1:
+        raise ArgumentError(f"--distillation_alpha weighs the teacher loss against the label loss: it must be in [0, 1], "
+                            f"got {train_args.distillation_alpha}")
+    if train_args.distillation_temperature <= 0:
+        raise ArgumentError(f"--distillation_temperature must be > 0, got {train_args.distillation_temperature}")
+    if model_args.device_map or int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1:
+        split = "--device_map" if model_args.device_map else "tensor parallelism (fsdp_tp.yaml)"
+        raise ArgumentError(f"--teacher_model_name_or_path with {split} is not supported; distil under a data-parallel "
+                            "config (ddp.yaml, fsdp.yaml or a ZeRO config), which places the teacher as it places the student")
 
 
 def check_writable(directory: str) -> None:

@@ -21,6 +21,7 @@ from accelerate.utils import DeepSpeedPlugin, set_seed
 
 from models.adapters import add_adapter
 from training.compression import check_comm_hook
+from training.distillation import teacher_plan
 from training.pipeline_layout import check_pipeline_launch, parameters_per_process, pipelined, stage_count
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import align_deepspeed_config
@@ -101,6 +102,9 @@ def dry_run(model_args, data_args, args) -> str | None:
                                        model_args.gradient_checkpointing)
         memory += (f", activations ~{activations / MIB:,.1f} MiB and working buffers "
                    f"~{working_bytes(layout, shape, dtype.itemsize) / MIB:,.1f} MiB (estimates)")
+    teacher = model_args.teacher_model_name_or_path
+    if teacher:
+        memory += f"\nteacher:         {teacher_plan(task, teacher, strategy, processes, dtype.itemsize)}"
     return (
         "\n===== dry run: checked, nothing trained =====\n"
         f"launch:          {layout.strategy}, {processes} process(es), {data_parallel} data-parallel, "

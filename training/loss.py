@@ -6,7 +6,7 @@ loss of a step is (sum over the global batch) / (targets in the global batch).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -118,16 +118,21 @@ class NonFiniteGuard:
             )
 
 
-def forward_backward(accelerator, task, model: torch.nn.Module, accumulation: int, batch: dict,
-                     window_targets: torch.Tensor) -> torch.Tensor:
+def label_loss_sums(task, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The task's own objective: per-example sums of its label loss (distillation's: training/distillation.py)."""
+    return task.loss_sums(task.forward(model, batch), batch)[0]
+
+
+def forward_backward(accelerator, objective: Callable[[torch.nn.Module, dict], torch.Tensor], model: torch.nn.Module,
+                     accumulation: int, batch: dict, window_targets: torch.Tensor) -> torch.Tensor:
     """One micro-step under every data-parallel strategy: forward, loss, backward; returns this process's
     share of the step's loss. (Pipeline stages run their schedule instead: training/pipeline.py.)
 
-    The loss is the mean over every target (token, or image) of the global batch (all micro-batches
-    on all ranks), not a mean of per-batch means, so padded batches weigh by their tokens."""
-    logits = task.forward(model, batch)
-    loss = task.loss_sums(logits, batch)[0].sum() / window_targets
-    del logits  # e.g. tokens x vocabulary floats: freed now, not after the optimizer step
+    `objective` gives per-example loss sums. The loss is the mean over every target (token, or image)
+    of the global batch (all micro-batches on all ranks), not a mean of per-batch means, so padded
+    batches weigh by their tokens. The logits live only inside `objective` (e.g. tokens x vocabulary
+    floats: freed before the backward's gradients pile up)."""
+    loss = objective(model, batch).sum() / window_targets
     # Every strategy averages gradients over micro-steps and processes; scale back up so the
     # update is the gradient of the global token mean. (Tensor parallelism averages over
     # data-parallel ranks only, and its tp ranks each counted the window's targets.)

@@ -127,6 +127,11 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     return total
 
 
+def frozen_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters this rank holds of a model that is never trained (no gradients, no optimizer state)."""
+    return _storage_bytes(model.parameters(), set())
+
+
 def _stepping(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 

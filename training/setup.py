@@ -29,6 +29,7 @@ from training.checkpoint import TrainerState, clear_previous_run, load_checkpoin
 from training.collectives import preflight
 from training.compression import GradientTraffic, keep_power_sgd_state_in_checkpoints, register_comm_hook
 from training.console import one_voice
+from training.distillation import build_distillation
 from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.layer_split import split_layers
@@ -36,6 +37,7 @@ from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
 from training.performance import SpeedMeter, compute_dtype, model_state_probe, parameter_count, peak_flops
 from training.loss import forward_backward as data_parallel_forward_backward
+from training.loss import label_loss_sums
 from training.pipeline import StageModules, prepare_pipeline
 from training.pipeline_layout import check_pipeline_launch, pipelined, stage_count
 from training.preemption import StopRequests
@@ -81,6 +83,7 @@ class Run:
     model_args: ModelArguments
     traffic: GradientTraffic | None  # the bytes --ddp_comm_hook sent, when one is set
     forward_backward: Callable[[dict, torch.Tensor], torch.Tensor]  # one micro-step: (batch, window targets) -> loss
+    teacher_bytes: int | None  # distillation: bytes of teacher weights on this rank (it has nothing else)
 
 
 def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArguments, stop_requests: StopRequests) -> Run:
@@ -116,8 +119,13 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     model, optimizer, train_loader, eval_loader, scheduler = prepare(
         model, torch_optimizer, train_loader, eval_loader, scheduler
     )
+    objective, teacher_bytes = partial(label_loss_sums, task), None  # per-example loss sums of a micro-batch
+    if model_args.teacher_model_name_or_path:
+        distillation, teacher_bytes = build_distillation(accelerator, task, strategy, model_args.teacher_model_name_or_path,
+                                                         args)
+        objective = distillation.loss_sums
     forward_backward = (partial(model.forward_backward, accelerator) if pipelined(args) else
-                        partial(data_parallel_forward_backward, accelerator, task, model, args.gradient_accumulation_steps))
+                        partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
     traffic = register_comm_hook(model, args.ddp_comm_hook, args.power_sgd_rank, args.power_sgd_start_step)
     keep_power_sgd_state_in_checkpoints(accelerator, model)
     model_state = model_state_probe(model, torch_optimizer, lambda: held_gradients(model))  # bytes per rank, at step 2
@@ -165,7 +173,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
                f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args, traffic,
-               forward_backward)
+               forward_backward, teacher_bytes)
 
 
 def training_loader(dataset, batch_size: int, seed: int, **loading) -> DataLoader:

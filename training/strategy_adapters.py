@@ -48,6 +48,47 @@ def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_gr
         if half is not None:
             _batch_norm_statistics_in(model, half)
 
+def place_frozen_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """A model that runs beside the trained one and is never trained (a distillation teacher), placed as
+    the strategy places the trained model, and not registered with accelerate: `save_state` saves what
+    `prepare` registered, and a teacher is an input, not state.
+
+    - DDP, one process: a whole replica on each rank's device (autocast gives it the compute dtype).
+    - FSDP2: sharded with the config's own settings (accelerate's `fsdp2_prepare_model`, which `prepare`
+      calls for the trained model).
+    - DeepSpeed: a ZeRO-3 inference engine whatever the student's stage (`deepspeed.initialize` without an
+      optimizer: parameters partitioned, gathered layer by layer in forward, as TRL places its reference
+      model). Not accelerate's second DeepSpeed plugin: `prepare` would register that engine, and every
+      checkpoint would save the teacher.
+    """
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    if accelerator.distributed_type is DistributedType.FSDP:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        _answer_none_for_missing_embeddings(model)
+        if half is not None:
+            _keep_batch_norm_in_fp32(model, accelerator)
+        return fsdp2_prepare_model(accelerator, model)
+    if accelerator.state.deepspeed_plugin is not None:
+        if half is not None:
+            _batch_norm_statistics_in(model, half)
+        return _zero3_inference_engine(accelerator, model)
+    return model.to(accelerator.device)
+
+def _zero3_inference_engine(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    import deepspeed
+
+    trained = accelerator.state.deepspeed_plugin.deepspeed_config  # resolved by `prepare`: no "auto" left
+    zero = {key: value for key, value in trained.get("zero_optimization", {}).items() if key.startswith("stage3_")
+            or key == "offload_param"} if trained.get("zero_optimization", {}).get("stage") == 3 else {}
+    config = {key: trained[key] for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                             "gradient_accumulation_steps")}
+    config |= {"zero_optimization": zero | {"stage": 3}, "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
+               "fp16": {"enabled": accelerator.mixed_precision == "fp16"}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine
+
 def persistent_buffers(model: torch.nn.Module) -> list[str]:
     """Names of the buffers in the model's state dict (BatchNorm statistics; not rotary tables)."""
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}

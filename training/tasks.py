@@ -17,26 +17,29 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
 from datasets import Dataset, DatasetDict
 from transformers import (
+    AutoConfig,
     AutoImageProcessor,
     AutoModelForCausalLM,
     AutoModelForImageClassification,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     default_data_collator,
 )
 
 from data import build_lm_datasets, load_raw_datasets, make_collator
 from data.images import build_image_datasets, class_names, load_raw_image_datasets, pixel_values
-from models.language import build_model, build_tokenizer, resolve_block_size
+from models.language import ModelError, build_model, build_tokenizer, check_same_vocabulary, loading, resolve_block_size
 from models.vision import build_image_model, build_image_processor
 from training.strategy_adapters import floating_input_dtype
-from training.loss import class_loss_sums, correct_next_tokens, count_target_tokens, token_loss_sums
+from training.loss import IGNORE_INDEX, class_loss_sums, correct_next_tokens, count_target_tokens, token_loss_sums
 from training.performance import counted_flops_per_example, flops_per_token
 
 Batch = dict[str, torch.Tensor]
@@ -46,6 +49,7 @@ class Task(ABC):
     """The interface train.py uses; see the module docstring."""
 
     unit: str  # what throughput counts: "tokens" or "samples"
+    auto_model: type  # the transformers Auto class that loads this task's models (a distillation teacher's)
     model_input: str  # the batch key the model's first layer reads (a pipeline's first stage is fed it)
     fixed_input_shapes = False  # every batch the same shape: cuDNN may tune its convolutions once (GPUs)
     can_build_empty = True  # build_model honours `empty` (training/accelerator.py `model_construction`)
@@ -76,6 +80,24 @@ class Task(ABC):
 
     @abstractmethod
     def correct(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor: ...
+
+    @abstractmethod
+    def check_teacher(self, path: str) -> PretrainedConfig:
+        """A distillation teacher's config, checked (without its weights) to predict what the student
+        predicts: the same tokens, or the same labels."""
+
+    def load_teacher(self, path: str) -> PreTrainedModel:
+        """The checked distillation teacher, fp32."""
+        self.check_teacher(path)
+        with loading("teacher", path):
+            return self.auto_model.from_pretrained(path, dtype=torch.float32,
+                                                   trust_remote_code=self.model_args.trust_remote_code)
+
+    @abstractmethod
+    def distillation_sums(self, logits: torch.Tensor, teacher_logits: torch.Tensor, batch: Batch,
+                          divergence: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Per-example sums of `divergence` between the student's and the teacher's logits, over the
+        targets `loss_sums` counts."""
 
     @abstractmethod
     def count_targets(self, batch: Batch) -> torch.Tensor: ...
@@ -110,6 +132,7 @@ class CausalLM(Task):
     """Next-token prediction on text; targets are tokens."""
 
     unit = "tokens"
+    auto_model = AutoModelForCausalLM
     model_input = "input_ids"
 
     def __init__(self, model_args, data_args) -> None:
@@ -145,6 +168,19 @@ class CausalLM(Task):
     def correct(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         return correct_next_tokens(logits, batch["labels"])
 
+    def check_teacher(self, path: str) -> PretrainedConfig:
+        with loading("teacher", path):
+            config = AutoConfig.from_pretrained(path, trust_remote_code=self.model_args.trust_remote_code)
+        check_same_vocabulary(self.processor, path, config.vocab_size, self.model_args.trust_remote_code)
+        return config
+
+    def distillation_sums(self, logits: torch.Tensor, teacher_logits: torch.Tensor, batch: Batch,
+                          divergence: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        # Over the tokenizer's tokens: the models' rows beyond it (vocabulary padding) may differ in number.
+        vocab = len(self.processor)
+        per_token = divergence(logits[:, :-1, :vocab], teacher_logits[:, :-1, :vocab])
+        return torch.where(batch["labels"][:, 1:] != IGNORE_INDEX, per_token, 0).sum(dim=1)
+
     def count_targets(self, batch: Batch) -> torch.Tensor:
         return count_target_tokens(batch)
 
@@ -169,6 +205,7 @@ class ImageClassification(Task):
     """One label per image; targets are images."""
 
     unit = "samples"
+    auto_model = AutoModelForImageClassification
     model_input = "pixel_values"
     fixed_input_shapes = True
     # Small models; and accelerate broadcasts parameters only, not BatchNorm's statistics.
@@ -207,6 +244,20 @@ class ImageClassification(Task):
 
     def correct(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         return (logits.argmax(dim=-1) == batch["labels"]).long()
+
+    def check_teacher(self, path: str) -> PretrainedConfig:
+        with loading("teacher", path):
+            config = AutoConfig.from_pretrained(path, trust_remote_code=self.model_args.trust_remote_code)
+        names = [config.id2label[i] for i in range(config.num_labels)]
+        if names != self.labels:
+            raise ModelError(f"teacher {path} classifies into {names[:5]}{'...' if len(names) > 5 else ''}, the data "
+                             f"into {self.labels[:5]}{'...' if len(self.labels) > 5 else ''}: distillation compares "
+                             "their answers label by label; use a teacher trained on these labels, in this order")
+        return config
+
+    def distillation_sums(self, logits: torch.Tensor, teacher_logits: torch.Tensor, batch: Batch,
+                          divergence: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return torch.where(batch["labels"] != IGNORE_INDEX, divergence(logits, teacher_logits), 0)
 
     def count_targets(self, batch: Batch) -> torch.Tensor:
         # a fill on the device, not a copy from the host per micro-batch
