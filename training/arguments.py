@@ -223,6 +223,13 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
         raise ArgumentError("--validation_dir needs --train_dir")
 
 
+def model_split(model_args: ModelArguments) -> str | None:
+    """What splits one model within a data-parallel replica, if anything: --device_map or tensor parallelism."""
+    if model_args.device_map:
+        return "--device_map"
+    return "tensor parallelism (fsdp_tp.yaml)" if int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1 else None
+
+
 def check_adapter_flags(model_args: ModelArguments) -> None:
     """LoRA adapts a pretrained model, in one process per device group; its flags need --use_peft."""
     if not model_args.use_peft:
@@ -233,8 +240,7 @@ def check_adapter_flags(model_args: ModelArguments) -> None:
     if not model_args.model_name_or_path:
         raise ArgumentError("--use_peft trains an adapter on a pretrained model's frozen weights: give "
                             "--model_name_or_path (a Hub id or a directory), or drop --use_peft to train every weight")
-    if model_args.device_map or int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1:
-        split = "--device_map" if model_args.device_map else "tensor parallelism (fsdp_tp.yaml)"
+    if split := model_split(model_args):
         raise ArgumentError(f"--use_peft with {split} is not supported; train the adapter with a data-parallel "
                             "config instead (ddp.yaml, fsdp.yaml or a ZeRO config)")
     if model_args.lora_r < 1 or model_args.lora_alpha <= 0 or not 0 <= model_args.lora_dropout < 1:
@@ -268,8 +274,7 @@ def check_distillation_flags(model_args: ModelArguments, train_args: TrainArgume
                             f"got {train_args.distillation_alpha}")
     if train_args.distillation_temperature <= 0:
         raise ArgumentError(f"--distillation_temperature must be > 0, got {train_args.distillation_temperature}")
-    if model_args.device_map or int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1:
-        split = "--device_map" if model_args.device_map else "tensor parallelism (fsdp_tp.yaml)"
+    if split := model_split(model_args):
         raise ArgumentError(f"--teacher_model_name_or_path with {split} is not supported; distil under a data-parallel "
                             "config (ddp.yaml, fsdp.yaml or a ZeRO config), which places the teacher as it places the student")
 
