@@ -142,6 +142,6 @@ def teacher_plan(task: Task, path: str, strategy: Strategy, processes: int, comp
     """The dry run's line: the teacher checked from its config and tokenizer, its weights per rank planned."""
     config = task.check_teacher(path)
     with torch.device("meta"):  # no memory: the architecture only
-        parameters = sum(p.numel() for p in task.auto_model.from_config(config).parameters())
+        parameters = parameter_count(task.auto_model.from_config(config))
     planned = teacher_bytes_per_rank(strategy, parameters, processes, compute_bytes)
     return f"{path}, {parameters:,} parameters, frozen: {planned / 2**20:,.1f} MiB of weights per rank"

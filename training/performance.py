@@ -165,8 +165,9 @@ class SpeedMeter:
 
     Only time inside `start_step`/`end_step` counts, so evaluation and checkpoints do not
     lower the figures; the whole-run figures also leave out a launch's first step, which
-    carries its start-up (CUDA context, autotuning, torch.compile: 50 s on an H100). On GPUs the steps are timed on the host: the sync at each report
-    (the loss leaves the device then) keeps the sum of step times equal to the wall time.
+    carries its start-up (CUDA context, autotuning, torch.compile: 50 s on an H100). On GPUs
+    the steps are timed on the host: the sync at each report (the loss leaves the device then)
+    keeps the sum of step times equal to the wall time.
     """
 
     def __init__(

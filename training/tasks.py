@@ -86,6 +86,11 @@ class Task(ABC):
         """A distillation teacher's config, checked (without its weights) to predict what the student
         predicts: the same tokens, or the same labels."""
 
+    def teacher_config(self, path: str) -> PretrainedConfig:
+        """A distillation teacher's config, read without its weights (one error line if it does not load)."""
+        with loading("teacher", path):
+            return AutoConfig.from_pretrained(path, trust_remote_code=self.model_args.trust_remote_code)
+
     def load_teacher(self, path: str) -> PreTrainedModel:
         """The checked distillation teacher, fp32."""
         self.check_teacher(path)
@@ -169,8 +174,7 @@ class CausalLM(Task):
         return correct_next_tokens(logits, batch["labels"])
 
     def check_teacher(self, path: str) -> PretrainedConfig:
-        with loading("teacher", path):
-            config = AutoConfig.from_pretrained(path, trust_remote_code=self.model_args.trust_remote_code)
+        config = self.teacher_config(path)
         check_same_vocabulary(self.processor, path, config.vocab_size, self.model_args.trust_remote_code)
         return config
 
@@ -246,8 +250,7 @@ class ImageClassification(Task):
         return (logits.argmax(dim=-1) == batch["labels"]).long()
 
     def check_teacher(self, path: str) -> PretrainedConfig:
-        with loading("teacher", path):
-            config = AutoConfig.from_pretrained(path, trust_remote_code=self.model_args.trust_remote_code)
+        config = self.teacher_config(path)
         names = [config.id2label[i] for i in range(config.num_labels)]
         if names != self.labels:
             raise ModelError(f"teacher {path} classifies into {names[:5]}{'...' if len(names) > 5 else ''}, the data "
