@@ -157,8 +157,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     try:
         result = plan(args)
     except (PlanError, ModelError) as error:
