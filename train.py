@@ -211,6 +211,8 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
         "model": run.model_name,
         "steps": steps_run,
         "total_steps": state.completed_steps,
+        "per_device_train_batch_size": run.args.per_device_train_batch_size,  # the micro-batch that ran
+        "gradient_accumulation_steps": run.args.gradient_accumulation_steps,
         "wall_time_s": time.time() - psutil.Process().create_time(),
         **run.speed.report(gather_scalars(accelerator, run.speed.whole_run())),
         "model_state_bytes_per_rank": max_over_ranks(run.model_state, accelerator),

@@ -42,6 +42,15 @@ class TrainerState:
     global_batch: int = 0  # sequences per optimizer step; resuming needs the same
     num_processes: int = 1  # that saved the checkpoint
     pipeline_stages: int = 1  # the model cut into this many stages (training/pipeline.py), each saved apart
+    per_device_train_batch_size: int = 0  # the micro-batch that ran (0: not recorded, before --auto_find_batch_size)
+    gradient_accumulation_steps: int = 0
+
+
+def recorded_micro_batch(path: Path) -> tuple[int, int] | None:
+    """The (micro-batch, accumulation) a checkpoint's run trained with, if it recorded them."""
+    saved = json.loads((path / TRAINER_STATE).read_text())
+    pair = (saved.get("per_device_train_batch_size", 0), saved.get("gradient_accumulation_steps", 0))
+    return pair if all(pair) else None
 
 
 def checkpoints_root(output_dir: str) -> Path:

@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader
 from models.adapters import add_adapter, trainable_summary
 from training.accelerator import build_accelerator, describe, idle_gpu_warning, model_construction
 from training.batchnorm import convert_sync_batchnorm
-from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
+from training.batch_size import find_micro_batch
+from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, recorded_micro_batch, resolve_resume_path
 from training.collectives import preflight
 from training.compression import GradientTraffic, keep_power_sgd_state_in_checkpoints, register_comm_hook
 from training.console import one_voice
@@ -90,6 +91,11 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     """The Accelerator, then the model and data, then `prepare`, then a resumed state and the trackers."""
     accelerator, strategy, run_description, tf32 = start_accelerator(model_args, args)
     stop_requests.connect(accelerator, args.ddp_timeout)  # from now on ranks agree on a stop
+    resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir, accelerator)
+    if args.auto_find_batch_size and resume_path and (recorded := recorded_micro_batch(resume_path)):
+        if recorded[0] * recorded[1] == args.per_device_train_batch_size * args.gradient_accumulation_steps:
+            args.per_device_train_batch_size, args.gradient_accumulation_steps = recorded  # found before: not again
+            accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
     set_seed(args.seed)  # identical initial weights on every rank and strategy
 
     task = build_task(model_args, data_args)
@@ -124,6 +130,9 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         distillation, teacher_bytes = build_distillation(accelerator, task, strategy, model_args.teacher_model_name_or_path,
                                                          args)
         objective = distillation.loss_sums
+    if args.auto_find_batch_size and not resume_path:
+        train_loader = fit_micro_batch(accelerator, task, model, optimizer, objective, train_set, train_loader, args,
+                                       loading)
     forward_backward = (partial(model.forward_backward, accelerator) if pipelined(args) else
                         partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
     traffic = register_comm_hook(model, args.ddp_comm_hook, args.power_sgd_rank, args.power_sgd_start_step)
@@ -140,11 +149,12 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
 
     state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes,
                          pipeline_stages=stage_count(args))
-    resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir, accelerator)
     if resume_path:
         state = load_checkpoint(accelerator, resume_path, global_batch, max_steps, stage_count(args))
         state.num_processes = accelerator.num_processes
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
+    state.per_device_train_batch_size, state.gradient_accumulation_steps = (args.per_device_train_batch_size,
+                                                                            args.gradient_accumulation_steps)
     if args.overwrite_output_dir:  # only now: every check before has passed
         if accelerator.is_main_process:
             clear_previous_run(args.output_dir)
@@ -174,6 +184,33 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
                f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args, traffic,
                forward_backward, teacher_bytes)
+
+
+def fit_micro_batch(accelerator: Accelerator, task: Task, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    objective: Callable, train_set, train_loader: DataLoader, args: TrainArguments, loading: dict) -> DataLoader:
+    """--auto_find_batch_size (training/batch_size.py): `args` and the accumulation set to the micro-batch that
+    fits; the training loader, rebuilt for it where the first one was among accelerate's loaders (a checkpoint
+    saves each loader's position by that order)."""
+    requested = args.per_device_train_batch_size
+
+    def micro_step(batch: dict) -> None:
+        data_parallel_forward_backward(accelerator, objective, model, 1, batch, task.count_targets(batch))
+
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = find_micro_batch(
+        accelerator, model, optimizer, micro_step, lambda n: task.collator([train_set[i] for i in range(n)]),
+        requested, args.gradient_accumulation_steps)
+    logger.info(f"--auto_find_batch_size: a micro-batch of {args.per_device_train_batch_size} per process fits, "
+                f"{args.gradient_accumulation_steps} accumulated per step"
+                + (f" ({requested} ran out of memory)" if args.per_device_train_batch_size != requested else ""),
+                main_process_only=True)
+    if args.per_device_train_batch_size == requested:
+        return train_loader
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+    resized = accelerator.prepare_data_loader(training_loader(train_set, args.per_device_train_batch_size, args.seed,
+                                                              **loading))
+    loaders = accelerator._dataloaders  # noqa: SLF001 - prepare_data_loader appended the new one last
+    loaders[loaders.index(train_loader)] = loaders.pop()
+    return resized
 
 
 def training_loader(dataset, batch_size: int, seed: int, **loading) -> DataLoader:
