@@ -120,36 +120,40 @@ def test_a_resumed_run_takes_the_size_its_checkpoint_recorded(auto_run, wide_voc
 @pytest.mark.quick
 def test_the_search_keeps_the_global_batch_and_says_when_nothing_fits() -> None:
     """Real allocation failures (a tensor of 2**44 floats per example, beyond any machine's memory) on one
-    process: 12 -> 6 -> 3 fits; odd sizes step to their largest divisor; a micro-batch of 1 that fails is one line."""
+    process: 12 -> 6 -> 3 fits; odd sizes step to their largest divisor; a micro-batch of 1 that fails is one line.
+    What the probes did is undone: gradients, BatchNorm statistics, the RNG."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
     accelerator = Accelerator(cpu=True)
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2), torch.nn.Dropout(0.5))
+    linear = torch.nn.Linear(2, 2)  # for micro-batches of 1, which BatchNorm cannot train on
+    optimizer = torch.optim.SGD([*model.parameters(), *linear.parameters()], lr=0.1)
+    buffers, rng = [b.clone() for b in model.buffers()], torch.get_rng_state()
     tried = []
 
-    def micro_step_up_to(fitting: int):
+    def micro_step_up_to(fitting: int, module: torch.nn.Module = linear):
         def micro_step(batch: dict) -> None:
             size = len(batch["x"])
             tried.append(size)
             if size > fitting:
                 torch.empty(size * 2**44)  # DefaultCPUAllocator: can't allocate memory
-            model(batch["x"]).sum().backward()
+            module(batch["x"]).sum().backward()
 
         return micro_step
 
     def examples(n: int) -> dict:
-        return {"x": torch.ones(n, 2)}
+        return {"x": torch.arange(2.0 * n).view(n, 2)}
 
     try:
-        assert find_micro_batch(accelerator, model, optimizer, micro_step_up_to(3), examples, 12, 2) == (3, 8)
-        assert tried == [12, 6, 3] and model.weight.grad is None  # the probes' gradients were dropped
+        assert find_micro_batch(accelerator, model, optimizer, micro_step_up_to(3, model), examples, 12, 2) == (3, 8)
+        assert tried == [12, 6, 3] and all(p.grad is None for p in model.parameters())
+        assert all(torch.equal(a, b) for a, b in zip(model.buffers(), buffers)) and torch.equal(torch.get_rng_state(), rng)
         tried.clear()
-        assert find_micro_batch(accelerator, model, optimizer, micro_step_up_to(2), examples, 9, 1) == (1, 9)
+        assert find_micro_batch(accelerator, linear, optimizer, micro_step_up_to(2), examples, 9, 1) == (1, 9)
         assert tried == [9, 3, 1]
         with pytest.raises(StrategyError, match="a micro-batch of 1 runs out of memory on this machine") as refused:
-            find_micro_batch(accelerator, model, optimizer, micro_step_up_to(0), examples, 2, 1)
+            find_micro_batch(accelerator, linear, optimizer, micro_step_up_to(0), examples, 2, 1)
         assert "\n" not in str(refused.value)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -4,11 +4,11 @@ A micro-step of the requested size runs first, on the first examples of the trai
 nothing inside it talks to the other ranks (no all-reduce: `throwaway_micro_step`); FSDP2 gathers and
 reduces as always, so there the ranks must fail alike, as they do on the same shapes and memory.
 Then every rank says whether it ran out of memory, in one collective: if any did, all halve the
-micro-batch and double the accumulation (an odd micro-batch: its largest divisor, and the accumulation
-multiplied to match), so the global batch, and with it every step's loss, stays
-what it was (tests/test_batch_size.py), and try again. The probe's gradients are dropped and the RNG
-restored: training then starts exactly as a launch with the found size would. A resumed run takes
-the size its checkpoint recorded (`TrainerState`) instead of probing again.
+micro-batch and double the accumulation (an odd micro-batch: its largest divisor, the accumulation
+multiplied to match), so that the global batch, and with it every step's loss, stays what it was, and
+try again. Nothing of the probes is kept (gradients, RNG draws, BatchNorm statistics): training then
+starts exactly as a launch with the found size would (tests/test_batch_size.py). A resumed run takes
+the size its checkpoint recorded (`TrainerState`) instead of searching again.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from training.collectives import max_over_ranks
 from training.errors import ArgumentError, StrategyError
+from training.flags import TrainArguments
 from training.strategy import Strategy
 from training.strategy_adapters import throwaway_micro_step
 
 
-def check_auto_find_batch_size(train_args, strategy: Strategy, split: str | None) -> None:
+def check_auto_find_batch_size(train_args: TrainArguments, strategy: Strategy, split: str | None) -> None:
     """The search resizes the micro-batch of data-parallel training; `split`: what else cuts the model, if anything
     (pipeline stages, --device_map, tensor parallelism)."""
     if not train_args.auto_find_batch_size:
@@ -44,8 +45,10 @@ def check_auto_find_batch_size(train_args, strategy: Strategy, split: str | None
 
 def micro_step_fits(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_step: Callable[[dict], object],
                     batch: dict) -> bool:
-    """Whether one forward and backward of `batch` fits in this rank's memory; nothing of it is kept."""
+    """Whether one forward and backward of `batch` fits in this rank's memory; nothing of it is kept: not its
+    gradients, not what it drew from the RNG (dropout), not what it did to buffers (BatchNorm's statistics)."""
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    buffers = [buffer.detach().clone() for buffer in model.buffers()]
     try:
         with throwaway_micro_step(model):
             micro_step(batch)
@@ -56,6 +59,9 @@ def micro_step_fits(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mi
         return False
     finally:
         optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, saved in zip(model.buffers(), buffers):
+                buffer.copy_(saved)
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
             torch.cuda.set_rng_state_all(rng[1])
