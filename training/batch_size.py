@@ -14,12 +14,14 @@ the size its checkpoint recorded (`TrainerState`) instead of searching again.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import send_to_device
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
+from training.checkpoint import recorded_micro_batch
 from training.collectives import max_over_ranks
 from training.errors import ArgumentError, StrategyError
 from training.flags import TrainArguments
@@ -88,3 +90,12 @@ def find_micro_batch(accelerator: Accelerator, model: torch.nn.Module, optimizer
             )
         smaller = max(size for size in range(1, per_device) if per_device % size == 0)  # half, when even
         per_device, accumulation = smaller, accumulation * (per_device // smaller)
+
+
+def take_recorded_micro_batch(accelerator: Accelerator, args: TrainArguments, checkpoint: Path) -> None:
+    """Resuming: the (micro-batch, accumulation) the checkpoint's run found, when it recorded one for this global
+    batch (another global batch: `load_checkpoint` refuses it)."""
+    recorded = recorded_micro_batch(checkpoint)
+    if recorded and recorded[0] * recorded[1] == args.per_device_train_batch_size * args.gradient_accumulation_steps:
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = recorded
+        accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps

@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader
 from models.adapters import add_adapter, trainable_summary
 from training.accelerator import build_accelerator, describe, idle_gpu_warning, model_construction
 from training.batchnorm import convert_sync_batchnorm
-from training.batch_size import find_micro_batch
-from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, recorded_micro_batch, resolve_resume_path
+from training.batch_size import find_micro_batch, take_recorded_micro_batch
+from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
 from training.collectives import preflight
 from training.compression import GradientTraffic, keep_power_sgd_state_in_checkpoints, register_comm_hook
 from training.console import one_voice
@@ -92,10 +92,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     accelerator, strategy, run_description, tf32 = start_accelerator(model_args, args)
     stop_requests.connect(accelerator, args.ddp_timeout)  # from now on ranks agree on a stop
     resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir, accelerator)
-    if args.auto_find_batch_size and resume_path and (recorded := recorded_micro_batch(resume_path)):
-        if recorded[0] * recorded[1] == args.per_device_train_batch_size * args.gradient_accumulation_steps:
-            args.per_device_train_batch_size, args.gradient_accumulation_steps = recorded  # found before: not again
-            accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+    if args.auto_find_batch_size and resume_path:
+        take_recorded_micro_batch(accelerator, args, resume_path)  # found before: not searched again
     set_seed(args.seed)  # identical initial weights on every rank and strategy
 
     task = build_task(model_args, data_args)
