@@ -196,6 +196,19 @@ def start(config: str | Path, output_dir: Path, *args: str, via_node_script: boo
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def flag_refusal(args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """The one-line ArgumentError that `parse_args(args)` raises under the launcher environment `env`."""
+    from training.arguments import parse_args
+    from training.errors import ArgumentError
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ArgumentError) as refused:
+        parse_args(args)
+    assert "\n" not in str(refused.value)
+    return str(refused.value)
+
+
 def wait_for(condition: Callable[[], object], seconds: float, what: str, poll: float = 0.2) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
