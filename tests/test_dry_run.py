@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -97,7 +98,13 @@ def _files(tmp_path) -> dict[str, str]:
     AutoModelForCausalLM.from_config(build_named_config("llama-tiny", tokenizer)).save_pretrained(other)
     tokenizer.add_tokens(["<extra>"])
     tokenizer.save_pretrained(other)
-    return {f"{{{name}}}": str(tmp_path / name) for name in [*files, "base", "other-vocabulary"]}
+    custom = tmp_path / "custom-code-model"  # a model that needs its own code, which would end the process
+    shutil.copytree(base, custom)
+    config = json.loads((custom / "config.json").read_text())
+    config |= {"model_type": "my_lm", "auto_map": {"AutoConfig": "my_lm.MyConfig", "AutoModelForCausalLM": "my_lm.MyLM"}}
+    (custom / "config.json").write_text(json.dumps(config))
+    (custom / "my_lm.py").write_text("raise SystemExit('remote code ran')\n")
+    return {f"{{{name}}}": str(tmp_path / name) for name in [*files, "base", "other-vocabulary", "custom-code-model"]}
 
 
 # case -> (train.py flags, launcher environment, what the one error line says); one per stage that refuses
@@ -122,29 +129,35 @@ MISTAKES = {
 }
 
 
-# More of the sft task's stages (the dry run's unknown role above shows its data stage ends in exit 2):
-# case -> (train.py flags, the error, what its one line says)
-SFT_MISTAKES = {
-    "a chat message with no content": (["--train_file", "{no-content.jsonl}"], DataError,
+# More of the model and data stages, in-process (the dry run's unknown role above shows a data stage ends
+# in exit 2; tests/test_bad_input.py launches one case of each): case -> (train.py flags, the error, its one line)
+STAGE_MISTAKES = {
+    "block size above the model's maximum": (["--block_size", "4096"], ModelError,
+                                             "--block_size 4096 exceeds the model's maximum of"),
+    "model with custom code, no --trust_remote_code": (  # its code would end the test: SystemExit is no ModelError
+        ["--model_name_or_path", "{custom-code-model}"], ModelError, "pass --trust_remote_code only if you trust"),
+    "a chat message with no content": (["--task", "sft", "--train_file", "{no-content.jsonl}"], DataError,
                                        "message 0 of 'messages' (user) has no text content"),
     "data with none of text, messages, or prompt and completion": (
-        ["--train_file", "{question-answer.jsonl}"], DataError, "none of the columns text, messages, or prompt and completion"),
-    "a chat template that is not Jinja": (["--chat_template", "{not-jinja.jinja}"], ModelError,
+        ["--task", "sft", "--train_file", "{question-answer.jsonl}"], DataError,
+        "none of the columns text, messages, or prompt and completion"),
+    "a chat template that is not Jinja": (["--task", "sft", "--chat_template", "{not-jinja.jinja}"], ModelError,
                                           "is not a valid Jinja chat template"),
-    "a tokenizer without a chat template": (["--model_name_or_path", "{base}", "--train_file", "{hello.jsonl}"], ModelError,
-                                            "give one with --chat_template PATH"),
+    "a tokenizer without a chat template": (
+        ["--task", "sft", "--model_name_or_path", "{base}", "--train_file", "{hello.jsonl}"], ModelError,
+        "give one with --chat_template PATH"),
     "--lora_target_modules that match nothing": (
-        ["--model_name_or_path", "{base}", "--chat_template", "models/tokenizer/chat_template.jinja", "--use_peft",
-         "--lora_target_modules", "qkv"], ModelError,
+        ["--task", "sft", "--model_name_or_path", "{base}", "--chat_template", "models/tokenizer/chat_template.jinja",
+         "--use_peft", "--lora_target_modules", "qkv"], ModelError,
         "matches no module of LlamaForCausalLM; its linear modules are: down_proj gate_proj k_proj lm_head o_proj"),
 }
 
 
-@pytest.mark.parametrize(("args", "error", "message"), SFT_MISTAKES.values(), ids=SFT_MISTAKES.keys())
-def test_chat_data_and_templates_that_cannot_train_are_one_line(tmp_path, args, error, message) -> None:
+@pytest.mark.parametrize(("args", "error", "message"), STAGE_MISTAKES.values(), ids=STAGE_MISTAKES.keys())
+def test_models_data_and_templates_that_cannot_train_are_one_line(tmp_path, args, error, message) -> None:
     """In-process, the stages a dry run goes through: flags, task (template), model (adapter), data."""
     files = _files(tmp_path)
-    model_args, data_args, _ = parse_args([*TINY_RUN, "--output_dir", str(tmp_path / "run"), "--task", "sft",
+    model_args, data_args, _ = parse_args([*TINY_RUN, "--output_dir", str(tmp_path / "run"),
                                            *(files.get(arg, arg) for arg in args)])
     with pytest.raises(error, match=re.escape(message)) as refused:
         task = build_task(model_args, data_args)
