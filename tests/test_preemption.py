@@ -29,6 +29,16 @@ from tests.conftest import (
 from training.checkpoint import complete_checkpoints
 from training.preemption import StopRequests
 
+STEPS_PER_EPOCH = 6  # of `uneven_data` at the global batch of 8
+
+
+def logged_loss_steps(output_dir) -> int:
+    """The last step whose training loss the run has logged so far (0 before the first)."""
+    metrics = output_dir / "metrics.jsonl"
+    complete = metrics.read_text().split("\n")[:-1] if metrics.exists() else []  # not a line still being written
+    return max((record["step"] for record in map(json.loads, complete) if "loss" in record), default=0)
+
+
 CASES = {
     # torchrun's agent forwards SIGTERM to every rank and waits for them
     "SIGTERM to the launcher of 2 DDP ranks": ("ddp", "launcher", signal.SIGTERM, "SIGTERM"),
@@ -53,9 +63,11 @@ def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
         processes = 1 if config == "single" else 2
         wait_for(lambda: len(rank_processes(launcher)) == processes, 120, "the ranks to start")
         ranks = rank_processes(launcher)
-        metrics = tmp_path / "metrics.jsonl"  # its first line, the step-0 evaluation, comes just before step 1
-        wait_for(lambda: metrics.exists() and "eval_loss" in metrics.read_text(), 120, "training to start", poll=0.01)
-        for rank in ranks.values():  # freeze the run, so the signal lands early in training on any machine
+        # Freeze the run once the first epoch is logged (the ranks agreed on that step already), so the signal
+        # lands mid-way through the second epoch, at step 7, 8 or 9 of 10, on any machine: the resume below
+        # is also test_resume.py's resume of this config, from within an epoch that is not the first.
+        wait_for(lambda: logged_loss_steps(tmp_path) >= STEPS_PER_EPOCH, 120, "the first epoch", poll=0.005)
+        for rank in ranks.values():
             rank.suspend()
         (ranks[1] if target == "rank 1" else psutil.Process(launcher.pid)).send_signal(sig)
         for rank in ranks.values():
@@ -72,7 +84,7 @@ def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
     stopped = [line for line in log.splitlines() if line.startswith("stopped: ")]
     assert len(stopped) == 1, log[-3000:]  # one report, not one per rank
     step = int(re.search(rf"{seen} received: stopped after step (\d+)", stopped[0]).group(1))
-    assert 1 <= step < MAX_STEPS and (tmp_path / "checkpoints" / f"step_{step}" / "trainer_state.json").is_file()
+    assert STEPS_PER_EPOCH < step < MAX_STEPS and (tmp_path / "checkpoints" / f"step_{step}" / "trainer_state.json").is_file()
     assert (tmp_path / "report.png").is_file()  # a stopped run draws its picture too
     if target == "rank 1":  # the launcher's failure report shows the ranks' exit code
         assert re.search(r"exitcode\s*:\s*75", log), log[-3000:]
