@@ -17,6 +17,7 @@ from PIL import Image
 
 from data.default_shapes import SHAPES, default_shape_splits
 from tests.conftest import launch, read_metrics
+from tests.test_effective_config import BF16, assert_runs_bf16_as_asked
 from tests.test_strategies import STRATEGIES
 
 IMAGE_RUN = ("--task", "image-classification", "--model_config", "resnet-tiny", "--max_steps", "6",
@@ -98,8 +99,9 @@ def test_every_strategy_trains_the_image_task(config: str, image_run, shape_fold
 @pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero2"])
 def test_bf16_trains_batch_norm_models(config: str, shape_folders, tmp_path) -> None:
     """bf16 with BatchNorm: FSDP2 computes BatchNorm in fp32 (its own unit), DeepSpeed gets bf16 inputs
-    and statistics; both would otherwise stop with a dtype error."""
-    result = launch(config, "train.py", *IMAGE_RUN, "--per_device_train_batch_size", "4", "--train_dir",
+    and statistics; both would otherwise stop with a dtype error. These are also the two configs' bf16 runs
+    of tests/test_effective_config.py, and get its checks."""
+    result = launch(config, "train.py", *IMAGE_RUN, "--per_device_train_batch_size", "4", *BF16, "--train_dir",
                     str(shape_folders / "train"), "--validation_dir", str(shape_folders / "validation"),
                     "--output_dir", str(tmp_path), launcher_args=("--mixed_precision", "bf16"))
     assert result.returncode == 0, f"{config}:\n{result.stderr[-6000:]}"
@@ -107,6 +109,7 @@ def test_bf16_trains_batch_norm_models(config: str, shape_folders, tmp_path) -> 
     assert all(0 < m["loss"] < 5 for m in metrics if "loss" in m)
     assert 0 <= metrics[-1]["eval_accuracy"] <= 1
     assert "validation images right" in result.stdout
+    assert_runs_bf16_as_asked(config, tmp_path, result.stderr)
 
 
 def test_a_classifier_distils_from_a_teacher_with_the_same_labels(image_run, shape_folders, tmp_path) -> None:
