@@ -3,36 +3,30 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS
 from training.memory_plan import pick
 
 EVERY_CONFIG = sorted(path.stem for path in CONFIGS.glob("*.yaml") if path.stem != "fsdp_tp")  # 4 processes: below
 ORDER = ["ddp", "deepspeed_zero1", "deepspeed_zero2", "fsdp", "deepspeed_zero3", "deepspeed_zero3_offload"]
 
 
-def plan(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
-    """Run the planner as a user does; its printed report and its JSON figures."""
-    figures = tmp_path / f"plan{len(list(tmp_path.glob('plan*.json')))}.json"
-    result = subprocess.run([sys.executable, "scripts/plan_memory.py", *args, "--json", str(figures)],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
-    return result, json.loads(figures.read_text()) if figures.exists() else None
-
-
-def refused(capsys, *args: str) -> tuple[int, str, str]:
-    """The planner's exit code, stdout and stderr for input it must refuse: its `main`, in this process (as a
-    user runs it: `plan`, above). An exception other than the exit would fail the test with its traceback."""
+def plan(capsys, *args: str, figures: Path | None = None) -> tuple[int, str, str, dict | None]:
+    """The planner's exit code, printed report, error output and JSON figures: its `main`, in this process
+    (as a user runs it, the script: tests/test_readme.py). An exception other than the exit would fail the test
+    with its traceback."""
     from scripts.plan_memory import main
 
-    with pytest.raises(SystemExit) as exited:
-        main(list(args))
+    try:
+        main([*args, *(["--json", str(figures)] if figures else [])])
+        code = 0
+    except SystemExit as exited:
+        code = exited.code
     printed = capsys.readouterr()
-    return exited.value.code, printed.out, printed.err
+    return code, printed.out, printed.err, json.loads(figures.read_text()) if figures and figures.exists() else None
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +68,12 @@ def test_model_state_agrees_with_the_measured_run_within_10_percent(config, trai
         assert planned[part] == pytest.approx(value, rel=0.10), part
 
 
-def test_the_pick_is_the_first_config_that_fits_in_the_documented_order(tmp_path) -> None:
+def test_the_pick_is_the_first_config_that_fits_in_the_documented_order(tmp_path, capsys) -> None:
     """Shrinking GPUs move the pick along DDP, ZeRO-1, ZeRO-2, FSDP2, ZeRO-3, offload; if none fits, exit 1."""
     common = ("--model_config", "llama-125m", "--num_gpus", "8", "--per_device_train_batch_size", "2",
               "--block_size", "512")
-    result, figures = plan(tmp_path, *common)
-    assert figures["recommended"] == "ddp" and "recommended: accelerate_configs/ddp.yaml" in result.stdout
+    code, stdout, _, figures = plan(capsys, *common, figures=tmp_path / "plan.json")
+    assert code == 0 and figures["recommended"] == "ddp" and "recommended: accelerate_configs/ddp.yaml" in stdout
     rows = figures["configs"]
     picks = []
     for need in sorted({rows[name]["gpu_total"] for name in ORDER}, reverse=True):  # memory just enough for each
@@ -91,16 +85,17 @@ def test_the_pick_is_the_first_config_that_fits_in_the_documented_order(tmp_path
     assert pick(rows, 1, rows["single"]["gpu_total"]) == "single"  # one GPU: one process, no DDP wrapper
 
     too_small = min(row["gpu_total"] for row in rows.values()) / 2**30 / 0.9 * 0.99
-    result, figures = plan(tmp_path, *common, "--gpu_memory_gb", f"{too_small:.6f}")
-    assert result.returncode == 1 and figures["recommended"] is None and "nothing fits" in result.stdout
+    code, stdout, _, figures = plan(capsys, *common, "--gpu_memory_gb", f"{too_small:.6f}", figures=tmp_path / "none.json")
+    assert code == 1 and figures["recommended"] is None and "nothing fits" in stdout
 
 
-def test_a_local_model_directory_is_read_like_a_hub_id(tmp_path, strategy_run) -> None:
+def test_a_local_model_directory_is_read_like_a_hub_id(tmp_path, capsys, strategy_run) -> None:
     exported = strategy_run("ddp") / "final"  # what train.py exports, or any save_pretrained directory
-    result, figures = plan(tmp_path, "--model_name_or_path", str(exported), "--num_gpus", "2")
-    assert result.returncode == 0, result.stderr
+    code, stdout, stderr, figures = plan(capsys, "--model_name_or_path", str(exported), "--num_gpus", "2",
+                                         figures=tmp_path / "plan.json")
+    assert code == 0, stderr
     assert figures["parameters"] == json.loads((strategy_run("ddp") / "summary.json").read_text())["parameters"]
-    assert f"train.py --model_name_or_path {exported}" in result.stdout
+    assert f"train.py --model_name_or_path {exported}" in stdout
 
 
 @pytest.mark.quick
@@ -118,7 +113,7 @@ def test_bad_configs_are_one_clear_line(setup, message, tmp_path, capsys) -> Non
     configs = tmp_path / "configs"
     configs.mkdir()
     setup(configs)
-    code, _, stderr = refused(capsys, "--model_config", "llama-tiny", "--configs_dir", str(configs))
+    code, _, stderr, _ = plan(capsys, "--model_config", "llama-tiny", "--configs_dir", str(configs))
     assert code == 2 and stderr.startswith("error: ") and message in stderr and stderr.count("\n") == 1
 
 
@@ -128,7 +123,7 @@ def test_a_model_that_needs_its_own_code_is_one_clear_line(tmp_path, capsys) -> 
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "my_lm", "auto_map": {"AutoConfig": "my_lm.MyConfig"}}))
     (model / "my_lm.py").write_text("raise SystemExit('remote code ran')\n")  # would end the test with that code
-    code, stdout, stderr = refused(capsys, "--model_name_or_path", str(model))
+    code, stdout, stderr, _ = plan(capsys, "--model_name_or_path", str(model))
     assert code == 2 and stderr.startswith("error: ") and "--trust_remote_code" in stderr and stderr.count("\n") == 1
     assert "remote code ran" not in stderr + stdout
 
