@@ -10,20 +10,19 @@ import re
 import shutil
 import subprocess
 import sys
-from contextlib import nullcontext
 
 import pytest
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import DataError
-from models.adapters import add_adapter
 from models.configs import build_named_config
 from models.language import SHIPPED_TOKENIZER, ModelError
 from tests.conftest import CONFIGS, REPO, TINY_RUN, launch
-from training.arguments import parse_args
+from training.arguments import ArgumentError, parse_args
+from training.dry_run import dry_run as plan_dry_run
+from training.errors import StrategyError
 from training.memory_plan import model_state, read_layout
-from training.task_registry import build_task
 
 MIB = 2**20
 
@@ -107,15 +106,9 @@ def _files(tmp_path) -> dict[str, str]:
     return {f"{{{name}}}": str(tmp_path / name) for name in [*files, "base", "other-vocabulary", "custom-code-model"]}
 
 
-# case -> (train.py flags, launcher environment, what the one error line says); one per stage that refuses
+# End to end, `python train.py --dry_run`: case -> (train.py flags, launcher environment, what the one error line says)
 MISTAKES = {
-    "scheduler name": (["--lr_scheduler_type", "cosin"], {}, "--lr_scheduler_type 'cosin' is not a transformers scheduler"),
     "optimizer name (argparse's choices)": (["--optim", "adamw"], {}, "argument --optim: invalid choice: 'adamw' (choose from"),
-    "DeepSpeed JSON against a flag": (
-        ["--max_grad_norm", "0.5"], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "{clipping.json}"},
-        "gradient_clipping is 1.0 in the DeepSpeed JSON but --max_grad_norm is 0.5",
-    ),
-    "chat data in the text column": (["--train_file", "{chat.jsonl}"], {}, "this is chat data; fine-tune on it with --task sft"),
     "a chat message with an unknown role": (["--task", "sft", "--train_file", "{bad-role.jsonl}"], {},
                                             "message 1 of 'messages' has role 'bot'"),
     "a teacher that does not load": (["--teacher_model_name_or_path", "{one.txt}"], {}, "cannot load teacher"),
@@ -123,49 +116,48 @@ MISTAKES = {
                                           "has another vocabulary than the student's tokenizer (920 vs 919 tokens; e.g. '<extra>' differs)"),
     "--distillation_alpha outside [0, 1]": (["--teacher_model_name_or_path", "{base}", "--distillation_alpha", "1.5"], {},
                                             "it must be in [0, 1], got 1.5"),
+}
+# More of each stage, in-process through the dry run's own function (tests/test_bad_input.py launches one case of
+# each stage): case -> (train.py flags, launcher environment, what the one error line says)
+STAGE_MISTAKES = {
+    "scheduler name": (["--lr_scheduler_type", "cosin"], {}, "--lr_scheduler_type 'cosin' is not a transformers scheduler"),
+    "DeepSpeed JSON against a flag": (
+        ["--max_grad_norm", "0.5"], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "{clipping.json}"},
+        "gradient_clipping is 1.0 in the DeepSpeed JSON but --max_grad_norm is 0.5",
+    ),
+    "chat data in the text column": (["--train_file", "{chat.jsonl}"], {}, "this is chat data; fine-tune on it with --task sft"),
     "too little data to hold out a validation split": (
         ["--train_file", "{one.txt}"], {}, "1 training examples cannot give up --validation_split_percentage 5"
     ),
-}
-
-
-# More of the model and data stages, in-process (the dry run's unknown role above shows a data stage ends
-# in exit 2; tests/test_bad_input.py launches one case of each): case -> (train.py flags, the error, its one line)
-STAGE_MISTAKES = {
-    "block size above the model's maximum": (["--block_size", "4096"], ModelError,
-                                             "--block_size 4096 exceeds the model's maximum of"),
-    "model with custom code, no --trust_remote_code": (  # its code would end the test: SystemExit is no ModelError
-        ["--model_name_or_path", "{custom-code-model}"], ModelError, "pass --trust_remote_code only if you trust"),
-    "a chat message with no content": (["--task", "sft", "--train_file", "{no-content.jsonl}"], DataError,
+    "block size above the model's maximum": (["--block_size", "4096"], {}, "--block_size 4096 exceeds the model's maximum of"),
+    "model with custom code, no --trust_remote_code": (  # its code would end the test: SystemExit is not caught below
+        ["--model_name_or_path", "{custom-code-model}"], {}, "pass --trust_remote_code only if you trust"),
+    "a chat message with no content": (["--task", "sft", "--train_file", "{no-content.jsonl}"], {},
                                        "message 0 of 'messages' (user) has no text content"),
     "data with none of text, messages, or prompt and completion": (
-        ["--task", "sft", "--train_file", "{question-answer.jsonl}"], DataError,
+        ["--task", "sft", "--train_file", "{question-answer.jsonl}"], {},
         "none of the columns text, messages, or prompt and completion"),
-    "a chat template that is not Jinja": (["--task", "sft", "--chat_template", "{not-jinja.jinja}"], ModelError,
+    "a chat template that is not Jinja": (["--task", "sft", "--chat_template", "{not-jinja.jinja}"], {},
                                           "is not a valid Jinja chat template"),
     "a tokenizer without a chat template": (
-        ["--task", "sft", "--model_name_or_path", "{base}", "--train_file", "{hello.jsonl}"], ModelError,
+        ["--task", "sft", "--model_name_or_path", "{base}", "--train_file", "{hello.jsonl}"], {},
         "give one with --chat_template PATH"),
     "--lora_target_modules that match nothing": (
         ["--task", "sft", "--model_name_or_path", "{base}", "--chat_template", "models/tokenizer/chat_template.jinja",
-         "--use_peft", "--lora_target_modules", "qkv"], ModelError,
+         "--use_peft", "--lora_target_modules", "qkv"], {},
         "matches no module of LlamaForCausalLM; its linear modules are: down_proj gate_proj k_proj lm_head o_proj"),
 }
+BAD_INPUT = (ArgumentError, DataError, ModelError, StrategyError)  # what train.py turns into one line and exit 2
 
 
-@pytest.mark.parametrize(("args", "error", "message"), STAGE_MISTAKES.values(), ids=STAGE_MISTAKES.keys())
-def test_models_data_and_templates_that_cannot_train_are_one_line(tmp_path, args, error, message) -> None:
-    """In-process, the stages a dry run goes through: flags, task (template), model (adapter), data."""
+@pytest.mark.parametrize(("args", "env", "message"), STAGE_MISTAKES.values(), ids=STAGE_MISTAKES.keys())
+def test_each_stage_refuses_what_cannot_train_in_one_line(tmp_path, monkeypatch, args, env, message) -> None:
+    """The flags, then the dry run's stages: launch checks, task (template), model (adapter), data."""
     files = _files(tmp_path)
-    model_args, data_args, _ = parse_args([*TINY_RUN, "--output_dir", str(tmp_path / "run"),
-                                           *(files.get(arg, arg) for arg in args)])
-    with pytest.raises(error, match=re.escape(message)) as refused:
-        task = build_task(model_args, data_args)
-        raw = task.load_raw_datasets(seed=0)
-        model = task.build_model(raw)
-        if model_args.use_peft:
-            add_adapter(model, model_args)
-        task.datasets(raw, nullcontext())
+    for name, value in env.items():
+        monkeypatch.setenv(name, files.get(value, value))
+    with pytest.raises(BAD_INPUT, match=re.escape(message)) as refused:
+        plan_dry_run(*parse_args([*TINY_RUN, "--output_dir", str(tmp_path / "run"), *(files.get(a, a) for a in args)]))
     assert "\n" not in str(refused.value)
 
 
