@@ -317,8 +317,10 @@ STRATEGY_CLIPPING = 0.5  # below these steps' gradient norms: clipping triggers
 GLOBAL_BATCH = 12
 
 
-# Fine-tuning on the embedded chat set, answers only; 4 held-out prompts answered at each evaluation.
-SFT = ("--task", "sft", "--eval_generation_samples", "4")
+# Fine-tuning on the embedded chat set, answers only; `GENERATION`: 4 held-out prompts answered greedily at each
+# evaluation (eval_exact_match: the LoRA runs, compared across strategies in tests/test_fine_tuning.py).
+SFT = ("--task", "sft")
+GENERATION = ("--eval_generation_samples", "4")
 
 
 def sft_validation_batches(output_dir: Path) -> list[dict[str, torch.Tensor]]:
@@ -356,28 +358,25 @@ def base_model(cached_run) -> Path:
     return cached_run("single", "--max_steps", "12", "--eval_strategy", "no", "--save_strategy", "no") / "final"
 
 
-def parity_args(config: str, max_grad_norm: float, base_model: Path) -> tuple[str, ...]:
+def parity_args(config: str, base_model: Path) -> tuple[str, ...]:
     """Full fine-tuning of `base_model` on chat data: 12 steps with a global batch of 12 and not one
-    default left: clipping, accumulation, an odd micro-batch, no decay, warmup by ratio and another
-    beta2. One process accumulates 4 micro-batches of 3; 2 data-parallel ranks (fsdp_tp: 2 x tp 2)
-    accumulate 2 each. Checkpoints at steps 6 and 12."""
+    default left: clipping (triggered), accumulation, an odd micro-batch, no decay, warmup by ratio and
+    another beta2, no held-out generation (the LoRA runs compare it). One process accumulates 4
+    micro-batches of 3; 2 data-parallel ranks (fsdp_tp: 2 x tp 2) accumulate 2 each. Checkpoints at
+    steps 6 and 12."""
     accumulation = "4" if config == "single" else "2"
-    return (*SFT, "--model_name_or_path", str(base_model), "--max_steps", "12", "--logging_steps", "1",
-            "--eval_steps", "6", "--save_steps", "6", "--per_device_train_batch_size", "3",
+    return (*SFT, "--eval_generation_samples", "0", "--model_name_or_path", str(base_model), "--max_steps", "12",
+            "--logging_steps", "1", "--eval_steps", "6", "--save_steps", "6", "--per_device_train_batch_size", "3",
             "--gradient_accumulation_steps", accumulation, "--weight_decay", "0", "--warmup_ratio", "0.1",
-            "--adam_beta2", "0.99", "--max_grad_norm", str(max_grad_norm))
+            "--adam_beta2", "0.99", "--max_grad_norm", str(STRATEGY_CLIPPING))
 
 
 @pytest.fixture(scope="session")
 def strategy_run(cached_run, base_model):
-    """`strategy_run(config, max_grad_norm)`: the parity run of one config, trained once per test run.
+    """`strategy_run(config)`: the parity run of one config, trained once per test run.
 
     The shipped DeepSpeed JSONs leave clipping "auto", so the flag alone changes it on every config."""
-
-    def run(config: str, max_grad_norm: float = STRATEGY_CLIPPING) -> Path:
-        return cached_run(config, *parity_args(config, max_grad_norm, base_model))
-
-    return run
+    return lambda config: cached_run(config, *parity_args(config, base_model))
 
 
 LORA_STEPS = 5
@@ -402,7 +401,7 @@ def tied_base_model(base_model, shared_dir) -> Path:
 def lora_args(config: str, base: Path, *extra: str) -> tuple[str, ...]:
     """A LoRA adapter on `base`, merged at the end: 5 steps of a global batch of 8 (one process
     accumulates 2 micro-batches of 4), evaluated at steps 0 and 5, a checkpoint at step 3."""
-    return (*SFT, "--model_name_or_path", str(base), "--use_peft", "--merge_adapter",
+    return (*SFT, *GENERATION, "--model_name_or_path", str(base), "--use_peft", "--merge_adapter",
             "--max_steps", str(LORA_STEPS), "--logging_steps", "1", "--eval_steps", str(LORA_STEPS), "--save_steps", "3",
             "--gradient_accumulation_steps", "2" if config == "single" else "1", *extra)
 
