@@ -94,9 +94,12 @@ def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
     assert_continues_exactly(uninterrupted, tmp_path, step)
 
 
+LAST_STEP = 20  # the killed run's: a save at every step, many chances to catch one (measured: the second save is)
+
+
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_to_resume_from(uneven_data, tmp_path) -> None:
-    args = (*split_args(uneven_data, per_device=4, accumulation=1), "--max_steps", "60", "--eval_steps", "1000",
-            "--save_steps", "1", "--save_total_limit", "1")  # a save every step: many chances to catch one
+    args = (*split_args(uneven_data, per_device=4, accumulation=1), "--max_steps", str(LAST_STEP), "--eval_steps", "1000",
+            "--save_steps", "1", "--save_total_limit", "1")
     checkpoints = tmp_path / "checkpoints"
     launcher = start("ddp", tmp_path, *args)
     ranks = {}
@@ -134,7 +137,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_to_resume_from(unev
     assert f"at step {killed_at - 1}" in result.stderr
     resumed_loss = next(m["loss"] for m in read_metrics(tmp_path) if m["step"] == killed_at and "loss" in m)
     assert resumed_loss == pytest.approx(killed_loss, rel=1e-6)  # the step redone from the checkpoint is the same step
-    assert [p.name for p in complete_checkpoints(str(tmp_path))] == ["step_60"]  # the half-written save was replaced
+    assert [p.name for p in complete_checkpoints(str(tmp_path))] == [f"step_{LAST_STEP}"]  # the half-written save was replaced
 
 
 AGREEMENT = """
