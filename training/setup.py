@@ -27,7 +27,7 @@ from training.accelerator import build_accelerator, describe, idle_gpu_warning, 
 from training.batchnorm import convert_sync_batchnorm
 from training.batch_size import find_micro_batch, take_recorded_micro_batch
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
-from training.collectives import preflight
+from training.collectives import gather_scalars, preflight
 from training.compression import GradientTraffic, keep_power_sgd_state_in_checkpoints, register_comm_hook
 from training.console import one_voice
 from training.distillation import build_distillation
@@ -85,6 +85,16 @@ class Run:
     traffic: GradientTraffic | None  # the bytes --ddp_comm_hook sent, when one is set
     forward_backward: Callable[[dict, torch.Tensor], torch.Tensor]  # one micro-step: (batch, window targets) -> loss
     teacher_bytes: int | None  # distillation: bytes of teacher weights on this rank (it has nothing else)
+
+
+def device_peak_flops(accelerator: Accelerator, tf32: bool) -> float | None:
+    """Each device's peak FLOP/s for MFU. On CPU a probe, run by the main process alone while the others wait
+    (the same kind of cores on every node, and a probe alone is not slowed by the other ranks' probes)."""
+    dtype = compute_dtype(accelerator.mixed_precision)
+    if accelerator.device.type != "cpu":
+        return peak_flops(accelerator.device, dtype, tf32)
+    measured = peak_flops(accelerator.device, dtype) if accelerator.is_main_process else 0.0
+    return float(gather_scalars(accelerator, {"peak": measured})["peak"].max())
 
 
 def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArguments, stop_requests: StopRequests) -> Run:
@@ -172,7 +182,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         f"training to step {max_steps}, {len(eval_set)} examples for evaluation",
         main_process_only=True,
     )
-    peak = peak_flops(accelerator.device, compute_dtype(accelerator.mixed_precision), tf32)
+    peak = device_peak_flops(accelerator, tf32)
     model_devices = sorted({p.device for p in model.parameters()}, key=str) if model_args.device_map else None
     speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit,
                        tensor_parallel_size(accelerator) * args.pipeline_parallel_size,  # ranks that read each batch
