@@ -5,11 +5,12 @@ PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
 .PHONY: setup train test test-quick bench
-setup: $(INSTALLED)  ## create the virtual environment and install the pinned requirements (again only if they changed)
+setup: $(INSTALLED)  ## create the virtual environment, install the pinned requirements and build DeepSpeed's CPU Adam (again only if they changed)
 
 $(INSTALLED): requirements.txt
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -r requirements.txt
+	$(PYTHON) scripts/build_cpu_adam.py
 	touch $(INSTALLED)
 
 train: setup  ## the default job: one process, default model and corpus

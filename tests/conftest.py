@@ -97,8 +97,10 @@ def gpu_count() -> int:
 def pytest_configure(config: pytest.Config) -> None:
     """Build DeepSpeed's CPU Adam (ZeRO offload's optimizer) in the background as the suite starts.
 
-    It is compiled once per machine (TORCH_EXTENSIONS_DIR), which takes a minute or two; built
-    inside the first offload run instead, it held that run, and every test waiting for it. Only
+    It is compiled once per machine (TORCH_EXTENSIONS_DIR), which takes a minute or two: the README's
+    test command builds it before the suite (scripts/build_cpu_adam.py), and then this load takes a
+    second. Without that, built inside the first offload run, it held that run, and every test
+    waiting for it. Only
     the xdist controller (or a run without xdist) starts it, and only for the whole suite (no -m
     selection such as the quick tier, which needs no offload); a later load waits for a build in
     progress (torch's lock) or finds it done."""

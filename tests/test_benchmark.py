@@ -128,9 +128,10 @@ def test_the_pipeline_table_sets_schedules_against_a_naive_layer_split(tmp_path)
 
 def test_the_distillation_table_sets_a_taught_student_against_one_alone(tmp_path, base_model) -> None:
     """The same student and steps, alone and taught (here by the suite's base model: the documented table trains
-    the default job as its teacher); the eval loss along the way, and the teacher's weights reported apart."""
+    the default job as its teacher); the eval loss along the way, and the teacher's weights reported apart. One
+    process: the table's code path, at the cost of one process per run (every config distils: test_distillation.py)."""
     figures = run_benchmark(tmp_path, "--distillation", "--teacher", str(base_model), "--steps", "4", "--log_every", "2",
-                            "--per_device_train_batch_size", "4")
+                            "--per_device_train_batch_size", "4", "--configs", "ddp", "--num_processes", "1")
     runs = figures["distillation"]
     assert runs["teacher"] == str(base_model)
     for name in ("alone", "distilled"):
