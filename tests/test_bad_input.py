@@ -235,6 +235,45 @@ def test_a_checkpoint_that_would_run_code_on_load_is_refused(config, split_run, 
     assert not marker.exists()
 
 
+class PickledByGetattr:
+    """How some Python releases (3.11.2) pickle an enum's member, on any Python: `getattr(owner, name)`."""
+
+    def __init__(self, owner: object, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+@pytest.mark.quick
+def test_an_enum_pickled_through_getattr_loads_and_no_other_getattr_does(tmp_path) -> None:
+    """Checkpoints written under Python 3.11.2 hold DeepSpeed's ZeRO stage and DCP's memory-format enum that way
+    (found on a fresh machine: every DeepSpeed and FSDP2 resume was refused); nothing else may use getattr."""
+    from collections import OrderedDict
+
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from training.safe_loading import check_dcp_metadata, safe_unpickling
+
+    torch.save({"zero_stage": PickledByGetattr(ZeroStageEnum, "weights")}, tmp_path / "stage.pt")
+    torch.save({"loss_scaler": PickledByGetattr(LossScaler, "__init__")}, tmp_path / "method.pt")
+    with safe_unpickling(tmp_path, deepspeed=True):
+        assert torch.load(tmp_path / "stage.pt")["zero_stage"] is ZeroStageEnum.weights
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(tmp_path / "method.pt")
+    for name, payload, allowed in (("enum", PickledByGetattr(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT"), True),
+                                   ("method", PickledByGetattr(OrderedDict, "fromkeys"), False)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".metadata").write_bytes(pickle.dumps(payload))
+        if allowed:
+            check_dcp_metadata(tmp_path / name)
+        else:
+            with pytest.raises(pickle.UnpicklingError, match="is not allowed in a checkpoint"):
+                check_dcp_metadata(tmp_path / name)
+
+
 @pytest.mark.quick
 def test_a_model_without_a_tensor_parallel_plan_is_refused() -> None:
     from models.vision import build_image_model
