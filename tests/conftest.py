@@ -309,6 +309,16 @@ def split_run(cached_run, uneven_data):
     return run
 
 
+TRACKED_RUN = "tracked"  # --run_name of `tracked_run_args`
+
+
+def tracked_run_args(uneven_data: list[str]) -> tuple[str, ...]:
+    """2-process DDP over `uneven_data` (4 x 1, 10 steps, eval every 5), checkpoints at steps 5 and 10, TensorBoard
+    on: test_tracking's run, and the run test_topology resumes with another split of its batch."""
+    return (*split_args(uneven_data, per_device=4, accumulation=1, save_steps=5), "--report_to", "tensorboard",
+            "--run_name", TRACKED_RUN)
+
+
 def split_run_args(uneven_data: list[str], name: str) -> tuple[str, ...]:
     """The flags of SPLITS entry `name`'s run (to continue it)."""
     _, per_device, accumulation = SPLITS[name]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import launch, read_metrics, split_args, split_run_args, train, with_processes
+from tests.conftest import launch, read_metrics, split_args, split_run_args, tracked_run_args, train, with_processes
 
 RESUME_STEP = 8
 TOLERANCE = 1e-5  # a different process count sums gradients in a different order
@@ -59,9 +59,9 @@ def test_deepspeed_checkpoint_on_another_number_of_processes_stops_with_the_conv
 
 
 def test_resume_with_different_accumulation_keeps_the_windows_aligned(cached_run, uneven_data, tmp_path) -> None:
-    """Saved at step 5 of 2x4x1, resumed at 2x2x2 (same global batch): accelerate's saved
+    """Saved at step 5 of 2x4x1 (test_tracking's run), resumed at 2x2x2 (same global batch): accelerate's saved
     micro-step counter (5, odd) must not shift the windows, or updates would mix two batches."""
-    full = cached_run("ddp", *split_args(uneven_data, per_device=4, accumulation=1, save_steps=5))
+    full = cached_run("ddp", *tracked_run_args(uneven_data))
     shutil.copytree(full / "checkpoints" / "step_5", tmp_path / "checkpoints" / "step_5")
     train("ddp", tmp_path, *split_args(uneven_data, per_device=2, accumulation=2, save_steps=5),
           "--resume_from_checkpoint", "latest")

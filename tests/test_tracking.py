@@ -12,17 +12,16 @@ import yaml
 from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import read_metrics, split_args, train
+from tests.conftest import TRACKED_RUN, read_metrics, tracked_run_args, train
 from training.arguments import parse_args
 from training.metrics import TrackerError, resolve_trackers
 
-RUN_NAME = "tracked"
 
 
 @pytest.fixture(scope="module")
 def tracked_args(uneven_data) -> tuple[str, ...]:
-    """2-process DDP, 10 steps, eval every 5, checkpoints every 4, TensorBoard on."""
-    return (*split_args(uneven_data, per_device=4, accumulation=1), "--report_to", "tensorboard", "--run_name", RUN_NAME)
+    """2-process DDP, 10 steps, eval every 5, checkpoints at 5 and 10, TensorBoard on."""
+    return tracked_run_args(uneven_data)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +30,7 @@ def tracked(cached_run, tracked_args) -> Path:
 
 
 def scalars(output_dir: Path, tag: str) -> list[tuple[int, float]]:
-    events = EventAccumulator(str(output_dir / "runs" / RUN_NAME))
+    events = EventAccumulator(str(output_dir / "runs" / TRACKED_RUN))
     events.Reload()
     return [(event.step, event.value) for event in events.Scalars(tag)]
 
@@ -42,16 +41,16 @@ def test_tensorboard_holds_the_loss_and_the_run_config(tracked) -> None:
         expected, events = [(m["step"], m[tag]) for m in logged if tag in m], scalars(tracked, tag)
         assert [step for step, _ in events] == [step for step, _ in expected]
         assert [value for _, value in events] == pytest.approx([v for _, v in expected], rel=1e-6)
-    (config_file,) = (tracked / "runs" / RUN_NAME).glob("*/hparams.yml")
+    (config_file,) = (tracked / "runs" / TRACKED_RUN).glob("*/hparams.yml")
     config = yaml.safe_load(config_file.read_text())
     assert (config["strategy"], config["num_processes"], config["global_batch"]) == ("ddp", 2, 8)
     assert (config["learning_rate"], config["model_config"], config["report_to"]) == (3e-3, "llama-tiny", "['tensorboard']")
 
 
 def test_a_resumed_run_replaces_what_tensorboard_had_after_its_checkpoint(tracked, tracked_args, tmp_path) -> None:
-    """The run being resumed logged steps 9 and 10 after its last checkpoint (step 8): they appear once."""
+    """The run being resumed logged steps 6 to 10 after the checkpoint it resumes (step 5): they appear once."""
     shutil.copytree(tracked / "runs", tmp_path / "runs")
-    shutil.copytree(tracked / "checkpoints" / "step_8", tmp_path / "checkpoints" / "step_8")
+    shutil.copytree(tracked / "checkpoints" / "step_5", tmp_path / "checkpoints" / "step_5")
     train("ddp", tmp_path, *tracked_args, "--resume_from_checkpoint", "latest")
     losses = scalars(tmp_path, "loss")
     assert [step for step, _ in losses] == list(range(1, 11))
@@ -77,7 +76,7 @@ def test_the_console_has_one_progress_bar_and_one_voice(tracked) -> None:
     assert bars == {"training"}  # one bar: no weight loading/saving or per-rank bars
     assert "loss=" in log and "lr=" in log and "tokens_per_s=" in log and "<00:" in log  # metrics and ETA
     assert "warning" not in log.lower()
-    assert "step 4: saved" in log and "state saved in" not in log  # one line per checkpoint, not one per file
+    assert "step 5: saved" in log and "state saved in" not in log  # one line per checkpoint, not one per file
 
 
 @pytest.mark.quick
