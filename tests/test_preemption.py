@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -37,6 +38,12 @@ def logged_loss_steps(output_dir) -> int:
     metrics = output_dir / "metrics.jsonl"
     complete = metrics.read_text().split("\n")[:-1] if metrics.exists() else []  # not a line still being written
     return max((record["step"] for record in map(json.loads, complete) if "loss" in record), default=0)
+
+
+def signal_pending(process: psutil.Process) -> bool:
+    """Whether a (stopped) process has a signal waiting to be handled: /proc's pending masks, shared and its own."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    return any(int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:")))
 
 
 CASES = {
@@ -70,6 +77,9 @@ def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
         for rank in ranks.values():
             rank.suspend()
         (ranks[1] if target == "rank 1" else psutil.Process(launcher.pid)).send_signal(sig)
+        if target != "rank 1":  # through a launcher (forwarded, or as its parent's death): resumed once a rank holds
+            # it, or a single process's steps, faster than a launcher's death, would train on to the end
+            wait_for(lambda: any(map(signal_pending, ranks.values())), 60, "the signal to reach a rank", poll=0.005)
         for rank in ranks.values():
             rank.resume()
         assert launcher.wait(timeout=120) != 0
