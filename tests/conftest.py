@@ -166,9 +166,15 @@ def assert_continues_exactly(uninterrupted: Path, resumed: Path, from_step: int,
     assert actual.keys() == expected.keys()
     for entry in expected:
         assert actual[entry] == pytest.approx(expected[entry], rel=1e-6, abs=1e-7), entry
-    final, final_resumed = (load_file(d / "final" / weights) for d in (uninterrupted, resumed))
-    for name in final:
-        torch.testing.assert_close(final_resumed[name], final[name], atol=1e-6, rtol=0, msg=name)
+    assert_same_final_weights(uninterrupted, resumed, atol=1e-6, weights=weights)
+
+
+def assert_same_final_weights(expected: Path, actual: Path, atol: float, weights: str = "model.safetensors") -> None:
+    """Both runs exported the same tensors to final/`weights`, to within `atol`."""
+    want, got = (load_file(run / "final" / weights) for run in (expected, actual))
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=0, msg=name)
 
 
 NODE_SCRIPT = REPO / "scripts" / "slurm" / "launch_node.sh"

@@ -19,11 +19,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from scripts.compare_metrics import compare
-from tests.conftest import MAX_STEPS, SPLITS, read_metrics
+from tests.conftest import MAX_STEPS, SPLITS, assert_same_final_weights, read_metrics
 
 TOLERANCE = 1e-5  # float rounding of differently grouped sums, as in tests/test_parity.py
 
@@ -34,9 +32,7 @@ def test_every_split_of_the_global_batch_gives_the_same_training(name: str, spli
     # Per-step loss, learning rate at every optimizer step, and eval_loss on uneven validation data.
     worst = max(compare(reference, run, keys=("loss", "lr", "eval_loss")), key=lambda d: d.absolute)
     assert worst.absolute <= TOLERANCE, worst
-    expected, actual = load_file(reference / "final" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
-    for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], atol=TOLERANCE, rtol=0, msg=key)
+    assert_same_final_weights(reference, run, atol=TOLERANCE)
 
 
 @pytest.mark.quick

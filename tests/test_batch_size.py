@@ -4,6 +4,7 @@ trains what a launch with the found size trains, records the size in its checkpo
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -84,16 +85,14 @@ LIMITED = {"ddp": "rank 1", "fsdp": "every rank"}
 @pytest.fixture(scope="module")
 def auto_run(wide_vocabulary_model, tmp_path_factory):
     """`auto_run(config)`: the requested micro-batch under the limit, with --auto_find_batch_size, once per module."""
-    runs: dict[str, Path] = {}
 
+    @functools.cache
     def run(config: str) -> Path:
-        if config not in runs:
-            output_dir = tmp_path_factory.mktemp(f"auto-{config}")
-            result = launch_run(config, output_dir, *run_args(wide_vocabulary_model, REQUESTED), "--auto_find_batch_size",
-                                limited=LIMITED[config])
-            assert result.returncode == 0, result.stderr[-4000:]
-            runs[config] = output_dir
-        return runs[config]
+        output_dir = tmp_path_factory.mktemp(f"auto-{config}")
+        result = launch_run(config, output_dir, *run_args(wide_vocabulary_model, REQUESTED), "--auto_find_batch_size",
+                            limited=LIMITED[config])
+        assert result.returncode == 0, result.stderr[-4000:]
+        return output_dir
 
     return run
 

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from scripts.compare_metrics import compare
 from models.language import ModelError
-from tests.conftest import CONFIGS, TINY_RUN, flag_refusal, assert_continues_exactly, read_metrics, train
+from tests.conftest import CONFIGS, TINY_RUN, assert_continues_exactly, assert_same_final_weights, flag_refusal, read_metrics, train
 from training.arguments import parse_args
 from training.task_registry import build_task
 from training.distillation import divergence, memory_warning, teacher_bytes_per_rank
@@ -123,10 +122,7 @@ def test_every_config_file_distils_what_one_process_distils(config, distilled_ru
     assert worst.absolute <= LOSS_TOLERANCE, worst
     grad_norms = [m["grad_norm"] for m in read_metrics(run) if "grad_norm" in m]
     assert max(grad_norms) < CLIPPING  # never clipped: test_parity.py's case where clipping never triggers
-    expected, actual = load_file(reference / "final" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], atol=WEIGHT_TOLERANCE, rtol=0, msg=name)
+    assert_same_final_weights(reference, run, atol=WEIGHT_TOLERANCE)
     alone = cached_run("single", *student_args("single"))  # the same student without a teacher
     distilled, plain = ([m["loss"] for m in read_metrics(r) if "loss" in m] for r in (reference, alone))
     assert all(abs(a - b) > 1e-3 for a, b in zip(distilled, plain))

@@ -8,6 +8,7 @@ so 2 x 4 images train differently from 1 x 8 (the point of --sync_batchnorm, GPU
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -41,19 +42,17 @@ def shape_folders(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def image_run(tmp_path_factory, shape_folders):
     """`image_run(config)`: 6 steps on the shape folders with a global batch of 8, once per session."""
-    runs: dict[str, Path] = {}
 
+    @functools.cache
     def run(config: str) -> Path:
-        if config not in runs:
-            output_dir = tmp_path_factory.mktemp(f"image-{config}")
-            per_device = "8" if config == "single" else "4"
-            result = launch(config, "train.py", *IMAGE_RUN, "--per_device_train_batch_size", per_device,
-                            "--train_dir", str(shape_folders / "train"), "--validation_dir", str(shape_folders / "validation"),
-                            "--output_dir", str(output_dir))
-            assert result.returncode == 0, f"{config}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-            (output_dir / "launch.log").write_text(result.stdout + result.stderr)
-            runs[config] = output_dir
-        return runs[config]
+        output_dir = tmp_path_factory.mktemp(f"image-{config}")
+        per_device = "8" if config == "single" else "4"
+        result = launch(config, "train.py", *IMAGE_RUN, "--per_device_train_batch_size", per_device,
+                        "--train_dir", str(shape_folders / "train"), "--validation_dir", str(shape_folders / "validation"),
+                        "--output_dir", str(output_dir))
+        assert result.returncode == 0, f"{config}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        (output_dir / "launch.log").write_text(result.stdout + result.stderr)
+        return output_dir
 
     return run
 

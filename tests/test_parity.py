@@ -16,11 +16,9 @@ Tolerances, and why:
 from __future__ import annotations
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from scripts.compare_metrics import compare
-from tests.conftest import CONFIGS, STRATEGY_CLIPPING, read_metrics
+from tests.conftest import CONFIGS, STRATEGY_CLIPPING, assert_same_final_weights, read_metrics
 
 MULTI_PROCESS_CONFIGS = sorted(path.stem for path in CONFIGS.glob("*.yaml") if path.stem != "single")
 LOSS_TOLERANCE = 1e-5
@@ -40,7 +38,4 @@ def test_every_config_file_matches_one_process(config: str, strategy_run) -> Non
     grad_norms = [m["grad_norm"] for m in read_metrics(run) if "grad_norm" in m]
     assert max(grad_norms) > STRATEGY_CLIPPING, grad_norms  # clipping triggers
 
-    expected, actual = load_file(reference / "final" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], atol=WEIGHT_TOLERANCE, rtol=0, msg=name)
+    assert_same_final_weights(reference, run, atol=WEIGHT_TOLERANCE)

@@ -10,10 +10,17 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from tests.conftest import launch, read_metrics, split_args, split_run_args, tracked_run_args, train, with_processes
+from tests.conftest import (
+    assert_same_final_weights,
+    launch,
+    read_metrics,
+    split_args,
+    split_run_args,
+    tracked_run_args,
+    train,
+    with_processes,
+)
 
 RESUME_STEP = 8
 TOLERANCE = 1e-5  # a different process count sums gradients in a different order
@@ -39,9 +46,7 @@ def test_fsdp_checkpoint_resumes_on_another_number_of_processes(
     assert actual.keys() == expected.keys()
     for step in expected:
         assert actual[step] == pytest.approx(expected[step], abs=TOLERANCE), step
-    final_full, final_resumed = (load_file(d / "final" / "model.safetensors") for d in (full, resumed))
-    for name in final_full:
-        torch.testing.assert_close(final_resumed[name], final_full[name], atol=TOLERANCE, rtol=0, msg=name)
+    assert_same_final_weights(full, resumed, atol=TOLERANCE)
 
 
 def test_deepspeed_checkpoint_on_another_number_of_processes_stops_with_the_conversion_path(

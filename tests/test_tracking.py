@@ -17,7 +17,6 @@ from training.arguments import parse_args
 from training.metrics import TrackerError, resolve_trackers
 
 
-
 @pytest.fixture(scope="module")
 def tracked_args(uneven_data) -> tuple[str, ...]:
     """2-process DDP, 10 steps, eval every 5, checkpoints at 5 and 10, TensorBoard on."""
