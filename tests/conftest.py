@@ -37,6 +37,7 @@ from filelock import FileLock
 from safetensors.torch import load_file
 
 from data.default_corpus import generate_documents
+from tests import forked_launcher
 from training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,12 +120,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; this machine has none"))
 
 
+LAUNCHER = [sys.executable, "-m", "accelerate.commands.launch"]  # `accelerate launch`, from this environment
+
+
 def launch_command(
     config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), gpu: bool = False
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment of `accelerate launch --config_file <config> <launcher_args> <script> <args>`;
     `gpu`: with the machine's GPUs visible."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path(config)),
+    command = [*LAUNCHER, "--config_file", str(config_path(config)),
                "--main_process_port", str(free_port()), *launcher_args, str(script), *args]
     env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     if gpu:
@@ -137,9 +141,12 @@ def launch(
     config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), timeout: int = 300,
     gpu: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run `accelerate launch` for real and wait for it."""
+    """Run `accelerate launch` for real and wait for it: its `main`, in a fork of a process that imported it
+    (tests/forked_launcher.py), so that the launcher does not import torch again for each of the suite's launches."""
     command, env = launch_command(config, script, *args, launcher_args=launcher_args, gpu=gpu)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if gpu:  # a launcher that imports torch itself, with the GPUs visible
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return forked_launcher.run(command[len(LAUNCHER):], env, REPO, timeout)
 
 
 def train(

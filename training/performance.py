@@ -83,7 +83,7 @@ def gpu_peak_flops(name: str, dtype: torch.dtype | str) -> float | None:
     return next((peaks.get(dtype) for fragment, peaks in GPU_PEAK_FLOPS.items() if fragment in name), None)
 
 
-def measured_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 0.3) -> float:
+def measured_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 0.1) -> float:
     """The best FLOP/s of square matmuls on this process's CPU threads, over `seconds`."""
     # Its own generator: drawing from the global RNG would shift dropout's masks, and a resumed run
     # (which restores that RNG, then probes again) would train differently from an uninterrupted one.
@@ -217,7 +217,7 @@ class SpeedMeter:
         seconds = max(seconds, 1e-9)
         peak = self.peak or float("nan")
         if self.device.type == "cpu" and self.peak and self.flops_per_unit:
-            # A CPU's peak is a 0.3 s probe, a lower bound: another process may have slowed it. The
+            # A CPU's peak is a 0.1 s probe, a lower bound: another process may have slowed it. The
             # run's own FLOP/s are a lower bound too, so MFU stays at most 100%.
             peak = max(peak, units / seconds * self.flops_per_unit / self.ranks_per_batch)
         # by position, not device name: every rank must send the same names (rank 1's GPU is its cuda:1)
