@@ -77,9 +77,9 @@ def found_size_run(wide_vocabulary_model, tmp_path_factory) -> Path:
 
 
 # config -> the ranks limited: under DDP rank 1 alone runs out of memory, and rank 0, which would not, agrees to the
-# smaller size (no collective inside DDP's probe to leave it waiting); FSDP2's ranks gather weights in the probe,
-# so they run out alike (as on equal machines).
-LIMITED = {"ddp": "rank 1", "fsdp": "every rank"}
+# smaller size (no collective inside DDP's probe to leave it waiting); FSDP2's and ZeRO's ranks gather weights or
+# reduce gradients in the probe, so they run out alike (as on equal machines).
+LIMITED = {"ddp": "rank 1", "fsdp": "every rank", "deepspeed_zero2": "every rank", "deepspeed_zero3": "every rank"}
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +107,10 @@ def test_a_micro_batch_that_runs_out_of_memory_is_halved_and_trains_what_the_fou
                      f"({REQUESTED} ran out of memory)") == 1  # the main process says it, for every rank
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["per_device_train_batch_size"], summary["gradient_accumulation_steps"]) == (FOUND, 2)
+    if config.startswith("deepspeed"):  # the engine was built again for the size found, and ran it (the losses below)
+        effective = json.loads((run / "deepspeed_config.json").read_text())
+        assert (effective["train_micro_batch_size_per_gpu"], effective["gradient_accumulation_steps"],
+                effective["train_batch_size"]) == (FOUND, 2, 2 * 2 * FOUND)
     saved = json.loads((run / "checkpoints" / "step_2" / "trainer_state.json").read_text())
     assert (saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"], saved["global_batch"]) == (
         FOUND, 2, 2 * REQUESTED)
@@ -157,22 +161,20 @@ def test_the_search_keeps_the_global_batch_and_says_when_nothing_fits() -> None:
         return {"x": torch.arange(2.0 * n).view(n, 2)}
 
     try:
-        assert find_micro_batch(accelerator, model, optimizer, micro_step_up_to(3, model), examples, 12, 2) == (3, 8)
+        assert find_micro_batch(accelerator, lambda: (model, optimizer, micro_step_up_to(3, model)), examples, 12, 2) == (3, 8)
         assert tried == [12, 6, 3] and all(p.grad is None for p in model.parameters())
         assert all(torch.equal(a, b) for a, b in zip(model.buffers(), buffers)) and torch.equal(torch.get_rng_state(), rng)
         tried.clear()
-        assert find_micro_batch(accelerator, linear, optimizer, micro_step_up_to(2), examples, 9, 1) == (1, 9)
+        assert find_micro_batch(accelerator, lambda: (linear, optimizer, micro_step_up_to(2)), examples, 9, 1) == (1, 9)
         assert tried == [9, 3, 1]
         with pytest.raises(StrategyError, match="a micro-batch of 1 runs out of memory on this machine") as refused:
-            find_micro_batch(accelerator, linear, optimizer, micro_step_up_to(0), examples, 2, 1)
+            find_micro_batch(accelerator, lambda: (linear, optimizer, micro_step_up_to(0)), examples, 2, 1)
         assert "\n" not in str(refused.value)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
 REFUSED = {  # flags, launcher environment -> what the one line says
-    "under DeepSpeed": ([], {"ACCELERATE_USE_DEEPSPEED": "true"},
-                        "--auto_find_batch_size is not supported under DeepSpeed yet"),
     "with pipeline stages": (["--pipeline_parallel_size", "2"], {},
                              "--auto_find_batch_size with --pipeline_parallel_size is not supported"),
     "with --device_map": (["--device_map", "auto"], {}, "--auto_find_batch_size with --device_map is not supported"),

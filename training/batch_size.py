@@ -1,8 +1,11 @@
 """`--auto_find_batch_size`: the largest per-device micro-batch that fits, found before the first step.
 
 A micro-step of the requested size runs first, on the first examples of the training set. Under DDP
-nothing inside it talks to the other ranks (no all-reduce: `throwaway_micro_step`); FSDP2 gathers and
-reduces as always, so there the ranks must fail alike, as they do on the same shapes and memory.
+nothing inside it talks to the other ranks (no all-reduce: `throwaway_micro_step`); FSDP2 and DeepSpeed
+gather and reduce as always, so there the ranks must fail alike, as they do on the same shapes and memory.
+DeepSpeed's engine keeps what a probe reduced (and ZeRO-3 what it gathered) in state of its own, and is
+built for one micro-batch: after every probe it is destroyed and built again, for the next size or for
+training, with the DeepSpeed config's batch set to match (as transformers' Trainer rebuilds it).
 Then every rank says whether it ran out of memory, in one collective: if any did, all halve the
 micro-batch and double the accumulation (an odd micro-batch: its largest divisor, the accumulation
 multiplied to match), so that the global batch, and with it every step's loss, stays what it was, and
@@ -18,41 +21,39 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 from accelerate.utils import send_to_device
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
+from torch.utils.data import DataLoader
 
 from training.checkpoint import recorded_micro_batch
 from training.collectives import max_over_ranks
 from training.errors import ArgumentError, StrategyError
 from training.flags import TrainArguments
-from training.strategy import Strategy
-from training.strategy_adapters import throwaway_micro_step
+from training.loss import forward_backward as data_parallel_forward_backward
+from training.strategy_adapters import engine_outlives_probes, release_engine, resize_deepspeed_batch, throwaway_micro_step
+
+logger = get_logger(__name__)
 
 
-def check_auto_find_batch_size(train_args: TrainArguments, strategy: Strategy, split: str | None) -> None:
+def check_auto_find_batch_size(train_args: TrainArguments, split: str | None) -> None:
     """The search resizes the micro-batch of data-parallel training; `split`: what else cuts the model, if anything
     (pipeline stages, --device_map, tensor parallelism)."""
     if not train_args.auto_find_batch_size:
         return
-    if strategy is Strategy.DEEPSPEED:
-        raise ArgumentError(
-            "--auto_find_batch_size is not supported under DeepSpeed yet (its engine is built for one micro-batch); "
-            "pick --per_device_train_batch_size with `python scripts/plan_memory.py` (it prints the micro-batch that "
-            "fits each config), or use accelerate_configs/fsdp.yaml"
-        )
     if split:
         raise ArgumentError(f"--auto_find_batch_size with {split} is not supported; set --per_device_train_batch_size "
                             "yourself")
 
 
-def micro_step_fits(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_step: Callable[[dict], object],
-                    batch: dict) -> bool:
+def micro_step_fits(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    micro_step: Callable[[dict], object], batch: dict) -> bool:
     """Whether one forward and backward of `batch` fits in this rank's memory; nothing of it is kept: not its
     gradients, not what it drew from the RNG (dropout), not what it did to buffers (BatchNorm's statistics)."""
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     buffers = [buffer.detach().clone() for buffer in model.buffers()]
     try:
-        with throwaway_micro_step(model):
+        with throwaway_micro_step(accelerator, model):
             micro_step(batch)
         return True
     except RuntimeError as error:  # accelerate's test: CUDA, XPU, MPS and the CPU allocator's messages
@@ -70,17 +71,24 @@ def micro_step_fits(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mi
         clear_device_cache(garbage_collection=True)
 
 
-def find_micro_batch(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     micro_step: Callable[[dict], object], examples: Callable[[int], dict],
-                     per_device: int, accumulation: int) -> tuple[int, int]:
+Prepared = tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[dict], object]]  # model, optimizer, micro-step
+
+
+def find_micro_batch(accelerator: Accelerator, prepared: Callable[[], Prepared], examples: Callable[[int], dict],
+                     per_device: int, accumulation: int, rebuild: Callable[[int, int], None] | None = None) -> tuple[int, int]:
     """The first (per-device micro-batch, accumulation) from the requested pair, halving and doubling, that
-    fits on every rank. `micro_step(batch)`: a micro-step's forward and backward; `examples(n)`: a
-    collated batch of the first n training examples."""
+    fits on every rank. `prepared()`: the model, its optimizer and a micro-step's forward and backward
+    (`micro_step(batch)`); `examples(n)`: a collated batch of the first n training examples. `rebuild(per_device,
+    accumulation)`, where the prepared model keeps state from a probe (DeepSpeed): prepare the model again for
+    that size; called after every probe, for the next probe or for training."""
     while True:
+        model, optimizer, micro_step = prepared()
         batch = send_to_device(examples(per_device), accelerator.device)
-        fits = micro_step_fits(model, optimizer, micro_step, batch)
-        del batch
+        fits = micro_step_fits(accelerator, model, optimizer, micro_step, batch)
+        del model, optimizer, micro_step, batch  # a rebuild must find the engine referenced nowhere else
         if max_over_ranks({"out_of_memory": int(not fits)}, accelerator)["out_of_memory"] == 0:
+            if rebuild:
+                rebuild(per_device, accumulation)
             return per_device, accumulation
         if per_device == 1:
             raise StrategyError(
@@ -90,6 +98,48 @@ def find_micro_batch(accelerator: Accelerator, model: torch.nn.Module, optimizer
             )
         smaller = max(size for size in range(1, per_device) if per_device % size == 0)  # half, when even
         per_device, accumulation = smaller, accumulation * (per_device // smaller)
+        if rebuild:
+            rebuild(per_device, accumulation)
+
+
+def fit_micro_batch(accelerator: Accelerator, task, objective: Callable, train_set, args: TrainArguments,
+                    prepare_training: Callable[[torch.nn.Module], tuple], loader_for: Callable[[int], DataLoader],
+                    prepared: tuple) -> tuple:
+    """`args`' micro-batch and accumulation set to the size that fits, and `prepared` (model, optimizer, loaders,
+    scheduler, torch optimizer: training/setup.py `prepared_for_training`) made for it: the training loader
+    rebuilt where the first one was among accelerate's loaders (a checkpoint saves each loader's position by that
+    order), or, under DeepSpeed, everything prepared again around a new engine after each probe."""
+    requested = args.per_device_train_batch_size
+    current = list(prepared)
+
+    def probe() -> tuple:
+        model = current[0]
+        return model, current[1], lambda batch: data_parallel_forward_backward(accelerator, objective, model, 1, batch,
+                                                                               task.count_targets(batch))
+
+    def rebuild(per_device: int, accumulation: int) -> None:
+        module = release_engine(accelerator, current[0])
+        current.clear()
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = per_device, accumulation
+        accelerator.gradient_accumulation_steps = accumulation
+        resize_deepspeed_batch(accelerator, per_device, accumulation)
+        current.extend(prepare_training(module))
+
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = find_micro_batch(
+        accelerator, probe, lambda n: task.collator([train_set[i] for i in range(n)]), requested,
+        args.gradient_accumulation_steps, None if engine_outlives_probes(current[0]) else rebuild)
+    logger.info(f"--auto_find_batch_size: a micro-batch of {args.per_device_train_batch_size} per process fits, "
+                f"{args.gradient_accumulation_steps} accumulated per step"
+                + (f" ({requested} ran out of memory)" if args.per_device_train_batch_size != requested else ""),
+                main_process_only=True)
+    if args.per_device_train_batch_size == requested or not engine_outlives_probes(current[0]):
+        return tuple(current)
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+    train_loader = current[2]
+    current[2] = accelerator.prepare_data_loader(loader_for(args.per_device_train_batch_size))
+    loaders = accelerator._dataloaders  # noqa: SLF001 - prepare_data_loader appended the new one last
+    loaders[loaders.index(train_loader)] = loaders.pop()
+    return tuple(current)
 
 
 def take_recorded_micro_batch(accelerator: Accelerator, args: TrainArguments, checkpoint: Path) -> None:

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from models.adapters import add_adapter, trainable_summary
 from training.accelerator import build_accelerator, describe, idle_gpu_warning, model_construction
 from training.batchnorm import convert_sync_batchnorm
-from training.batch_size import find_micro_batch, take_recorded_micro_batch
+from training.batch_size import fit_micro_batch, take_recorded_micro_batch
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
 from training.collectives import gather_scalars, preflight
 from training.compression import GradientTraffic, keep_power_sgd_state_in_checkpoints, register_comm_hook
@@ -123,24 +123,18 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     workers = loader_workers(args.dataloader_num_workers, accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     loading = {"collate_fn": task.collator, "num_workers": workers,
                "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda"}
-    train_loader = training_loader(train_set, args.per_device_train_batch_size, args.seed, **loading)
-    eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, **loading)
-
-    align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
-    torch_optimizer = build_optimizer(model, args, offloaded=optimizer_offload_device(accelerator) != "none")
-    scheduler = build_scheduler(torch_optimizer, args, max_steps)
-    prepare = partial(prepare_pipeline, accelerator, task, args.seed) if pipelined(args) else accelerator.prepare
-    model, optimizer, train_loader, eval_loader, scheduler = prepare(
-        model, torch_optimizer, train_loader, eval_loader, scheduler
-    )
+    prepare_training = partial(prepared_for_training, accelerator, task, train_set, eval_set, args, loading, max_steps)
+    model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = prepare_training(model)
     objective, teacher_bytes = partial(label_loss_sums, task), None  # per-example loss sums of a micro-batch
     if model_args.teacher_model_name_or_path:
         distillation, teacher_bytes = build_distillation(accelerator, task, strategy, model_args.teacher_model_name_or_path,
                                                          args)
         objective = distillation.loss_sums
     if args.auto_find_batch_size and not resume_path:
-        train_loader = fit_micro_batch(accelerator, task, model, optimizer, objective, train_set, train_loader, args,
-                                       loading)
+        model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = fit_micro_batch(
+            accelerator, task, objective, train_set, args, prepare_training,
+            partial(training_loader, train_set, seed=args.seed, **loading),
+            (model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer))
     forward_backward = (partial(model.forward_backward, accelerator) if pipelined(args) else
                         partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
     traffic = register_comm_hook(model, args.ddp_comm_hook, args.power_sgd_rank, args.power_sgd_start_step)
@@ -194,31 +188,17 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                forward_backward, teacher_bytes)
 
 
-def fit_micro_batch(accelerator: Accelerator, task: Task, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    objective: Callable, train_set, train_loader: DataLoader, args: TrainArguments, loading: dict) -> DataLoader:
-    """--auto_find_batch_size (training/batch_size.py): `args` and the accumulation set to the micro-batch that
-    fits; the training loader, rebuilt for it where the first one was among accelerate's loaders (a checkpoint
-    saves each loader's position by that order)."""
-    requested = args.per_device_train_batch_size
-
-    def micro_step(batch: dict) -> None:
-        data_parallel_forward_backward(accelerator, objective, model, 1, batch, task.count_targets(batch))
-
-    args.per_device_train_batch_size, args.gradient_accumulation_steps = find_micro_batch(
-        accelerator, model, optimizer, micro_step, lambda n: task.collator([train_set[i] for i in range(n)]),
-        requested, args.gradient_accumulation_steps)
-    logger.info(f"--auto_find_batch_size: a micro-batch of {args.per_device_train_batch_size} per process fits, "
-                f"{args.gradient_accumulation_steps} accumulated per step"
-                + (f" ({requested} ran out of memory)" if args.per_device_train_batch_size != requested else ""),
-                main_process_only=True)
-    if args.per_device_train_batch_size == requested:
-        return train_loader
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
-    resized = accelerator.prepare_data_loader(training_loader(train_set, args.per_device_train_batch_size, args.seed,
-                                                              **loading))
-    loaders = accelerator._dataloaders  # noqa: SLF001 - prepare_data_loader appended the new one last
-    loaders[loaders.index(train_loader)] = loaders.pop()
-    return resized
+def prepared_for_training(accelerator: Accelerator, task: Task, train_set, eval_set, args: TrainArguments,
+                          loading: dict, max_steps: int, model: torch.nn.Module) -> tuple:
+    """`model`, its optimizer, the training and evaluation loaders and the scheduler, through `prepare`, for
+    the flags' micro-batch; and the torch optimizer inside the prepared one."""
+    train_loader = training_loader(train_set, args.per_device_train_batch_size, args.seed, **loading)
+    eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, **loading)
+    align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
+    torch_optimizer = build_optimizer(model, args, offloaded=optimizer_offload_device(accelerator) != "none")
+    scheduler = build_scheduler(torch_optimizer, args, max_steps)
+    prepare = partial(prepare_pipeline, accelerator, task, args.seed) if pipelined(args) else accelerator.prepare
+    return *prepare(model, torch_optimizer, train_loader, eval_loader, scheduler), torch_optimizer
 
 
 def training_loader(dataset, batch_size: int, seed: int, **loading) -> DataLoader:
