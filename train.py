@@ -158,7 +158,7 @@ def train(run: Run) -> dict[str, float]:
                     break
                 if stop_signal:
                     end_collectives(accelerator)  # flush the trackers
-                    if accelerator.is_main_process:
+                    if accelerator.is_main_process and args.report_png:
                         write_report(args.output_dir, run.title)
                     raise Preempted(f"{stop_signal} received: stopped after step {step} and saved {saved}; "
                                     "continue with --resume_from_checkpoint latest")
@@ -225,7 +225,8 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
     release_model_construction_hooks()
     if accelerator.is_main_process:
         write_summary(run.args.output_dir, summary)
-        write_report(run.args.output_dir, run.title)
+        if run.args.report_png:
+            write_report(run.args.output_dir, run.title)
         if run.model_args.merge_adapter:  # from the files just written, with plain peft: what a user would load
             merged = merge_adapter(run.model_args.model_name_or_path, final_dir, run.model_args.trust_remote_code)
             run.task.processor.save_pretrained(merged)

@@ -86,11 +86,12 @@ def speed_flags(args: argparse.Namespace, task: tuple[str, ...] = ()) -> tuple[s
 def train_run(config: str, args: argparse.Namespace, output_dir: Path, flags: tuple[str, ...] | None = None,
               processes: int | None = None) -> dict:
     """One train.py run (`flags`, default `speed_flags`) on `processes` (default --num_processes); its
-    summary.json, per-step medians, and the time from launch to step 1."""
+    summary.json, per-step medians, and the time from launch to step 1. No report.png: the tables and
+    figures come from each run's summary.json and metrics.jsonl."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
                "--num_processes", str(processes or args.num_processes), "--mixed_precision", args.mixed_precision,
                "--main_process_port", str(free_port()), "train.py", *(speed_flags(args) if flags is None else flags),
-               "--output_dir", str(output_dir)]
+               "--report_png", "false", "--output_dir", str(output_dir)]
     metrics = output_dir / "metrics.jsonl"
     launched = time.perf_counter()
     with (output_dir.parent / f"{output_dir.name}.log").open("w") as log:

@@ -43,10 +43,12 @@ from training.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
 # Small and fast: the tiny model trains a few steps in seconds per process. Each evaluation reads the
-# first 60 validation blocks: on 2 processes x 4 the last batch is uneven (7.5 batches).
+# first 60 validation blocks: on 2 processes x 4 the last batch is uneven (7.5 batches). No report.png (a second
+# of the main process per run) but in the tests that look at it: `DRAW_REPORT`.
 EVAL_SAMPLES = 60
 TINY_RUN = ["--model_config", "llama-tiny", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
-            "--learning_rate", "3e-3", "--warmup_steps", "2", "--max_eval_samples", str(EVAL_SAMPLES)]
+            "--learning_rate", "3e-3", "--warmup_steps", "2", "--max_eval_samples", str(EVAL_SAMPLES), "--report_png", "false"]
+DRAW_REPORT = ("--report_png", "true")
 
 
 # Splits of one global batch of 8: name -> (config, per-device batch, accumulation steps).
@@ -329,7 +331,7 @@ def tracked_run_args(uneven_data: list[str]) -> tuple[str, ...]:
     """2-process DDP over `uneven_data` (4 x 1, 10 steps, eval every 5), checkpoints at steps 5 and 10, TensorBoard
     on: test_tracking's run, and the run test_topology resumes with another split of its batch."""
     return (*split_args(uneven_data, per_device=4, accumulation=1, save_steps=5), "--report_to", "tensorboard",
-            "--run_name", TRACKED_RUN)
+            "--run_name", TRACKED_RUN, *DRAW_REPORT)
 
 
 def split_run_args(uneven_data: list[str], name: str) -> tuple[str, ...]:

@@ -48,7 +48,8 @@ def run_args(model: Path, per_device: int, accumulation: int = 1) -> tuple[str, 
     """Two steps of `model` on 128-token blocks of the default corpus, a checkpoint after each."""
     return ("--model_name_or_path", str(model), "--block_size", "128", "--per_device_train_batch_size", str(per_device),
             "--gradient_accumulation_steps", str(accumulation), "--max_steps", "2", "--logging_steps", "1",
-            "--save_steps", "1", "--eval_strategy", "no", "--optim", "sgd", "--learning_rate", "0.5", "--warmup_steps", "0")
+            "--save_steps", "1", "--eval_strategy", "no", "--optim", "sgd", "--learning_rate", "0.5", "--warmup_steps", "0",
+            "--report_png", "false")
 
 
 def launch_run(config: str, output_dir: Path, *args: str, limited: str = "every rank") -> subprocess.CompletedProcess:

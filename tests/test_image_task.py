@@ -23,7 +23,7 @@ from tests.test_strategies import STRATEGIES
 
 IMAGE_RUN = ("--task", "image-classification", "--model_config", "resnet-tiny", "--max_steps", "6",
              "--logging_steps", "1", "--eval_steps", "3", "--save_steps", "6", "--warmup_steps", "1",
-             "--learning_rate", "3e-3", "--per_device_eval_batch_size", "8")
+             "--learning_rate", "3e-3", "--per_device_eval_batch_size", "8", "--report_png", "false")
 SPLIT_SIZES = {"train": 120, "validation": 28}  # 28: the last eval batch is uneven on 2 ranks
 
 

@@ -148,6 +148,7 @@ def test_every_run_reports_speed_and_memory(cached_run) -> None:
     assert summary["model_state_bytes_per_rank"]["gradients"] == 4 * psi
     assert sum(summary["model_state_bytes_per_rank"].values()) == pytest.approx(16 * psi, rel=1e-3)  # ZeRO stage 0
     assert summary["versions"]["torch"].startswith("2.13.0")
+    assert not (run / "report.png").exists()  # --report_png false (tests/conftest.py TINY_RUN): the run drew nothing
 
 
 @pytest.mark.quick

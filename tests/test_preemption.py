@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from tests.conftest import (
+    DRAW_REPORT,
     MAX_STEPS,
     REPO,
     SPLIT_OF,
@@ -64,7 +65,7 @@ def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
 ) -> None:
     args = split_run_args(uneven_data, SPLIT_OF[config])  # the config's run of test_accumulation, uninterrupted
     uninterrupted = split_run(SPLIT_OF[config])
-    launcher = start(config, tmp_path, *args, via_node_script=target == "node script")
+    launcher = start(config, tmp_path, *args, *DRAW_REPORT, via_node_script=target == "node script")
     ranks = {}
     try:
         processes = 1 if config == "single" else 2

@@ -22,7 +22,7 @@ from transformers.trainer_utils import SchedulerType
 
 from models.configs import NAMED_CONFIGS, build_named_config
 from models.language import build_tokenizer
-from tests.conftest import REPO, TINY_RUN, launch
+from tests.conftest import DRAW_REPORT, REPO, TINY_RUN, launch
 from training.arguments import check_task_flags
 from training.flags import ALL_ARGUMENT_CLASSES, build_parser
 
@@ -52,7 +52,8 @@ def test_the_first_hour_plan_train_with_a_tracker_and_open_the_report(tmp_path) 
     output_dir = Path(train[train.index("--output_dir") + 1])
     assert tensorboard_line == f"tensorboard --logdir {output_dir}/runs"
     # The same command, shortened for CI: the tiny model, 6 steps, into a scratch directory.
-    args = [*train[train.index("train.py") + 1:], *TINY_RUN, "--max_steps", "6", "--output_dir", str(tmp_path / "run")]
+    args = [*train[train.index("train.py") + 1:], *TINY_RUN, *DRAW_REPORT, "--max_steps", "6", "--output_dir",
+            str(tmp_path / "run")]
     result = launch(REPO / pick, "train.py", *args)
     assert result.returncode == 0, result.stderr[-3000:]
 
