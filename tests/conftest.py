@@ -200,8 +200,10 @@ def node_script_command(
     return [str(NODE_SCRIPT), *args], env
 
 
-def start(config: str | Path, output_dir: Path, *args: str, via_node_script: bool = False) -> subprocess.Popen:
-    """Start train.py with the tiny model in the background, in its own session; output to output_dir/launch.log."""
+def start(config: str | Path, output_dir: Path, *args: str,
+          via_node_script: bool = False) -> subprocess.Popen | forked_launcher.Launcher:
+    """Start train.py with the tiny model in the background, in its own session; output to output_dir/launch.log.
+    The launcher: accelerate's launch command in a fork (tests/forked_launcher.py), or the SLURM node script."""
     run_args = (*TINY_RUN, "--output_dir", str(output_dir), *args)
     if via_node_script:
         command, env = node_script_command(config, *run_args)
@@ -209,6 +211,8 @@ def start(config: str | Path, output_dir: Path, *args: str, via_node_script: boo
         command, env = launch_command(config, "train.py", *run_args)
     env["PET_SHUTDOWN_TIMEOUT"] = "300"  # a loaded machine may need more than torchrun's 30 s to save after a signal
     output_dir.mkdir(parents=True, exist_ok=True)
+    if not via_node_script:
+        return forked_launcher.start(command[len(LAUNCHER):], env, REPO, output_dir / "launch.log")
     with (output_dir / "launch.log").open("w") as log:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -233,7 +237,7 @@ def wait_for(condition: Callable[[], object], seconds: float, what: str, poll: f
         time.sleep(poll)
 
 
-def rank_processes(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+def rank_processes(launcher: subprocess.Popen | forked_launcher.Launcher) -> dict[int, psutil.Process]:
     """The train.py processes under a launcher, by global rank."""
     found = {}
     for child in psutil.Process(launcher.pid).children(recursive=True):

@@ -5,9 +5,12 @@ torch and accelerate (2 CPU-s here) before it starts the ranks. A forkserver (Py
 `multiprocessing`, one per pytest worker) imports accelerate's launch command once; each launch is
 a fork of it that runs that command's own `main` with the launch's arguments, environment and
 working directory, so the launcher's code, and everything after it, is what `accelerate launch`
-runs: the ranks are new interpreters that it starts, as always. The launcher as a command of its
-own (signals sent to it, the SLURM node script, the README's `accelerate launch`) is tested with
-`subprocess`: tests/conftest.py `start`, tests/test_preemption.py, tests/test_readme.py.
+runs: the ranks are new interpreters that it starts, as always, and a signal sent to the launcher
+reaches that code as it would reach the command (tests/test_preemption.py). A launcher that is a
+command of its own runs where the command is what is tested: the SLURM node script, which calls
+`accelerate launch` (tests/test_preemption.py, tests/test_multinode.py), the machine flags of
+several nodes (tests/test_multinode.py), and the launches under an address-space limit
+(tests/test_batch_size.py).
 """
 
 from __future__ import annotations
@@ -25,14 +28,19 @@ _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(["accelerate.commands.launch", __name__])
 
 
-def run_launch_command(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
-    """In the fork: accelerate's `launch` command with `argv`, output to the files `stdout` and `stderr`."""
+def run_launch_command(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str,
+                       new_session: bool = False) -> None:
+    """In the fork: accelerate's `launch` command with `argv`, output to the files `stdout` and `stderr` (one
+    file for both if they are the same path); `new_session`: as the leader of a session of its own."""
+    if new_session:
+        os.setsid()
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    for descriptor, path in ((1, stdout), (2, stderr)):
-        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(file, descriptor)
+    opened = {path: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for path in {stdout, stderr}}
+    os.dup2(opened[stdout], 1)
+    os.dup2(opened[stderr], 2)
+    for file in opened.values():
         os.close(file)
     sys.argv = ["accelerate launch", *argv]
     from accelerate.commands.launch import main
@@ -50,6 +58,34 @@ def run_launch_command(argv: list[str], env: dict[str, str], cwd: str, stdout: s
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # the fork's copy of the forkserver's state is not torn down
+
+
+class Launcher:
+    """What the tests use of `subprocess.Popen`, for a launcher started by `start`."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, args: list[str]) -> None:
+        self._process, self.args, self.pid = process, args, process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+
+def start(argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> Launcher:
+    """`accelerate launch <argv>` started in a session of its own (as `Popen(start_new_session=True)`), both output
+    streams to `log`; not waited for."""
+    process = _FORKSERVER.Process(target=run_launch_command, args=(argv, env, str(cwd), str(log), str(log), True))
+    process.start()
+    return Launcher(process, ["accelerate", "launch", *argv])
 
 
 def run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
