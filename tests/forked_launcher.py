@@ -80,10 +80,12 @@ class Launcher:
         return self._process.exitcode
 
 
-def start(argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> Launcher:
-    """`accelerate launch <argv>` started in a session of its own (as `Popen(start_new_session=True)`), both output
-    streams to `log`; not waited for."""
-    process = _FORKSERVER.Process(target=run_launch_command, args=(argv, env, str(cwd), str(log), str(log), True))
+def start(argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path | None = None,
+          new_session: bool = True) -> Launcher:
+    """`accelerate launch <argv>` started, not waited for: by default in a session of its own (as
+    `Popen(start_new_session=True)`) with both output streams to `stdout`."""
+    process = _FORKSERVER.Process(target=run_launch_command,
+                                  args=(argv, env, str(cwd), str(stdout), str(stderr or stdout), new_session))
     process.start()
     return Launcher(process, ["accelerate", "launch", *argv])
 
@@ -91,17 +93,16 @@ def start(argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> Launche
 def run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """`accelerate launch <argv>` under `env` in `cwd`, waited for, as `subprocess.run(capture_output=True, text=True)`
     gives it. On a timeout the launcher and everything it started are killed, and `subprocess.TimeoutExpired` raised."""
-    command = ["accelerate", "launch", *argv]
     with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
         stdout, stderr = Path(scratch, "stdout"), Path(scratch, "stderr")
-        launcher = _FORKSERVER.Process(target=run_launch_command, args=(argv, env, str(cwd), str(stdout), str(stderr)))
-        launcher.start()
-        launcher.join(timeout)
-        if launcher.exitcode is None:
+        launcher = start(argv, env, cwd, stdout, stderr, new_session=False)
+        try:
+            code = launcher.wait(timeout)
+        except subprocess.TimeoutExpired:
             kill_tree(launcher.pid)
-            launcher.join()
-            raise subprocess.TimeoutExpired(command, timeout)
-        return subprocess.CompletedProcess(command, launcher.exitcode, stdout.read_text(errors="replace"),
+            launcher.wait()
+            raise
+        return subprocess.CompletedProcess(launcher.args, code, stdout.read_text(errors="replace"),
                                            stderr.read_text(errors="replace"))
 
 
