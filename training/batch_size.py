@@ -128,6 +128,8 @@ def fit_micro_batch(accelerator: Accelerator, task, objective: Callable, train_s
     args.per_device_train_batch_size, args.gradient_accumulation_steps = find_micro_batch(
         accelerator, probe, lambda n: task.collator([train_set[i] for i in range(n)]), requested,
         args.gradient_accumulation_steps, None if engine_outlives_probes(current[0]) else rebuild)
+    if accelerator.device.type == "cuda":  # the summary's peak is training's, not a probe's (a CPU's RSS peak stays)
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
     logger.info(f"--auto_find_batch_size: a micro-batch of {args.per_device_train_batch_size} per process fits, "
                 f"{args.gradient_accumulation_steps} accumulated per step"
                 + (f" ({requested} ran out of memory)" if args.per_device_train_batch_size != requested else ""),
