@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
 from training.accelerator import build_accelerator
+from training.process_exit import exit_process
 from training.strategy import verify_strategy
 from training.errors import StrategyError
 
@@ -50,3 +51,4 @@ except StrategyError as error:
     record["verdict"] = f"refused: {error}"
 out_dir.mkdir(parents=True, exist_ok=True)
 (out_dir / f"rank_{os.environ['RANK']}.json").write_text(json.dumps(record))
+exit_process(0)  # as train.py ends: gloo's worker threads can abort the interpreter's teardown (issue 22)
