@@ -65,6 +65,7 @@ from training.process_exit import exit_process
 from training.report import write_report
 from training.setup import Run, set_up
 from training.strategy_adapters import clip_gradients
+from training.stream_loader import epoch_batches
 
 logger = get_logger(__name__)
 EXIT_BAD_INPUT = 2  # a flag, file, config or checkpoint that cannot work; the message says which
@@ -106,10 +107,10 @@ def train(run: Run) -> dict[str, float]:
     train_loss, eval_result = math.nan, {}  # the last logged
     with collective_timeouts_reported(accelerator, args.ddp_timeout, lambda: state.completed_steps + 1):
         while state.completed_steps < run.max_steps:
-            run.train_loader.set_epoch(state.epoch)  # before skipping, or a resume replays another order
             # Skipping by optimizer steps, not by this process's batches, keeps the position right
-            # when a checkpoint resumes on a different number of processes.
-            batches = accelerator.skip_first_batches(run.train_loader, state.steps_in_epoch * args.gradient_accumulation_steps)
+            # when a checkpoint resumes on a different number of processes (a stream keeps its own).
+            batches = epoch_batches(accelerator, run.train_loader, state.epoch,
+                                    state.steps_in_epoch * args.gradient_accumulation_steps)
             for window in accumulation_windows(batches, args.gradient_accumulation_steps):
                 run.speed.start_step()
                 step_loss, grad_norm = train_step(run, window)

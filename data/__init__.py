@@ -114,11 +114,14 @@ def build_lm_datasets(
     block_size: int,
     main_process_first: AbstractContextManager | None = None,
     packing: bool = True,
+    num_proc: int | None = None,
+    reuse_cache: bool = True,
 ) -> tuple[Dataset, Dataset]:
     """Tokenize both splits into sequences of at most `block_size` tokens, cached on disk.
 
     `main_process_first` is `accelerator.main_process_first()`: the main process builds
-    the cache while the other ranks wait, then they load it.
+    the cache while the other ranks wait, then they load it. `num_proc` worker processes
+    tokenise; `reuse_cache` false tokenises again even where a cache exists.
     """
     for split in raw.values():
         if text_column not in split.column_names:
@@ -143,6 +146,8 @@ def build_lm_datasets(
                 fn_kwargs={"tokenizer": tokenizer, "text_column": text_column, "block_size": block_size},
                 cache_file_name=str(cache_dir / f"{key}.arrow"),
                 new_fingerprint=key,
+                num_proc=num_proc,
+                load_from_cache_file=reuse_cache,
                 desc=f"Tokenizing {name}",
             )
             if packing:  # equal lengths: tensors straight from the dataset

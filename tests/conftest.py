@@ -249,6 +249,19 @@ def rank_processes(launcher: subprocess.Popen | forked_launcher.Launcher) -> dic
     return found
 
 
+def logged_loss_steps(output_dir) -> int:
+    """The last step whose training loss the run has logged so far (0 before the first)."""
+    metrics = output_dir / "metrics.jsonl"
+    complete = metrics.read_text().split("\n")[:-1] if metrics.exists() else []  # not a line still being written
+    return max((record["step"] for record in map(json.loads, complete) if "loss" in record), default=0)
+
+
+def signal_pending(process: psutil.Process) -> bool:
+    """Whether a (stopped) process has a signal waiting to be handled: /proc's pending masks, shared and its own."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    return any(int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:")))
+
+
 @pytest.fixture
 def text_documents() -> list[str]:
     """Enough short documents for a few blocks of 32 tokens."""

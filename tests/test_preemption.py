@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import psutil
 import pytest
@@ -20,7 +19,9 @@ from tests.conftest import (
     SPLIT_OF,
     assert_continues_exactly,
     free_port,
+    logged_loss_steps,
     rank_processes,
+    signal_pending,
     read_metrics,
     split_args,
     split_run_args,
@@ -32,19 +33,6 @@ from training.checkpoint import complete_checkpoints
 from training.preemption import StopRequests
 
 STEPS_PER_EPOCH = 6  # of `uneven_data` at the global batch of 8
-
-
-def logged_loss_steps(output_dir) -> int:
-    """The last step whose training loss the run has logged so far (0 before the first)."""
-    metrics = output_dir / "metrics.jsonl"
-    complete = metrics.read_text().split("\n")[:-1] if metrics.exists() else []  # not a line still being written
-    return max((record["step"] for record in map(json.loads, complete) if "loss" in record), default=0)
-
-
-def signal_pending(process: psutil.Process) -> bool:
-    """Whether a (stopped) process has a signal waiting to be handled: /proc's pending masks, shared and its own."""
-    status = Path(f"/proc/{process.pid}/status").read_text()
-    return any(int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:")))
 
 
 CASES = {

@@ -23,6 +23,7 @@ from models.language import first_line
 from training.batch_size import check_auto_find_batch_size
 from training.checkpoint import complete_checkpoints, newer_checkpoints, require_complete_checkpoint
 from training.strategy import Strategy, requested_strategy
+from training.stream_loader import check_streaming_flags
 from training.flags import (
     ALL_ARGUMENT_CLASSES,
     KNOWN_KEYS,
@@ -127,8 +128,9 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     check_comm_hook_flags(train_args)
     check_distillation_flags(model_args, train_args)
     check_pipeline_flags(model_args, data_args, train_args)
-    check_auto_find_batch_size(train_args, "--pipeline_parallel_size" if train_args.pipeline_parallel_size > 1
-                               else model_split(model_args))
+    split = "--pipeline_parallel_size" if train_args.pipeline_parallel_size > 1 else model_split(model_args)
+    check_auto_find_batch_size(train_args, split)
+    check_streaming_flags(data_args, train_args, split)
     if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
         # absolute: an exported adapter names its base model by this path, to be found from anywhere
         model_args.model_name_or_path = str(Path(model_args.model_name_or_path).resolve())

@@ -20,6 +20,7 @@ from accelerate.utils import (
     TorchDynamoPlugin,
     set_seed,
 )
+from datasets import IterableDataset
 from torch.utils.data import DataLoader
 
 from models.adapters import add_adapter, trainable_summary
@@ -43,6 +44,7 @@ from training.pipeline import StageModules, prepare_pipeline
 from training.pipeline_layout import check_pipeline_launch, pipelined, stage_count
 from training.preemption import StopRequests
 from training.strategy import Strategy, master_weight_dtypes, verify_prepared, verify_strategy
+from training.stream_loader import StreamLoader, keep_stream_position_in_checkpoints
 from training.strategy_adapters import (
     align_with_strategy,
     gradient_reduction_dtypes,
@@ -68,7 +70,7 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    train_loader: DataLoader
+    train_loader: DataLoader | StreamLoader
     eval_loader: DataLoader
     state: TrainerState  # the step, epoch and position within it: what a checkpoint resumes
     resumed: bool
@@ -117,14 +119,20 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
     replicas = data_parallel_size(accelerator) // args.pipeline_parallel_size  # processes that read different batches
     global_batch = global_batch_size(args, replicas)
-    steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
-    train_set = train_set.select(range(steps_per_epoch * global_batch))
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking in start_accelerator).
     workers = loader_workers(args.dataloader_num_workers, accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     loading = {"collate_fn": task.collator, "num_workers": workers,
                "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda"}
-    prepare_training = partial(prepared_for_training, accelerator, task, train_set, eval_set, args, loading, max_steps)
+    if isinstance(train_set, IterableDataset):  # --streaming: no length; this rank's share, batched by a loader of ours
+        steps_per_epoch, max_steps = 0, args.max_steps  # 0: unknown
+        train_data = StreamLoader(accelerator, train_set, args.per_device_train_batch_size, task.collator, workers,
+                                  args.seed, data_args.shuffle_buffer_size, args.ddp_timeout)
+    else:
+        steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
+        train_data = train_set = train_set.select(range(steps_per_epoch * global_batch))
+    prepare_training = partial(prepared_for_training, accelerator, task, train_data, eval_set, args, loading, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = prepare_training(model)
+    keep_stream_position_in_checkpoints(accelerator, train_loader)
     objective, teacher_bytes = partial(label_loss_sums, task), None  # per-example loss sums of a micro-batch
     if model_args.teacher_model_name_or_path:
         distillation, teacher_bytes = build_distillation(accelerator, task, strategy, model_args.teacher_model_name_or_path,
@@ -188,11 +196,13 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                forward_backward, teacher_bytes)
 
 
-def prepared_for_training(accelerator: Accelerator, task: Task, train_set, eval_set, args: TrainArguments,
+def prepared_for_training(accelerator: Accelerator, task: Task, train_data, eval_set, args: TrainArguments,
                           loading: dict, max_steps: int, model: torch.nn.Module) -> tuple:
     """`model`, its optimizer, the training and evaluation loaders and the scheduler, through `prepare`, for
-    the flags' micro-batch; and the torch optimizer inside the prepared one."""
-    train_loader = training_loader(train_set, args.per_device_train_batch_size, args.seed, **loading)
+    the flags' micro-batch; and the torch optimizer inside the prepared one. `train_data`: the training set, or
+    a stream's loader (which `prepare` passes through: each rank reads its own share)."""
+    train_loader = train_data if isinstance(train_data, StreamLoader) else training_loader(
+        train_data, args.per_device_train_batch_size, args.seed, **loading)
     eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, **loading)
     align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
     torch_optimizer = build_optimizer(model, args, offloaded=optimizer_offload_device(accelerator) != "none")

@@ -36,7 +36,9 @@ ADAPTER_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", 
 TEXT_FLAGS = ("tokenizer_name", "train_file", "validation_file", "sample_prompt", "use_peft", *ADAPTER_FLAGS)
 TASKS: dict[str, TaskEntry] = {
     "causal-lm": TaskEntry(
-        "training.tasks:CausalLM", NAMED_CONFIGS, "llama-small", (*TEXT_FLAGS, "text_column", "block_size", "packing"),
+        "training.tasks:CausalLM", NAMED_CONFIGS, "llama-small",
+        (*TEXT_FLAGS, "text_column", "block_size", "packing", "streaming", "shuffle_buffer_size", "skip_bad_shards",
+         "dataset_path"),
     ),
     "sft": TaskEntry(
         "training.sft:SupervisedFineTuning", NAMED_CONFIGS, "llama-small",

@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
-from datasets import Dataset, DatasetDict
+from datasets import Dataset, DatasetDict, IterableDataset
 from transformers import (
     AutoConfig,
     AutoImageProcessor,
@@ -34,7 +34,9 @@ from transformers import (
     default_data_collator,
 )
 
-from data import build_lm_datasets, load_raw_datasets, make_collator
+from data import FILE_BUILDERS, build_lm_datasets, load_raw_datasets, make_collator
+from data.pretokenized import load_shards, read_manifest
+from data.streaming import document_streams, stream_datasets
 from data.images import build_image_datasets, class_names, load_raw_image_datasets, pixel_values
 from models.language import ModelError, build_model, build_tokenizer, check_same_vocabulary, loading, resolve_block_size
 from models.vision import build_image_model, build_image_processor
@@ -146,23 +148,33 @@ class CausalLM(Task):
         self.collator = make_collator(self.processor, data_args.packing)
         self.block_size = 0  # the model's maximum unless --block_size; set by build_model
 
-    def load_raw_datasets(self, seed: int) -> DatasetDict:
-        d = self.data_args
+    def load_raw_datasets(self, seed: int) -> DatasetDict | dict[str, IterableDataset]:
+        """The documents: loaded whole, or as streams (--streaming); nothing for pre-tokenised shards."""
+        d, self.seed = self.data_args, seed  # the stream's shard order and shuffle buffer draw from the seed
+        if d.dataset_path or d.streaming:
+            return DatasetDict() if d.dataset_path else document_streams(
+                d.dataset_name, d.dataset_config_name, d.train_file, d.validation_file, d.text_column, d.skip_bad_shards,
+                FILE_BUILDERS)
         return load_raw_datasets(d.dataset_name, d.dataset_config_name, d.train_file, d.validation_file,
                                  d.validation_split_percentage, seed)
 
     def build_model(self, raw: DatasetDict, empty: bool = False) -> PreTrainedModel:
-        m = self.model_args
+        m, d = self.model_args, self.data_args
         model = build_model(m.model_name_or_path, m.model_config, self.processor, m.trust_remote_code,
                             m.gradient_checkpointing, empty)
-        self.block_size = resolve_block_size(self.data_args.block_size, model.config)
+        shards_block_size = d.dataset_path and read_manifest(d.dataset_path)["block_size"]  # another --block_size: refused
+        self.block_size = resolve_block_size(d.block_size or shards_block_size, model.config)
         self.flops_per_unit = flops_per_token(model, self.block_size)
         self.settings = {"block_size": self.block_size}
         return model
 
     def build_datasets(self, raw: DatasetDict, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]:
-        return build_lm_datasets(raw, self.processor, self.data_args.text_column, self.block_size, main_process_first,
-                                 self.data_args.packing)
+        d = self.data_args
+        if d.dataset_path:
+            return load_shards(d.dataset_path, self.processor, self.block_size, d.packing)
+        if d.streaming:
+            return stream_datasets(raw, self.processor, d.text_column, self.block_size, d.packing, self.seed, d.max_eval_samples)
+        return build_lm_datasets(raw, self.processor, d.text_column, self.block_size, main_process_first, d.packing)
 
     def forward(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
@@ -194,7 +206,9 @@ class CausalLM(Task):
     def eval_metrics(self, eval_loss: float, accuracy: float) -> dict[str, float]:
         return super().eval_metrics(eval_loss, accuracy) | {"perplexity": math.exp(eval_loss) if eval_loss < 700 else math.inf}
 
-    def describe_data(self, train_set: Dataset) -> str:
+    def describe_data(self, train_set: Dataset | IterableDataset) -> str:
+        if isinstance(train_set, IterableDataset):
+            return f"a stream of sequences of up to {self.block_size} tokens ({train_set.num_shards} shards)"
         return f"{len(train_set)} sequences of up to {self.block_size} tokens"
 
     def sample(self, final_dir: Path) -> str:

@@ -1,0 +1,126 @@
+"""Streaming text (`--streaming`): documents read from their files as training needs them, never loaded whole.
+
+Each split is a `datasets.IterableDataset` with one shard per data file: the files of a Hub or local
+dataset directory (`--dataset_name`), or `--train_file`/`--validation_file` (glob patterns allowed). The
+documents are tokenised and packed on the fly, as `build_lm_datasets` does with a whole set, and the shard
+order is shuffled by seed and epoch. training/stream_loader.py gives each rank its share
+(`split_dataset_by_node`) and saves its position in checkpoints.
+
+A file that cannot be read, or holds no documents, stops the run with one line naming it; with
+`--skip_bad_shards` it is skipped, and each skip is logged with this process's count so far.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from datasets import Dataset, IterableDataset, load_dataset, load_dataset_builder
+from transformers import PreTrainedTokenizerBase
+
+from data.default_corpus import default_splits
+from data.errors import DataError
+from data.packing import tokenize_and_pack, tokenize_documents
+
+logger = logging.getLogger(__name__)
+skipped_shards = 0  # in this process (a loader worker counts its own)
+
+
+def split_files(dataset_name: str | None, dataset_config_name: str | None, train_file: str | None,
+                validation_file: str | None, file_builders: dict[str, str]) -> tuple[str, dict[str, list[str]]]:
+    """The `datasets` builder that reads the data ("json", "parquet", ...) and each split's files, resolved by
+    `datasets` itself (directories, Hub repositories, glob patterns)."""
+    if dataset_name:
+        builder = load_dataset_builder(dataset_name, dataset_config_name)
+    else:
+        files = {"train": train_file} | ({"validation": validation_file} if validation_file else {})
+        kinds = {file_builders.get("." + path.rsplit(".", 1)[-1].lower()) for path in files.values()}
+        if None in kinds or len(kinds) > 1:
+            raise DataError(f"--streaming reads {sorted(k for k in file_builders)} files, all of one kind; got "
+                            f"{sorted(files.values())}")
+        try:
+            builder = load_dataset_builder(kinds.pop(), data_files=files)
+        except FileNotFoundError as error:
+            raise DataError(f"no data files match: {error}") from None
+    resolved = {str(split): [str(path) for path in paths] for split, paths in (builder.config.data_files or {}).items()}
+    if not resolved.get("train"):
+        raise DataError(f"--streaming reads a dataset's data files, and {dataset_name or train_file} lists no training "
+                        "files; give --train_file or a dataset with data files")
+    return builder.name, resolved
+
+
+def documents(files: list[str], builder: str, text_column: str, skip_bad_shards: bool) -> Iterator[dict[str, str]]:
+    """The `text_column` of every row of `files`, in order (a generator for `IterableDataset.from_generator`, which
+    makes each file a shard)."""
+    global skipped_shards
+    for path in files:
+        rows = 0
+        try:
+            for row in load_dataset(builder, data_files=path, split="train", streaming=True):
+                if text_column not in row:
+                    raise DataError(f"{path} has no column {text_column!r} (columns: {sorted(row)}); set --text_column")
+                rows += 1
+                yield {text_column: row[text_column]}
+        except DataError:
+            raise
+        except StopIteration:  # datasets' json reader on an empty file
+            problem = "holds no rows"
+        except Exception as error:  # noqa: BLE001 - whatever datasets or pyarrow raise for a broken file
+            detail = (str(error).strip().splitlines() or [""])[0][:200]
+            problem = f"cannot be read after {rows} rows ({type(error).__name__}{': ' + detail if detail else ''})"
+        else:
+            if rows:
+                continue
+            problem = "holds no rows"
+        if not skip_bad_shards:
+            raise DataError(f"data file {path} {problem}; fix or remove it, or pass --skip_bad_shards to skip such files")
+        skipped_shards += 1
+        logger.warning(f"skipped data file {path}: it {problem} (--skip_bad_shards; {skipped_shards} skipped so far "
+                       "by this process)")
+
+
+def document_streams(dataset_name: str | None, dataset_config_name: str | None, train_file: str | None,
+                     validation_file: str | None, text_column: str, skip_bad_shards: bool,
+                     file_builders: dict[str, str]) -> dict[str, IterableDataset]:
+    """Each split's documents as a stream, one shard per file; the embedded default corpus without data flags."""
+    if not (dataset_name or train_file):
+        return {split: Dataset.from_dict({text_column: docs}).to_iterable_dataset()
+                for split, docs in default_splits().items()}
+    builder, files = split_files(dataset_name, dataset_config_name, train_file, validation_file, file_builders)
+    return {split: IterableDataset.from_generator(documents, gen_kwargs={
+        "files": paths, "builder": builder, "text_column": text_column, "skip_bad_shards": skip_bad_shards})
+        for split, paths in files.items()}
+
+
+def block_stream(documents: IterableDataset, tokenizer: PreTrainedTokenizerBase, text_column: str, block_size: int,
+                 packing: bool, seed: int | None) -> IterableDataset:
+    """Documents in, training sequences out, tokenised and packed per 1,000 documents (each thousand's tail
+    shorter than a block is left out); with a `seed`, the shards in an order drawn from it and the epoch
+    (`set_epoch`); the loader shuffles the sequences (training/stream_loader.py)."""
+    ordered = documents if seed is None else documents.shuffle(seed=seed, buffer_size=1)  # buffer 1: shard order only
+    return ordered.map(tokenize_and_pack if packing else tokenize_documents, batched=True, batch_size=1000,
+                       remove_columns=[text_column],
+                       fn_kwargs={"tokenizer": tokenizer, "text_column": text_column, "block_size": block_size})
+
+
+def first_blocks(stream: IterableDataset, count: int) -> Dataset:
+    """The first `count` sequences of a stream, held in memory: an evaluation set every rank builds alike."""
+    blocks = list(stream.take(count))
+    if not blocks:
+        raise DataError("the validation stream holds no complete sequence; give more validation data or a smaller "
+                        "--block_size")
+    return Dataset.from_list(blocks)
+
+
+def stream_datasets(raw: dict[str, IterableDataset], tokenizer: PreTrainedTokenizerBase, text_column: str, block_size: int,
+                    packing: bool, seed: int, max_eval_samples: int | None) -> tuple[IterableDataset, Dataset]:
+    """The training stream, and the first `max_eval_samples` validation sequences held in memory (none without)."""
+    train = block_stream(raw["train"], tokenizer, text_column, block_size, packing, seed)
+    blocks_format = "torch" if packing else None  # packed: equal lengths, tensors straight away
+    if not max_eval_samples:  # --eval_strategy no (training/stream_loader.py requires it otherwise)
+        return train.with_format(blocks_format), Dataset.from_dict({"input_ids": [], "labels": []})
+    if "validation" not in raw:
+        raise DataError("--streaming: this data has no validation split to evaluate on (a stream cannot hold one out); "
+                        "give --validation_file, a dataset with a validation split, or --eval_strategy no")
+    validation = block_stream(raw["validation"], tokenizer, text_column, block_size, packing, None)
+    return train.with_format(blocks_format), first_blocks(validation, max_eval_samples).with_format(blocks_format)

@@ -1,0 +1,193 @@
+"""--streaming (data/streaming.py, training/stream_loader.py) and pre-tokenised shards (scripts/prepare_data.py,
+--dataset_path): each rank's share, exact resume after SIGTERM under every sharding strategy, bad shards, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from data import DataError
+from data.default_corpus import generate_documents
+from data.pretokenized import load_shards
+from models.language import build_tokenizer
+from tests.conftest import (
+    REPO,
+    assert_continues_exactly,
+    flag_refusal,
+    launch,
+    logged_loss_steps,
+    made_once,
+    rank_processes,
+    signal_pending,
+    start,
+    train,
+    wait_for,
+    TINY_RUN,
+)
+
+PROBE = REPO / "tests" / "probes" / "stream_probe.py"
+DOCUMENTS_PER_FILE = 12
+STEPS, STOP_AFTER = 10, 3  # the stopped run is signalled once step STOP_AFTER is logged
+SHARDED = ("ddp", "fsdp", "deepspeed_zero3")
+
+
+def documents(first: int, count: int) -> list[str]:
+    """Documents that each start with their own number, so that a sequence names the document it came from."""
+    return [f"{n:04d} {text}" for n, text in zip(range(first, first + count), generate_documents(count, first))]
+
+
+@pytest.fixture(scope="session")
+def stream_files(shared_dir) -> dict[str, list[str]]:
+    """A dataset directory of 4 training files and a validation file (jsonl), and a second one of 3 training files."""
+
+    def write(directory: Path) -> None:
+        for layout, files in (("four", 4), ("three", 3)):
+            (directory / layout).mkdir()
+            for index in range(files):
+                texts = documents(index * DOCUMENTS_PER_FILE, DOCUMENTS_PER_FILE)
+                (directory / layout / f"train-{index:05d}.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+            texts = documents(1000, DOCUMENTS_PER_FILE)
+            (directory / layout / "validation-00000.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+
+    directory = made_once(shared_dir / "stream_files", write)
+    return {layout: ["--dataset_name", str(directory / layout)] for layout in ("four", "three")}
+
+
+def first_tokens(texts: list[str]) -> list[tuple[int, ...]]:
+    """The digits each document starts with, as token ids (the tokenizer splits numbers into digits)."""
+    tokenizer = build_tokenizer(None, None)
+    return [tuple(tokenizer(text, add_special_tokens=False)["input_ids"][:4]) for text in texts]
+
+
+@pytest.mark.parametrize(("config", "layout"), [(config, "four") for config in SHARDED] + [("ddp", "three")])
+def test_every_rank_reads_other_documents_and_together_every_document_once_per_epoch(config, layout, stream_files,
+                                                                                    tmp_path) -> None:
+    """Four files on 2 ranks: two whole files each; three: every other document of each file. Two passes each,
+    read through train.py's loader (its shuffle buffer included) under the config's real process group."""
+    files = 4 if layout == "four" else 3
+    expected = first_tokens(documents(0, files * DOCUMENTS_PER_FILE))
+    assert len(set(expected)) == len(expected)  # each document recognisable by its first tokens
+    reads = files * DOCUMENTS_PER_FILE + 8  # per rank: more than two passes over half the documents
+    result = launch(config, PROBE, str(tmp_path), str(reads), *stream_files[layout], "--shuffle_buffer_size", "5")
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in (0, 1)]
+    for epoch in (0, 1):
+        shares = [[tuple(ids) for ids in rank[epoch]] for rank in ranks]
+        assert not set(shares[0]) & set(shares[1]), epoch  # different documents
+        assert sorted(shares[0] + shares[1]) == sorted(expected), epoch  # all of them, once
+        assert abs(len(shares[0]) - len(shares[1])) <= (0 if files == 4 else 1)
+    assert ranks[0][0] != ranks[0][1]  # the second pass in another order: the shuffle is reseeded
+
+
+def stream_args(stream_files) -> tuple[str, ...]:
+    """Packed into about 36 sequences per rank and pass, a buffer of 16 of them, 10 steps of 4 per rank: into each
+    rank's second pass; a checkpoint at step 5."""
+    return (*stream_files["four"], "--streaming", "--block_size", "64", "--shuffle_buffer_size", "16", "--max_steps",
+            str(STEPS), "--logging_steps", "1", "--eval_steps", "5", "--save_steps", "5", "--max_eval_samples", "16")
+
+
+@pytest.mark.parametrize("config", SHARDED)
+def test_a_stream_stopped_by_sigterm_resumes_exactly(config, stream_files, cached_run, tmp_path) -> None:
+    args = stream_args(stream_files)
+    uninterrupted = cached_run(config, *args)
+    launcher = start(config, tmp_path, *args)
+    ranks = {}
+    try:
+        wait_for(lambda: len(rank_processes(launcher)) == 2, 120, "the ranks to start")
+        ranks = rank_processes(launcher)
+        wait_for(lambda: logged_loss_steps(tmp_path) >= STOP_AFTER, 120, "the first steps", poll=0.005)
+        for rank in ranks.values():
+            rank.suspend()
+        psutil.Process(launcher.pid).send_signal(signal.SIGTERM)
+        wait_for(lambda: any(map(signal_pending, ranks.values())), 60, "the signal to reach a rank", poll=0.005)
+        for rank in ranks.values():
+            rank.resume()
+        assert launcher.wait(timeout=120) != 0
+    finally:
+        for rank in ranks.values():
+            if rank.is_running():
+                rank.kill()
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    log = (tmp_path / "launch.log").read_text()
+    step = int(re.search(r"SIGTERM received: stopped after step (\d+)", log).group(1))
+    assert STOP_AFTER <= step < STEPS, log[-3000:]
+    assert (tmp_path / "checkpoints" / f"step_{step}" / "stream_rank1.pt").is_file()
+    result = train(config, tmp_path, *args, "--resume_from_checkpoint", "latest")
+    assert f"at step {step}" in result.stderr
+    assert_continues_exactly(uninterrupted, tmp_path, step, STEPS)
+    summary = json.loads((uninterrupted / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+
+
+REFUSED = {  # flags -> what the one line says
+    "no --max_steps": (["--streaming", "--max_steps", "-1"], "--streaming needs --max_steps"),
+    "epochs": (["--streaming", "--max_steps", "5", "--save_strategy", "epoch"], "use steps with --streaming"),
+    "unbounded eval": (["--streaming", "--max_steps", "5", "--max_eval_samples", None], "add --max_eval_samples N"),
+    "buffer without stream": (["--shuffle_buffer_size", "8"], "--shuffle_buffer_size is for --streaming"),
+    "stream of shards": (["--streaming", "--max_steps", "5", "--dataset_path", "x"], "--streaming with --dataset_path"),
+    "image task": (["--task", "image-classification", "--model_config", "resnet-tiny", "--streaming"],
+                   "--streaming is for --task causal-lm"),
+}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("args", "message"), REFUSED.values(), ids=REFUSED.keys())
+def test_streaming_flags_that_cannot_run_are_one_line(args, message, monkeypatch, tmp_path) -> None:
+    run = [*TINY_RUN, "--output_dir", str(tmp_path)]
+    if None in args:  # this case drops a flag TINY_RUN sets
+        run = [item for index, item in enumerate(run) if item != args[-2] and run[index - 1] != args[-2]]
+        args = args[:-2]
+    assert message in flag_refusal([*run, *args], {}, monkeypatch)
+
+
+def test_a_corrupt_shard_on_one_rank_stops_every_rank_with_its_name_or_is_skipped_and_counted(stream_files,
+                                                                                             shared_dir, tmp_path) -> None:
+    """The third of four files breaks off mid-line: without --skip_bad_shards both ranks exit 2 with the line
+    naming it (the rank that reads it, whichever it is, tells the other); with it, the run trains on."""
+    source = Path(stream_files["four"][1])
+    broken = tmp_path / "data"
+    broken.mkdir()
+    for path in source.iterdir():
+        (broken / path.name).write_text(path.read_text())
+    (broken / "train-00002.jsonl").write_text('{"text": "a line that ends too soon')
+    (broken / "train-00003.jsonl").write_text("")
+    args = ("--dataset_name", str(broken), "--streaming", "--block_size", "64", "--max_steps", "4",
+            "--eval_strategy", "no", "--save_strategy", "no")
+    result = launch("ddp", "train.py", *TINY_RUN, "--output_dir", str(tmp_path / "stopped"), *args)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and all(f"data file {broken}/train-0000" in line for line in errors), result.stderr[-3000:]
+    assert "pass --skip_bad_shards" in errors[0] and "exitcode  : 2" in result.stderr
+    skipped = train("ddp", tmp_path / "skipped", *args, "--skip_bad_shards")
+    warnings = [line for line in skipped.stderr.splitlines() if "skipped data file" in line]
+    assert any("train-00002.jsonl: it cannot be read after 0 rows" in line for line in warnings), skipped.stderr[-3000:]
+    assert any("train-00003.jsonl: it holds no rows" in line for line in warnings)
+    assert json.loads((tmp_path / "skipped" / "summary.json").read_text())["steps"] == 4
+
+
+def test_prepared_shards_train_on_two_processes_and_refuse_another_tokenizer_or_block_size(tmp_path) -> None:
+    shards = tmp_path / "shards"
+    prepared = subprocess.run([sys.executable, "scripts/prepare_data.py", "--output_dir", str(shards), "--block_size", "64",
+                               "--num_proc", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert prepared.returncode == 0 and "tokens/s" in prepared.stdout, prepared.stderr[-3000:]
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert manifest["block_size"] == 64 and manifest["splits"]["train"] > 100
+    run = train("ddp", tmp_path / "run", "--dataset_path", str(shards), "--max_steps", "3", "--save_strategy", "no")
+    assert f"{manifest['splits']['train'] // 8 * 8} sequences of up to 64 tokens" in run.stderr  # whole global batches
+    assert "Tokenizing" not in run.stderr  # read as prepared
+    tokenizer = build_tokenizer(None, None)
+    other = build_tokenizer(None, None)
+    other.add_tokens(["<an added token>"])  # the same vocabulary plus one: other ids
+    for kind, (tokenizer_used, block_size) in {"tokenizer": (other, 64), "block size": (tokenizer, 32)}.items():
+        with pytest.raises(DataError) as refused:
+            load_shards(str(shards), tokenizer_used, block_size, packing=True)
+        assert ("not this run's tokenizer" if kind == "tokenizer" else "holds sequences of block size 64") in str(refused.value)

@@ -1,0 +1,176 @@
+"""Owns the training batches of a stream (`--streaming`): each rank's share, its shuffle buffer, and its place in checkpoints.
+
+- **Shares.** `split_dataset_by_node` gives each rank whole files when their count divides by the number of
+  ranks, otherwise every n-th sequence of the whole stream (each rank then reads, tokenises and packs all of
+  it): disjoint shares that together hold every sequence once per epoch.
+- **Epochs are per rank.** Shares pack into different numbers of blocks, so each rank starts its next pass
+  when its own share ends (shard order and shuffle buffer reseeded by epoch), and the run ends at `--max_steps`.
+- **Shuffling.** A buffer of `--shuffle_buffer_size` blocks, drawn from with a generator seeded by seed, rank
+  and epoch. The buffer and the generator go into checkpoints with the loader's position
+  (torchdata's `StatefulDataLoader`, holding `datasets`' `state_dict`), one file per rank: a resumed run
+  reads on from where it stopped, exactly, without reading the stream again.
+- **No rank left waiting.** Before each micro-batch the ranks agree (an all-reduce on the CPU group) that each
+  has one; if a rank's stream failed, every rank stops with that rank's error line.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import send_to_device
+from datasets import IterableDataset
+from datasets.distributed import split_dataset_by_node
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from data import DataError
+from training.collectives import cpu_group
+from training.checkpoint import ResumeError
+from training.errors import ArgumentError
+from training.flags import DataArguments, TrainArguments
+
+STREAM_STATE = "stream_rank{rank}.pt"  # in each checkpoint, one per rank
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 calls it on every loader
+
+
+class StreamLoader:
+    """This rank's micro-batches, endlessly, epoch after epoch of its share of `stream`."""
+
+    def __init__(self, accelerator: Accelerator, stream: IterableDataset, batch_size: int, collate, num_workers: int,
+                 seed: int, buffer_size: int, timeout_s: int) -> None:
+        self.accelerator, self.batch_size, self.collate = accelerator, batch_size, collate
+        self.rank, self.seed, self.buffer_size, self.timeout_s = accelerator.process_index, seed, max(1, buffer_size), timeout_s
+        self.share = split_dataset_by_node(stream, rank=self.rank, world_size=accelerator.num_processes)
+        self.loader = StatefulDataLoader(self.share, batch_size=None, num_workers=num_workers)
+        self.epoch, self.buffer, self.exhausted, self.blocks_this_epoch = 0, [], False, 0
+        self.generator = torch.Generator()
+        self._new_epoch(0)
+
+    def _new_epoch(self, epoch: int) -> None:
+        self.epoch, self.exhausted, self.blocks_this_epoch = epoch, False, 0
+        self.share.set_epoch(epoch)  # before the loader's iterator: its saved position is for this epoch's order
+        self.generator.manual_seed(self.seed * 1_000_003 + self.rank * 1_009 + epoch)
+        self.blocks = None
+
+    def _next_block(self) -> dict:
+        """The next block from the shuffle buffer, refilled from the stream; the next epoch when both are empty."""
+        while True:
+            if self.blocks is None:
+                self.blocks = iter(self.loader)
+            while not self.exhausted and len(self.buffer) < self.buffer_size:
+                try:
+                    self.buffer.append(next(self.blocks))
+                    self.blocks_this_epoch += 1
+                except StopIteration:
+                    self.exhausted = True
+            if self.buffer:
+                chosen = int(torch.randint(len(self.buffer), (), generator=self.generator))
+                self.buffer[chosen], self.buffer[-1] = self.buffer[-1], self.buffer[chosen]
+                return self.buffer.pop()
+            if self.blocks_this_epoch == 0:
+                raise DataError(f"rank {self.rank}'s share of the training stream holds no complete sequence: the stream "
+                                "is shorter than one block per rank; give more data or a smaller --block_size")
+            self._new_epoch(self.epoch + 1)
+
+    def _agreed(self, failure: str | None) -> None:
+        """Raise on every rank if any rank's stream failed, with the first failing rank's message."""
+        if self.accelerator.num_processes > 1:
+            group = cpu_group(self.timeout_s)
+            failed = torch.tensor([int(failure is not None)])
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+            if failed:
+                messages = [None] * self.accelerator.num_processes
+                dist.all_gather_object(messages, failure, group=group)
+                failure = next(message for message in messages if message)
+        if failure:
+            raise DataError(failure)
+
+    def __iter__(self) -> Iterator[dict]:
+        while True:
+            failure, batch = None, None
+            try:
+                batch = self.collate([self._next_block() for _ in range(self.batch_size)])
+            except DataError as error:
+                failure = str(error)
+            self._agreed(failure)
+            yield send_to_device(batch, self.accelerator.device, non_blocking=self.accelerator.non_blocking)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "exhausted": self.exhausted, "blocks_this_epoch": self.blocks_this_epoch,
+                "buffer": self.buffer, "generator": self.generator.get_state(), "loader": self.loader.state_dict(),
+                "processes": self.accelerator.num_processes}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["processes"] != self.accelerator.num_processes:
+            raise ResumeError(f"this checkpoint's stream was split over {state['processes']} processes, and this run has "
+                              f"{self.accelerator.num_processes}: a streaming run resumes on as many processes as saved it")
+        self._new_epoch(state["epoch"])
+        self.exhausted, self.blocks_this_epoch, self.buffer = state["exhausted"], state["blocks_this_epoch"], state["buffer"]
+        self.generator.set_state(state["generator"])
+        if not self.exhausted:  # an ended pass's position would be applied to the next pass
+            self.loader.load_state_dict(state["loader"])
+
+
+def keep_stream_position_in_checkpoints(accelerator: Accelerator, loader) -> None:
+    """Each rank saves its stream's position with every checkpoint, and a resume restores it (a stream's loader)."""
+    if not isinstance(loader, StreamLoader):
+        return
+    path_in = lambda directory: Path(directory) / STREAM_STATE.format(rank=accelerator.process_index)  # noqa: E731
+
+    def save(models, weights, output_dir: str) -> None:
+        torch.save(loader.state_dict(), path_in(output_dir))
+
+    def load(models, input_dir: str) -> None:
+        if not path_in(input_dir).is_file():
+            raise ResumeError(f"{input_dir} holds no stream position for rank {accelerator.process_index} "
+                              f"({path_in(input_dir).name}): it was not saved by a --streaming run on as many processes")
+        loader.load_state_dict(torch.load(path_in(input_dir), weights_only=True))
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+
+
+def epoch_batches(accelerator: Accelerator, loader, epoch: int, batches_done: int) -> Iterator[dict]:
+    """The micro-batches from where the run stands: a stream's loader knows its own position (endless, epoch after
+    epoch); a map-style loader is reshuffled for `epoch` and skips what this epoch already trained on."""
+    if isinstance(loader, StreamLoader):
+        return iter(loader)
+    loader.set_epoch(epoch)
+    return accelerator.skip_first_batches(loader, batches_done)
+
+
+STREAM_FLAGS = ("shuffle_buffer_size", "skip_bad_shards")
+
+
+def check_streaming_flags(data_args: DataArguments, train_args: TrainArguments, split: str | None) -> None:
+    """A stream has no length and no random access: what needs either is refused before any process group starts.
+    `split`: what else cuts the model or the batch (ranks of one replica would need the same share), if anything."""
+    if not data_args.streaming:
+        defaults = {f.name: f.default for f in fields(DataArguments)}
+        for flag in STREAM_FLAGS:
+            if getattr(data_args, flag) != defaults[flag]:
+                raise ArgumentError(f"--{flag} is for --streaming: add --streaming, or drop it")
+        return
+    refusals = {
+        "--dataset_path": data_args.dataset_path,  # shards already on disk are memory-mapped, not streamed
+        "--max_train_samples (use --max_steps)": data_args.max_train_samples,
+        "--auto_find_batch_size": train_args.auto_find_batch_size,
+        split: split,
+    }
+    if refused := [name for name, value in refusals.items() if value]:
+        raise ArgumentError(f"--streaming with {refused[0]} is not supported")
+    if train_args.max_steps < 1:
+        raise ArgumentError("--streaming needs --max_steps: a stream's length is not known before it ends")
+    if "epoch" in (train_args.eval_strategy, train_args.save_strategy):
+        raise ArgumentError("--eval_strategy/--save_strategy epoch need an epoch's length, which a stream does not "
+                            "know: use steps with --streaming")
+    if train_args.eval_strategy != "no" and data_args.max_eval_samples is None:
+        raise ArgumentError("--streaming evaluates a bounded set: add --max_eval_samples N (the first N sequences of "
+                            "the validation stream), or --eval_strategy no")
+    if data_args.shuffle_buffer_size < 0:
+        raise ArgumentError(f"--shuffle_buffer_size must be >= 0 (0: no shuffling), got {data_args.shuffle_buffer_size}")
