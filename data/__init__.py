@@ -115,13 +115,12 @@ def build_lm_datasets(
     main_process_first: AbstractContextManager | None = None,
     packing: bool = True,
     num_proc: int | None = None,
-    reuse_cache: bool = True,
 ) -> tuple[Dataset, Dataset]:
     """Tokenize both splits into sequences of at most `block_size` tokens, cached on disk.
 
     `main_process_first` is `accelerator.main_process_first()`: the main process builds
     the cache while the other ranks wait, then they load it. `num_proc` worker processes
-    tokenise; `reuse_cache` false tokenises again even where a cache exists.
+    tokenise (a cache made with another count is reused as it is: datasets' rule).
     """
     for split in raw.values():
         if text_column not in split.column_names:
@@ -147,7 +146,6 @@ def build_lm_datasets(
                 cache_file_name=str(cache_dir / f"{key}.arrow"),
                 new_fingerprint=key,
                 num_proc=num_proc,
-                load_from_cache_file=reuse_cache,
                 desc=f"Tokenizing {name}",
             )
             if packing:  # equal lengths: tensors straight from the dataset

@@ -97,7 +97,8 @@ def block_stream(documents: IterableDataset, tokenizer: PreTrainedTokenizerBase,
     """Documents in, training sequences out, tokenised and packed per 1,000 documents (each thousand's tail
     shorter than a block is left out); with a `seed`, the shards in an order drawn from it and the epoch
     (`set_epoch`); the loader shuffles the sequences (training/stream_loader.py)."""
-    ordered = documents if seed is None else documents.shuffle(seed=seed, buffer_size=1)  # buffer 1: shard order only
+    # buffer 1: the shard order only (the loader shuffles sequences); one shard read at a time (a reader holds ~250 MiB)
+    ordered = documents if seed is None else documents.shuffle(seed=seed, buffer_size=1, max_buffer_input_shards=1)
     return ordered.map(tokenize_and_pack if packing else tokenize_documents, batched=True, batch_size=1000,
                        remove_columns=[text_column],
                        fn_kwargs={"tokenizer": tokenizer, "text_column": text_column, "block_size": block_size})
@@ -118,9 +119,9 @@ def stream_datasets(raw: dict[str, IterableDataset], tokenizer: PreTrainedTokeni
     train = block_stream(raw["train"], tokenizer, text_column, block_size, packing, seed)
     blocks_format = "torch" if packing else None  # packed: equal lengths, tensors straight away
     if not max_eval_samples:  # --eval_strategy no (training/stream_loader.py requires it otherwise)
-        return train.with_format(blocks_format), Dataset.from_dict({"input_ids": [], "labels": []})
+        return train, Dataset.from_dict({"input_ids": [], "labels": []})
     if "validation" not in raw:
         raise DataError("--streaming: this data has no validation split to evaluate on (a stream cannot hold one out); "
                         "give --validation_file, a dataset with a validation split, or --eval_strategy no")
     validation = block_stream(raw["validation"], tokenizer, text_column, block_size, packing, None)
-    return train.with_format(blocks_format), first_blocks(validation, max_eval_samples).with_format(blocks_format)
+    return train, first_blocks(validation, max_eval_samples).with_format(blocks_format)

@@ -7,6 +7,7 @@
     python scripts/benchmark.py --scaling --plot docs/scaling.png           # weak scaling on 1, 2, 4 processes
     python scripts/benchmark.py --pipeline --plot docs/pipeline.png         # pipeline schedules against a layer split
     python scripts/benchmark.py --distillation --plot docs/distillation.png # a student alone and distilled
+    python scripts/benchmark.py --data --corpus_mb 200                      # data paths against training's appetite
 
 Every config trains the same model on the same data for `--steps` optimizer steps with
 `accelerate launch train.py`. The table shows, per strategy: tokens/s and step time
@@ -19,7 +20,7 @@ overhead figure is the median of the per-round ratios: back-to-back runs share t
 state), and the data preparation rate (tokenize + pack of the default corpus) is measured
 in-process. The other tables are described by their functions (`fine_tuning_table`,
 `compression_table`, `scaling_table`, `pipeline_table`,
-`distillation_table`).
+`distillation_table`; the data table: scripts/data_benchmark.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the template's modules: metrics, the planner, data preparation
 
+from scripts.data_benchmark import data_table  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
 
 CONFIGS = ["ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"]
@@ -393,6 +395,11 @@ def main() -> None:
                         help="Instead: --model_config (default llama-tiny) trained alone and distilled from --teacher "
                              "(default: the default job's model, trained first) for --steps; eval loss curves.")
     parser.add_argument("--teacher", type=Path, help="--distillation: a trained teacher (Hub format).")
+    parser.add_argument("--data", action="store_true",
+                        help="Tokens/s each data path delivers per rank (in memory, streaming, pre-tokenised) against "
+                             "what the default job consumes; scripts/prepare_data.py with 1 and 2 processes.")
+    parser.add_argument("--corpus_mb", type=float, default=200, help="--data: the generated corpus's size.")
+    parser.add_argument("--data_batches", type=int, default=200, help="--data: micro-batches read per data path.")
     parser.add_argument("--plot", type=Path, help="--compression/--scaling/--pipeline/--distillation: also draw the figure to this PNG.")
     parser.add_argument("--output", type=Path, help="Also write the tables to this markdown file.")
     parser.add_argument("--json", type=Path, help="Also write every figure to this JSON file.")
@@ -403,9 +410,10 @@ def main() -> None:
     defaults = PIPELINE_DEFAULTS if args.pipeline else DISTILLATION_DEFAULTS if args.distillation else DEFAULTS
     for key, value in defaults.items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
-    args.mixed_precision = args.mixed_precision or ("no" if args.compression or args.distillation else "bf16")
+    args.mixed_precision = args.mixed_precision or ("no" if args.compression or args.distillation or args.data else "bf16")
     table = {"fine_tuning": fine_tuning_table, "compression": compression_table, "scaling": scaling_table,
-             "pipeline": pipeline_table, "distillation": distillation_table}
+             "pipeline": pipeline_table, "distillation": distillation_table,
+             "data": lambda args, scratch: data_table(args, scratch, train_run)}
     if chosen := [name for name in table if getattr(args, name)]:
         with tempfile.TemporaryDirectory() as scratch:
             lines, results = table[chosen[0]](args, Path(scratch))

@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import datasets
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -48,21 +51,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def prepare(args: argparse.Namespace) -> dict:
-    """Tokenise (again, never from a cache: the figures are this run's), write the shards, return the figures."""
+    """Tokenise (never from a cache: the figures are this run's), write the shards, return the figures. Needs free
+    space for the shards twice, beside --output_dir, while it runs."""
     output = Path(args.output_dir)
     if output.exists() and any(output.iterdir()):
         raise DataError(f"--output_dir {output} is not empty; choose a new directory (shards are never overwritten)")
     tokenizer = build_tokenizer(args.model_name_or_path, args.tokenizer_name, args.trust_remote_code)
     raw = load_raw_datasets(args.dataset_name, args.dataset_config_name, args.train_file, args.validation_file,
                             args.validation_split_percentage, args.seed)
-    start = time.perf_counter()
-    train, validation = build_lm_datasets(raw, tokenizer, args.text_column, args.block_size, packing=args.packing,
-                                          num_proc=args.num_proc if args.num_proc > 1 else None, reuse_cache=False)
-    tokenised_s = time.perf_counter() - start
-    manifest = write_shards({"train": train, "validation": validation}, output, tokenizer,
-                            args.tokenizer_name or args.model_name_or_path or "the shipped tokenizer", args.block_size,
-                            args.packing, args.dataset_name or args.train_file or "the embedded corpus",
-                            args.num_shards or args.num_proc)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # The tokenised copy goes to a scratch cache beside the output, removed once the shards are written: never
+    # one made before (datasets would also keep that one's process count).
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=".prepare-") as scratch:
+        datasets.config.HF_DATASETS_CACHE = scratch
+        start = time.perf_counter()
+        train, validation = build_lm_datasets(raw, tokenizer, args.text_column, args.block_size, packing=args.packing,
+                                              num_proc=args.num_proc if args.num_proc > 1 else None)
+        tokenised_s = time.perf_counter() - start
+        manifest = write_shards({"train": train, "validation": validation}, output, tokenizer,
+                                args.tokenizer_name or args.model_name_or_path or "the shipped tokenizer", args.block_size,
+                                args.packing, args.dataset_name or args.train_file or "the embedded corpus",
+                                args.num_shards or args.num_proc)
     tokens = sum(manifest["tokens"].values())
     return {"manifest": manifest, "num_proc": args.num_proc, "tokens": tokens, "tokenise_seconds": tokenised_s,
             "total_seconds": time.perf_counter() - start, "tokens_per_sec": tokens / tokenised_s,

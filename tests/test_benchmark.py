@@ -140,3 +140,14 @@ def test_the_distillation_table_sets_a_taught_student_against_one_alone(tmp_path
     assert "teacher_state_bytes_per_rank" not in runs["alone"]
     assert runs["distilled"]["eval_loss"] != runs["alone"]["eval_loss"]
     assert figures["plot"].stat().st_size > 10_000
+
+
+def test_the_data_table_sets_each_data_path_against_what_training_consumes(tmp_path) -> None:
+    figures = run_benchmark(tmp_path, "--data", "--corpus_mb", "1", "--data_batches", "10", "--steps", "4",
+                            "--log_every", "2")
+    data = figures["data"]
+    assert data["corpus_bytes"] >= 2**20 and data["consumed_tokens_per_sec"] > 0
+    for path in ("in memory", "streaming", "pre-tokenised"):
+        assert data["delivered_tokens_per_sec"][path] > 0 and f"| {path} |" in figures["table"]
+    assert {1, 2} == {run["num_proc"] for run in data["prepare"].values()}
+    assert all(run["tokens"] > 0 and run["tokens_per_sec"] > 0 for run in data["prepare"].values())

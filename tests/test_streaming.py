@@ -13,11 +13,16 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
+from datasets import Dataset
+from transformers import default_data_collator
 
 from data import DataError
 from data.default_corpus import generate_documents
 from data.pretokenized import load_shards
+from data.streaming import stream_datasets
 from models.language import build_tokenizer
+from scripts.compare_metrics import compare
 from tests.conftest import (
     REPO,
     assert_continues_exactly,
@@ -32,6 +37,7 @@ from tests.conftest import (
     wait_for,
     TINY_RUN,
 )
+from training.stream_loader import StreamLoader
 
 PROBE = REPO / "tests" / "probes" / "stream_probe.py"
 DOCUMENTS_PER_FILE = 12
@@ -126,6 +132,35 @@ def test_a_stream_stopped_by_sigterm_resumes_exactly(config, stream_files, cache
     assert_continues_exactly(uninterrupted, tmp_path, step, STEPS)
     summary = json.loads((uninterrupted / "summary.json").read_text())
     assert summary["steps"] == STEPS
+
+
+def test_every_strategy_trains_the_same_stream_and_evaluates_the_same_set(stream_files, cached_run) -> None:
+    """The uninterrupted runs above, side by side: the same shares, losses, lr and bounded eval set whatever
+    shards the model (test_parity.py's tolerance)."""
+    runs = [cached_run(config, *stream_args(stream_files)) for config in SHARDED]
+    for run in runs[1:]:
+        differences = compare(runs[0], run, keys=("loss", "lr", "eval_loss"))
+        assert len(differences) == STEPS * 2 + 3  # eval at the start, step 5 and step 10
+        assert max(difference.absolute for difference in differences) <= 1e-5, run
+    assert "16 examples for evaluation" in (runs[0] / "launch.log").read_text()
+
+
+class OneProcess:
+    """What StreamLoader reads of its Accelerator, for one process on CPU."""
+
+    process_index, num_processes, device, non_blocking = 0, 1, torch.device("cpu"), False
+
+
+@pytest.mark.quick
+def test_a_stream_too_short_for_one_sequence_and_a_stream_without_validation_are_one_line(tmp_path) -> None:
+    tokenizer = build_tokenizer(None, None)
+    raw = {"train": Dataset.from_dict({"text": ["too short"]}).to_iterable_dataset()}
+    with pytest.raises(DataError, match="no validation split to evaluate on"):
+        stream_datasets(raw, tokenizer, "text", 64, True, 0, max_eval_samples=8)
+    train, _ = stream_datasets(raw, tokenizer, "text", 64, True, 0, max_eval_samples=None)
+    loader = StreamLoader(OneProcess(), train, 2, default_data_collator, 0, 0, 4, 60)
+    with pytest.raises(DataError, match="holds no complete sequence"):
+        next(iter(loader))
 
 
 REFUSED = {  # flags -> what the one line says
