@@ -56,11 +56,13 @@ def documents(files: list[str], builder: str, text_column: str, skip_bad_shards:
     for path in files:
         rows = 0
         try:
-            for row in load_dataset(builder, data_files=path, split="train", streaming=True):
-                if text_column not in row:
-                    raise DataError(f"{path} has no column {text_column!r} (columns: {sorted(row)}); set --text_column")
-                rows += 1
-                yield {text_column: row[text_column]}
+            # .iter, not a plain loop: inside a loader worker that would take only this worker's part of the file
+            for batch in load_dataset(builder, data_files=path, split="train", streaming=True).iter(batch_size=1000):
+                if text_column not in batch:
+                    raise DataError(f"{path} has no column {text_column!r} (columns: {sorted(batch)}); set --text_column")
+                for text in batch[text_column]:
+                    rows += 1
+                    yield {text_column: text}
         except DataError:
             raise
         except StopIteration:  # datasets' json reader on an empty file

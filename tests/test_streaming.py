@@ -95,9 +95,10 @@ def test_every_rank_reads_other_documents_and_together_every_document_once_per_e
 
 def stream_args(stream_files) -> tuple[str, ...]:
     """Packed into about 36 sequences per rank and pass, a buffer of 16 of them, 10 steps of 4 per rank: into each
-    rank's second pass; a checkpoint at step 5."""
+    rank's second pass; a checkpoint at step 5; each rank's 2 files read by 2 loader workers (one file each)."""
     return (*stream_files["four"], "--streaming", "--block_size", "64", "--shuffle_buffer_size", "16", "--max_steps",
-            str(STEPS), "--logging_steps", "1", "--eval_steps", "5", "--save_steps", "5", "--max_eval_samples", "16")
+            str(STEPS), "--logging_steps", "1", "--eval_steps", "5", "--save_steps", "5", "--max_eval_samples", "16",
+            "--dataloader_num_workers", "2")
 
 
 @pytest.mark.parametrize("config", SHARDED)

@@ -109,3 +109,20 @@ def _sigterm_when_parent_dies(requests: StopRequests) -> None:
         logger.warning("could not ask for SIGTERM on the launcher's death; kill the ranks directly to stop them")
     if os.getppid() != _PARENT_AT_START:  # the launcher was already gone before we asked
         requests.received = signal.SIGTERM
+
+
+def leave_stop_signals_to_the_rank(_worker_id: int) -> None:
+    """A data loader worker's `worker_init_fn`: ignore stop signals. torchrun signals each rank's whole process
+    group, its loader workers too, and a worker that died of SIGTERM would crash the rank before it saves; the
+    rank stops them itself once it has."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def end_loader_workers_at_exit() -> None:
+    """End this rank's loader workers with SIGKILL when it exits: they ignore SIGTERM (above), which multiprocessing's
+    own exit hook sends them before it waits for them to end. Registered after that hook, so it runs before it."""
+    import atexit
+    import multiprocessing
+
+    atexit.register(lambda: [child.kill() for child in multiprocessing.active_children()])

@@ -42,7 +42,7 @@ from training.loss import forward_backward as data_parallel_forward_backward
 from training.loss import label_loss_sums
 from training.pipeline import StageModules, prepare_pipeline
 from training.pipeline_layout import check_pipeline_launch, pipelined, stage_count
-from training.preemption import StopRequests
+from training.preemption import StopRequests, end_loader_workers_at_exit, leave_stop_signals_to_the_rank
 from training.strategy import Strategy, master_weight_dtypes, verify_prepared, verify_strategy
 from training.stream_loader import StreamLoader, keep_stream_position_in_checkpoints
 from training.strategy_adapters import (
@@ -121,8 +121,9 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     global_batch = global_batch_size(args, replicas)
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking in start_accelerator).
     workers = loader_workers(args.dataloader_num_workers, accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    loading = {"collate_fn": task.collator, "num_workers": workers,
+    loading = {"collate_fn": task.collator, "num_workers": workers, "worker_init_fn": leave_stop_signals_to_the_rank,
                "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda"}
+    end_loader_workers_at_exit()
     if isinstance(train_set, IterableDataset):  # --streaming: no length; this rank's share, batched by a loader of ours
         steps_per_epoch, max_steps = 0, args.max_steps  # 0: unknown
         train_data = StreamLoader(accelerator, train_set, args.per_device_train_batch_size, task.collator, workers,

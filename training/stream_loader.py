@@ -33,6 +33,7 @@ from training.collectives import cpu_group
 from training.checkpoint import ResumeError
 from training.errors import ArgumentError
 from training.flags import DataArguments, TrainArguments
+from training.preemption import leave_stop_signals_to_the_rank
 
 STREAM_STATE = "stream_rank{rank}.pt"  # in each checkpoint, one per rank
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 calls it on every loader
@@ -46,7 +47,8 @@ class StreamLoader:
         self.accelerator, self.batch_size, self.collate = accelerator, batch_size, collate
         self.rank, self.seed, self.buffer_size, self.timeout_s = accelerator.process_index, seed, max(1, buffer_size), timeout_s
         self.share = split_dataset_by_node(stream, rank=self.rank, world_size=accelerator.num_processes)
-        self.loader = StatefulDataLoader(self.share, batch_size=None, num_workers=num_workers)
+        self.loader = StatefulDataLoader(self.share, batch_size=None, num_workers=num_workers,
+                                         worker_init_fn=leave_stop_signals_to_the_rank)
         self.epoch, self.buffer, self.exhausted, self.blocks_this_epoch = 0, [], False, 0
         self.generator = torch.Generator()
         self._new_epoch(0)
