@@ -16,6 +16,7 @@ tokenizer and settings, reads the cache.
 from __future__ import annotations
 
 import copy
+import glob
 import hashlib
 import json
 from contextlib import AbstractContextManager, nullcontext
@@ -34,13 +35,15 @@ PACKING_VERSION = "2"  # bump when packing changes, so old caches are not reused
 
 
 def check_data_file(path: str) -> str:
-    """The `datasets` builder for a local data file; a clear error if it cannot be used."""
+    """The `datasets` builder for a local data file, or a glob pattern of such files (`shards/train-*.jsonl`);
+    a clear error if it cannot be used."""
     suffix = Path(path).suffix.lower()
     if suffix not in FILE_BUILDERS:
         raise ValueError(f"unsupported data file type {suffix!r} ({path}); use one of {sorted(FILE_BUILDERS)}")
-    if not Path(path).is_file():
+    pattern = any(character in path for character in "*?[")
+    if not (glob.glob(path) if pattern else Path(path).is_file()):
         raise FileNotFoundError(f"data file not found: {path}; check --train_file/--validation_file")
-    if Path(path).stat().st_size == 0:
+    if not pattern and Path(path).stat().st_size == 0:  # a pattern's empty files: see --skip_bad_shards
         raise ValueError(f"data file is empty: {path}")
     return FILE_BUILDERS[suffix]
 

@@ -17,10 +17,10 @@ import torch
 from datasets import Dataset
 from transformers import default_data_collator
 
-from data import DataError
+from data import FILE_BUILDERS, DataError, check_data_file
 from data.default_corpus import generate_documents
 from data.pretokenized import load_shards
-from data.streaming import stream_datasets
+from data.streaming import split_files, stream_datasets
 from models.language import build_tokenizer
 from scripts.compare_metrics import compare
 from tests.conftest import (
@@ -162,6 +162,15 @@ def test_a_stream_too_short_for_one_sequence_and_a_stream_without_validation_are
     loader = StreamLoader(OneProcess(), train, 2, default_data_collator, 0, 0, 4, 60)
     with pytest.raises(DataError, match="holds no complete sequence"):
         next(iter(loader))
+
+
+@pytest.mark.quick
+def test_local_files_stream_one_shard_per_file_a_pattern_matches(stream_files) -> None:
+    directory = Path(stream_files["four"][1])
+    pattern, validation = str(directory / "train-*.jsonl"), str(directory / "validation-00000.jsonl")
+    assert check_data_file(pattern) == "json"  # --train_file takes the pattern
+    builder, files = split_files(None, None, pattern, validation, FILE_BUILDERS)
+    assert builder == "json" and len(files["train"]) == 4 and files["validation"] == [validation]
 
 
 REFUSED = {  # flags -> what the one line says
