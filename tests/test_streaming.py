@@ -179,6 +179,7 @@ REFUSED = {  # flags -> what the one line says
     "unbounded eval": (["--streaming", "--max_steps", "5", "--max_eval_samples", None], "add --max_eval_samples N"),
     "buffer without stream": (["--shuffle_buffer_size", "8"], "--shuffle_buffer_size is for --streaming"),
     "stream of shards": (["--streaming", "--max_steps", "5", "--dataset_path", "x"], "--streaming with --dataset_path"),
+    "shards and raw data": (["--dataset_path", "x", "--train_file", "y.jsonl"], "drop --dataset_name/--train_file"),
     "image task": (["--task", "image-classification", "--model_config", "resnet-tiny", "--streaming"],
                    "--streaming is for --task causal-lm"),
 }

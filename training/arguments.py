@@ -221,6 +221,8 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
             raise ArgumentError(f"--{flag} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")
     if data_args.dataset_name and (data_args.train_dir or data_args.train_file):
         raise ArgumentError("--dataset_name and local files (--train_file/--train_dir) exclude each other; give one")
+    if data_args.dataset_path and (data_args.dataset_name or data_args.train_file):
+        raise ArgumentError("--dataset_path trains on shards already tokenised: drop --dataset_name/--train_file")
     if data_args.image_size is not None and (data_args.image_size < 8 or model_args.model_name_or_path):
         raise ArgumentError(f"--image_size {data_args.image_size}: at least 8 pixels, and only for --model_config models "
                             "(a pretrained model's processor keeps the size it was trained at)")
