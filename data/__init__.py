@@ -48,6 +48,15 @@ def check_data_file(path: str) -> str:
     return FILE_BUILDERS[suffix]
 
 
+def local_files(train_file: str, validation_file: str | None) -> tuple[str, dict[str, str]]:
+    """The `datasets` builder and the `data_files` of --train_file/--validation_file, one format for both."""
+    files = {"train": train_file} | ({"validation": validation_file} if validation_file else {})
+    builders = {check_data_file(path) for path in files.values()}
+    if len(builders) > 1:
+        raise DataError("--train_file and --validation_file must have the same format")
+    return builders.pop(), files
+
+
 def load_raw_datasets(
     dataset_name: str | None,
     dataset_config_name: str | None,
@@ -60,11 +69,8 @@ def load_raw_datasets(
     if dataset_name:
         raw = load_dataset(dataset_name, dataset_config_name)
     elif train_file:
-        files = {"train": train_file} | ({"validation": validation_file} if validation_file else {})
-        builders = {check_data_file(path) for path in files.values()}
-        if len(builders) > 1:
-            raise DataError("--train_file and --validation_file must have the same format")
-        raw = load_dataset(builders.pop(), data_files=files)
+        builder, files = local_files(train_file, validation_file)
+        raw = load_dataset(builder, data_files=files)
     else:
         raw = DatasetDict({split: Dataset.from_dict({"text": docs}) for split, docs in default_splits().items()})
     if "validation" not in raw:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from datasets import Dataset, IterableDataset, load_dataset, load_dataset_builder
 from transformers import PreTrainedTokenizerBase
 
+from data import local_files
 from data.default_corpus import default_splits
 from data.errors import DataError
 from data.packing import tokenize_and_pack, tokenize_documents
@@ -27,19 +28,15 @@ skipped_shards = 0  # in this process (a loader worker counts its own)
 
 
 def split_files(dataset_name: str | None, dataset_config_name: str | None, train_file: str | None,
-                validation_file: str | None, file_builders: dict[str, str]) -> tuple[str, dict[str, list[str]]]:
+                validation_file: str | None) -> tuple[str, dict[str, list[str]]]:
     """The `datasets` builder that reads the data ("json", "parquet", ...) and each split's files, resolved by
     `datasets` itself (directories, Hub repositories, glob patterns)."""
     if dataset_name:
         builder = load_dataset_builder(dataset_name, dataset_config_name)
     else:
-        files = {"train": train_file} | ({"validation": validation_file} if validation_file else {})
-        kinds = {file_builders.get("." + path.rsplit(".", 1)[-1].lower()) for path in files.values()}
-        if None in kinds or len(kinds) > 1:
-            raise DataError(f"--streaming reads {sorted(k for k in file_builders)} files, all of one kind; got "
-                            f"{sorted(files.values())}")
+        name, files = local_files(train_file, validation_file)
         try:
-            builder = load_dataset_builder(kinds.pop(), data_files=files)
+            builder = load_dataset_builder(name, data_files=files)
         except FileNotFoundError as error:
             raise DataError(f"no data files match: {error}") from None
     resolved = {str(split): [str(path) for path in paths] for split, paths in (builder.config.data_files or {}).items()}
@@ -82,13 +79,12 @@ def documents(files: list[str], builder: str, text_column: str, skip_bad_shards:
 
 
 def document_streams(dataset_name: str | None, dataset_config_name: str | None, train_file: str | None,
-                     validation_file: str | None, text_column: str, skip_bad_shards: bool,
-                     file_builders: dict[str, str]) -> dict[str, IterableDataset]:
+                     validation_file: str | None, text_column: str, skip_bad_shards: bool) -> dict[str, IterableDataset]:
     """Each split's documents as a stream, one shard per file; the embedded default corpus without data flags."""
     if not (dataset_name or train_file):
         return {split: Dataset.from_dict({text_column: docs}).to_iterable_dataset()
                 for split, docs in default_splits().items()}
-    builder, files = split_files(dataset_name, dataset_config_name, train_file, validation_file, file_builders)
+    builder, files = split_files(dataset_name, dataset_config_name, train_file, validation_file)
     return {split: IterableDataset.from_generator(documents, gen_kwargs={
         "files": paths, "builder": builder, "text_column": text_column, "skip_bad_shards": skip_bad_shards})
         for split, paths in files.items()}

@@ -86,7 +86,7 @@ def delivered(corpus: Path, shards: Path, args: argparse.Namespace) -> tuple[dic
     os.environ.update(ONE_CORE)
     tokenizer, batch, count = build_tokenizer(None, None), args.per_device_train_batch_size, args.data_batches
     in_memory, _ = build_lm_datasets(load_raw_datasets(None, None, None, None, 5, 42), tokenizer, "text", args.block_size)
-    streams = document_streams(str(corpus), None, None, None, "text", False, {})
+    streams = document_streams(str(corpus), None, None, None, "text", False)
     stream, _ = stream_datasets(streams, tokenizer, "text", args.block_size, True, 42, None)
     prepared, _ = load_shards(str(shards), tokenizer, args.block_size, packing=True)
     before = psutil.Process().memory_info().rss

@@ -22,6 +22,7 @@ import hashlib
 import json
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -260,6 +261,32 @@ def signal_pending(process: psutil.Process) -> bool:
     """Whether a (stopped) process has a signal waiting to be handled: /proc's pending masks, shared and its own."""
     status = Path(f"/proc/{process.pid}/status").read_text()
     return any(int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:")))
+
+
+def stop_after_step(launcher, output_dir: Path, step: int, sig: int, processes: int = 2, to_rank_1: bool = False) -> None:
+    """Once `step` is logged, freeze the ranks, send `sig` to the launcher (or to rank 1 alone), let them go on,
+    and wait for the launcher to fail and its ranks to end; nothing outlives a failed test."""
+    ranks = {}
+    try:
+        wait_for(lambda: len(rank_processes(launcher)) == processes, 120, "the ranks to start")
+        ranks = rank_processes(launcher)
+        wait_for(lambda: logged_loss_steps(output_dir) >= step, 120, f"step {step} logged", poll=0.005)
+        for rank in ranks.values():
+            rank.suspend()
+        (ranks[1] if to_rank_1 else psutil.Process(launcher.pid)).send_signal(sig)
+        if not to_rank_1:  # through a launcher (forwarded, or as its parent's death): resumed once a rank holds
+            # it, or a single process's steps, faster than a launcher's death, would train on to the end
+            wait_for(lambda: any(map(signal_pending, ranks.values())), 60, "the signal to reach a rank", poll=0.005)
+        for rank in ranks.values():
+            rank.resume()
+        assert launcher.wait(timeout=120) != 0
+        psutil.wait_procs(list(ranks.values()), timeout=120)  # a rank whose launcher died finishes its save
+    finally:
+        for rank in ranks.values():
+            if rank.is_running():
+                rank.kill()
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
 
 
 @pytest.fixture

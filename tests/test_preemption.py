@@ -19,13 +19,12 @@ from tests.conftest import (
     SPLIT_OF,
     assert_continues_exactly,
     free_port,
-    logged_loss_steps,
     rank_processes,
-    signal_pending,
     read_metrics,
     split_args,
     split_run_args,
     start,
+    stop_after_step,
     train,
     wait_for,
 )
@@ -54,31 +53,11 @@ def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
     args = split_run_args(uneven_data, SPLIT_OF[config])  # the config's run of test_accumulation, uninterrupted
     uninterrupted = split_run(SPLIT_OF[config])
     launcher = start(config, tmp_path, *args, *DRAW_REPORT, via_node_script=target == "node script")
-    ranks = {}
-    try:
-        processes = 1 if config == "single" else 2
-        wait_for(lambda: len(rank_processes(launcher)) == processes, 120, "the ranks to start")
-        ranks = rank_processes(launcher)
-        # Freeze the run once the first epoch is logged (the ranks agreed on that step already), so the signal
-        # lands mid-way through the second epoch, at step 7, 8 or 9 of 10, on any machine: the resume below
-        # is also test_resume.py's resume of this config, from within an epoch that is not the first.
-        wait_for(lambda: logged_loss_steps(tmp_path) >= STEPS_PER_EPOCH, 120, "the first epoch", poll=0.005)
-        for rank in ranks.values():
-            rank.suspend()
-        (ranks[1] if target == "rank 1" else psutil.Process(launcher.pid)).send_signal(sig)
-        if target != "rank 1":  # through a launcher (forwarded, or as its parent's death): resumed once a rank holds
-            # it, or a single process's steps, faster than a launcher's death, would train on to the end
-            wait_for(lambda: any(map(signal_pending, ranks.values())), 60, "the signal to reach a rank", poll=0.005)
-        for rank in ranks.values():
-            rank.resume()
-        assert launcher.wait(timeout=120) != 0
-        psutil.wait_procs(list(ranks.values()), timeout=120)  # a rank whose launcher died finishes its save
-    finally:  # nothing outlives a failed test
-        for rank in ranks.values():
-            if rank.is_running():
-                rank.kill()
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+    # Stop once the first epoch is logged (the ranks agreed on that step already), so the signal lands mid-way
+    # through the second epoch, at step 7, 8 or 9 of 10, on any machine: the resume below is also test_resume.py's
+    # resume of this config, from within an epoch that is not the first.
+    stop_after_step(launcher, tmp_path, STEPS_PER_EPOCH, sig, processes=1 if config == "single" else 2,
+                    to_rank_1=target == "rank 1")
     log = (tmp_path / "launch.log").read_text()
     stopped = [line for line in log.splitlines() if line.startswith("stopped: ")]
     assert len(stopped) == 1, log[-3000:]  # one report, not one per rank

@@ -4,20 +4,18 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from datasets import Dataset
 from transformers import default_data_collator
 
-from data import FILE_BUILDERS, DataError, check_data_file
+from data import DataError, check_data_file
 from data.default_corpus import generate_documents
 from data.pretokenized import load_shards
 from data.streaming import split_files, stream_datasets
@@ -28,13 +26,10 @@ from tests.conftest import (
     assert_continues_exactly,
     flag_refusal,
     launch,
-    logged_loss_steps,
     made_once,
-    rank_processes,
-    signal_pending,
     start,
+    stop_after_step,
     train,
-    wait_for,
     TINY_RUN,
 )
 from training.stream_loader import StreamLoader
@@ -106,24 +101,7 @@ def test_a_stream_stopped_by_sigterm_resumes_exactly(config, stream_files, cache
     args = stream_args(stream_files)
     uninterrupted = cached_run(config, *args)
     launcher = start(config, tmp_path, *args)
-    ranks = {}
-    try:
-        wait_for(lambda: len(rank_processes(launcher)) == 2, 120, "the ranks to start")
-        ranks = rank_processes(launcher)
-        wait_for(lambda: logged_loss_steps(tmp_path) >= STOP_AFTER, 120, "the first steps", poll=0.005)
-        for rank in ranks.values():
-            rank.suspend()
-        psutil.Process(launcher.pid).send_signal(signal.SIGTERM)
-        wait_for(lambda: any(map(signal_pending, ranks.values())), 60, "the signal to reach a rank", poll=0.005)
-        for rank in ranks.values():
-            rank.resume()
-        assert launcher.wait(timeout=120) != 0
-    finally:
-        for rank in ranks.values():
-            if rank.is_running():
-                rank.kill()
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+    stop_after_step(launcher, tmp_path, STOP_AFTER, signal.SIGTERM)
     log = (tmp_path / "launch.log").read_text()
     step = int(re.search(r"SIGTERM received: stopped after step (\d+)", log).group(1))
     assert STOP_AFTER <= step < STEPS, log[-3000:]
@@ -169,7 +147,7 @@ def test_local_files_stream_one_shard_per_file_a_pattern_matches(stream_files) -
     directory = Path(stream_files["four"][1])
     pattern, validation = str(directory / "train-*.jsonl"), str(directory / "validation-00000.jsonl")
     assert check_data_file(pattern) == "json"  # --train_file takes the pattern
-    builder, files = split_files(None, None, pattern, validation, FILE_BUILDERS)
+    builder, files = split_files(None, None, pattern, validation)
     assert builder == "json" and len(files["train"]) == 4 and files["validation"] == [validation]
 
 

@@ -34,7 +34,7 @@ from transformers import (
     default_data_collator,
 )
 
-from data import FILE_BUILDERS, build_lm_datasets, load_raw_datasets, make_collator
+from data import build_lm_datasets, load_raw_datasets, make_collator
 from data.pretokenized import load_shards, read_manifest
 from data.streaming import document_streams, stream_datasets
 from data.images import build_image_datasets, class_names, load_raw_image_datasets, pixel_values
@@ -153,8 +153,7 @@ class CausalLM(Task):
         d, self.seed = self.data_args, seed  # the stream's shard order and shuffle buffer draw from the seed
         if d.dataset_path or d.streaming:
             return DatasetDict() if d.dataset_path else document_streams(
-                d.dataset_name, d.dataset_config_name, d.train_file, d.validation_file, d.text_column, d.skip_bad_shards,
-                FILE_BUILDERS)
+                d.dataset_name, d.dataset_config_name, d.train_file, d.validation_file, d.text_column, d.skip_bad_shards)
         return load_raw_datasets(d.dataset_name, d.dataset_config_name, d.train_file, d.validation_file,
                                  d.validation_split_percentage, seed)
 
