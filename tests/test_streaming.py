@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from datasets import Dataset
 from transformers import default_data_collator
 
@@ -21,6 +20,7 @@ from data.pretokenized import load_shards
 from data.streaming import split_files, stream_datasets
 from models.language import build_tokenizer
 from scripts.compare_metrics import compare
+from scripts.data_benchmark import OneRank
 from tests.conftest import (
     REPO,
     assert_continues_exactly,
@@ -124,12 +124,6 @@ def test_every_strategy_trains_the_same_stream_and_evaluates_the_same_set(stream
     assert "16 examples for evaluation" in (runs[0] / "launch.log").read_text()
 
 
-class OneProcess:
-    """What StreamLoader reads of its Accelerator, for one process on CPU."""
-
-    process_index, num_processes, device, non_blocking = 0, 1, torch.device("cpu"), False
-
-
 @pytest.mark.quick
 def test_a_stream_too_short_for_one_sequence_and_a_stream_without_validation_are_one_line(tmp_path) -> None:
     tokenizer = build_tokenizer(None, None)
@@ -137,7 +131,7 @@ def test_a_stream_too_short_for_one_sequence_and_a_stream_without_validation_are
     with pytest.raises(DataError, match="no validation split to evaluate on"):
         stream_datasets(raw, tokenizer, "text", 64, True, 0, max_eval_samples=8)
     train, _ = stream_datasets(raw, tokenizer, "text", 64, True, 0, max_eval_samples=None)
-    loader = StreamLoader(OneProcess(), train, 2, default_data_collator, 0, 0, 4, 60)
+    loader = StreamLoader(OneRank(), train, 2, default_data_collator, 0, 0, 4, 60)
     with pytest.raises(DataError, match="holds no complete sequence"):
         next(iter(loader))
 
