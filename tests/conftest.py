@@ -133,7 +133,7 @@ def launch_command(
     `gpu`: with the machine's GPUs visible."""
     command = [*LAUNCHER, "--config_file", str(config_path(config)),
                "--main_process_port", str(free_port()), *launcher_args, str(script), *args]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    env = os.environ | forked_launcher.SUITE_LAUNCH_ENV
     if gpu:
         env.pop("CUDA_VISIBLE_DEVICES")
         env |= {"CUDA_VISIBLE_DEVICES": VISIBLE_GPUS} if VISIBLE_GPUS is not None else {}
