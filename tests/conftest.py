@@ -331,6 +331,24 @@ def cached_run(shared_dir):
     return run
 
 
+@pytest.fixture(scope="session")
+def prepared_shards(shared_dir) -> Path:
+    """The default corpus tokenised and packed once by scripts/prepare_data.py (blocks of 64, 2 workers)."""
+
+    def make(directory: Path) -> None:
+        prepared = subprocess.run([sys.executable, "scripts/prepare_data.py", "--output_dir", str(directory / "shards"),
+                                   "--block_size", "64", "--num_proc", "2"], cwd=REPO, capture_output=True, text=True,
+                                  timeout=300)
+        assert prepared.returncode == 0 and "tokens/s" in prepared.stdout, prepared.stderr[-3000:]
+
+    return made_once(shared_dir / "prepared_shards", make) / "shards"
+
+
+def shards_run_args(shards: Path) -> tuple[str, ...]:
+    """Three steps from `shards` (--dataset_path), each logged."""
+    return ("--dataset_path", str(shards), "--max_steps", "3", "--logging_steps", "1", "--save_strategy", "no")
+
+
 def variable_length_documents(count: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     words = [doc.split() for doc in generate_documents(count, seed)]

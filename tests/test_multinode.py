@@ -18,6 +18,7 @@ from tests.conftest import (
     launch_command,
     logged_after,
     node_script_command,
+    shards_run_args,
     split_run_args,
     wait_for,
 )
@@ -37,10 +38,17 @@ def port_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.mark.parametrize(("config", "how"), [("ddp", "machine flags"), ("fsdp", "SLURM node script")])
-def test_two_machines_train_together(config, how, split_run, uneven_data, tmp_path) -> None:
-    args = split_run_args(uneven_data, SPLIT_OF[config])
-    one_machine = split_run(SPLIT_OF[config])  # the same 2 processes on one machine (test_accumulation's run)
+@pytest.mark.parametrize(("config", "how", "data"), [("ddp", "machine flags", "files"),
+                                                     ("fsdp", "SLURM node script", "files"),
+                                                     ("ddp", "machine flags", "prepared shards")])
+def test_two_machines_train_together(config, how, data, split_run, uneven_data, cached_run, prepared_shards,
+                                     tmp_path) -> None:
+    """Data files that each machine reads, or the shards that scripts/prepare_data.py wrote once, shared by both."""
+    if data == "files":  # the same 2 processes on one machine: test_accumulation.py's run, or test_streaming.py's
+        args, one_machine = split_run_args(uneven_data, SPLIT_OF[config]), split_run(SPLIT_OF[config])
+    else:
+        args = shards_run_args(prepared_shards)
+        one_machine = cached_run(config, *args)
     port, machines = free_port(), []
     try:
         for machine_rank in (0, 1):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ from tests.conftest import (
     flag_refusal,
     launch,
     made_once,
+    shards_run_args,
     start,
     stop_after_step,
     train,
@@ -192,20 +191,18 @@ def test_a_corrupt_shard_on_one_rank_stops_every_rank_with_its_name_or_is_skippe
     assert json.loads((tmp_path / "skipped" / "summary.json").read_text())["steps"] == 4
 
 
-def test_prepared_shards_train_on_two_processes_and_refuse_another_tokenizer_or_block_size(tmp_path) -> None:
-    shards = tmp_path / "shards"
-    prepared = subprocess.run([sys.executable, "scripts/prepare_data.py", "--output_dir", str(shards), "--block_size", "64",
-                               "--num_proc", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert prepared.returncode == 0 and "tokens/s" in prepared.stdout, prepared.stderr[-3000:]
-    manifest = json.loads((shards / "manifest.json").read_text())
+def test_prepared_shards_train_on_two_processes_and_refuse_another_tokenizer_or_block_size(prepared_shards,
+                                                                                          cached_run) -> None:
+    """Two processes train from the shards as prepared (two machines: tests/test_multinode.py)."""
+    manifest = json.loads((prepared_shards / "manifest.json").read_text())
     assert manifest["block_size"] == 64 and manifest["splits"]["train"] > 100
-    run = train("ddp", tmp_path / "run", "--dataset_path", str(shards), "--max_steps", "3", "--save_strategy", "no")
-    assert f"{manifest['splits']['train'] // 8 * 8} sequences of up to 64 tokens" in run.stderr  # whole global batches
-    assert "Tokenizing" not in run.stderr  # read as prepared
+    log = (cached_run("ddp", *shards_run_args(prepared_shards)) / "launch.log").read_text()
+    assert f"{manifest['splits']['train'] // 8 * 8} sequences of up to 64 tokens" in log  # whole global batches
+    assert "Tokenizing" not in log  # read as prepared
     tokenizer = build_tokenizer(None, None)
     other = build_tokenizer(None, None)
     other.add_tokens(["<an added token>"])  # the same vocabulary plus one: other ids
     for kind, (tokenizer_used, block_size) in {"tokenizer": (other, 64), "block size": (tokenizer, 32)}.items():
         with pytest.raises(DataError) as refused:
-            load_shards(str(shards), tokenizer_used, block_size, packing=True)
+            load_shards(str(prepared_shards), tokenizer_used, block_size, packing=True)
         assert ("not this run's tokenizer" if kind == "tokenizer" else "holds sequences of block size 64") in str(refused.value)
