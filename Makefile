@@ -19,7 +19,7 @@ train: setup  ## the default job: one process, default model and corpus
 test: setup  ## the test suite: real 2-process CPU runs of every config
 	$(PYTHON) -m pytest
 
-test-quick: setup  ## the quick tier for the edit loop (about a minute, at most 3): unit tests and a few real runs
+test-quick: setup  ## the quick tier for the edit loop (about half a minute, at most 3): unit tests and a few real runs
 	$(PYTHON) -m pytest -m quick
 
 bench: setup  ## every strategy side by side, train.py against a raw PyTorch DDP loop, then full fine-tuning against LoRA (about 15 minutes on 2 CPU cores)
