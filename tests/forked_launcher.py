@@ -8,19 +8,22 @@ tiny run's rank takes). So:
   it that runs that command's own `main` with the launch's arguments, environment and working
   directory, so the launcher's code is what `accelerate launch` runs, and a signal sent to it
   reaches that code as it would reach the command (tests/test_preemption.py);
-- the ranks of a launch that `run` waits for: the launcher's `Popen` of `python -u train.py ...`
+- the ranks of a launch that `run` waits for: the launcher's `Popen` of `python [-u] train.py ...`
   (accelerate's for one process, torch's elastic agent's for several) becomes a fork of the launcher
-  that runs the script as `__main__` with that command's arguments, environment, output and session:
-  the template's own modules imported afresh, a new interpreter's signal defaults, no descriptor of
-  the launcher's. Each rank is a process of its own, with its process group on gloo; what it skips
-  is importing the libraries again.
+  that runs the script as `__main__` with that command's arguments, environment, output and session,
+  and what exec and a new interpreter's start would give it: the template's own modules imported
+  afresh, signal handlers and mask, standard streams, module path, no descriptor of the launcher's,
+  numpy's random seed (tests/test_forked_launcher.py compares them). Each rank is a process of its
+  own, with its process group on gloo; what it skips is importing the libraries again. A fork cannot
+  have its own string-hash seed (the ranks share one), its command line in /proc, or the native
+  threads that libraries start as they load (pyarrow's allocator's, restarted on demand).
 
 New interpreters remain where a fork could differ from one: ranks whose environment differs from
 the one the libraries were imported under in a variable that a library reads as it is imported
 (`HF_HOME`, `HF_HUB_OFFLINE`), commands other than a Python script, and every launch that `start`
 makes: the tests that signal, freeze or find the ranks by their command line (tests/test_preemption.py,
-tests/test_hangs.py, tests/test_streaming.py), where the stop handlers must be installed before any
-library loads. Commands of their own run where the command is what is tested: the SLURM node script
+tests/test_hangs.py, tests/test_streaming.py under ddp, fsdp and ZeRO-3), where the stop handlers must
+be installed before any library loads. Commands of their own run where the command is what is tested: the SLURM node script
 (tests/test_preemption.py, tests/test_multinode.py), the machine flags of several nodes
 (tests/test_multinode.py), the launches under an address-space limit (tests/test_batch_size.py) and
 scripts/benchmark.py (tests/test_benchmark.py).
@@ -28,10 +31,10 @@ scripts/benchmark.py (tests/test_benchmark.py).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import multiprocessing
 import os
-import runpy
 import signal
 import subprocess
 import sys
@@ -48,14 +51,20 @@ SUITE_LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(["tests.preloaded_train", "accelerate.commands.launch"])  # in this order
 # Environment variables that no library reads as it is imported, only as a rank runs: what accelerate's launcher
-# and torch's elastic agent set for each rank, DeepSpeed's CUDA check (set by importing it, in a test too), and
-# what pytest sets (the current test's name; the terminal size that GNU readline, imported by pytest's debugger
-# support, writes into the C environment, which the forkserver inherits). Checked in accelerate 1.15, torch 2.13.
-_READ_AT_RUN_TIME = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "TORCHELASTIC_", "MASTER_ADDR", "MASTER_PORT",
-                     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                     "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "KMP_", "PYTHONPATH",
-                     "PYTORCH_NVML_BASED_CUDA_CHECK", "PYTEST_CURRENT_TEST", "COLUMNS", "LINES")
+# and torch's elastic agent set for each rank (prefixes end in "_"), PYTHONPATH (a rank's module path is rebuilt
+# from it), DeepSpeed's CUDA check (set by importing it, in a test too), and what pytest sets: the current test's
+# name, and the terminal size that GNU readline (imported by pytest's debugger support) writes into the C
+# environment, which the forkserver inherits. Checked in accelerate 1.15 and torch 2.13.
+_READ_AT_RUN_TIME = ("ACCELERATE_USE_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_DYNAMO_", "FSDP_", "PARALLELISM_CONFIG_",
+                     "TORCHELASTIC_", "KMP_")
+_READ_AT_RUN_TIME_NAMES = {
+    "ACCELERATE_MIXED_PRECISION", "ACCELERATE_CONFIG_DS_FIELDS", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "ACCELERATE_GRADIENT_CLIPPING", "ACCELERATE_DEBUG_MODE", "ACCELERATE_CPU_AFFINITY", "MASTER_ADDR", "MASTER_PORT",
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
+    "ROLE_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHONPATH", "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "PYTEST_CURRENT_TEST", "COLUMNS", "LINES"}
 _POPEN = subprocess.Popen
+_PR_SET_NAME = 15  # from <linux/prctl.h>
 
 
 def run_launch_command(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str,
@@ -81,8 +90,10 @@ def run_launch_command(argv: list[str], env: dict[str, str], cwd: str, stdout: s
     code = 0
     try:
         main()
-    except SystemExit as exited:
+    except SystemExit as exited:  # as Python exits: a code, or a message and 1
         code = exited.code if isinstance(exited.code, int) else int(exited.code is not None)
+        if exited.code is not None and not isinstance(exited.code, int):
+            print(exited.code, file=sys.stderr)
     except BaseException:  # as the command would: the traceback, and exit 1
         import traceback
 
@@ -154,7 +165,7 @@ def kill_tree(pid: int) -> None:
 
 
 def _fork_ranks() -> None:
-    """Have this launcher fork the ranks it would start as `python -u <script>.py ...`, where their environment
+    """Have this launcher fork the ranks it would start as `python [-u] <script>.py ...`, where their environment
     differs from the one the libraries were imported under in variables read at run time alone; `Popen` as
     before for anything else."""
     preloaded = sys.modules.get("tests.preloaded_train")  # absent where its import failed: no forks then
@@ -162,12 +173,13 @@ def _fork_ranks() -> None:
         return
 
     def rank_process(args, env=None, stdout=None, stderr=None, start_new_session=False, **others):
-        script, rank_env = _python_script(args), dict(os.environ if env is None else env)
+        command, rank_env = _python_command(args), dict(os.environ if env is None else env)
         differing = {key for key in rank_env.keys() | preloaded.IMPORTED_UNDER.keys()
                      if rank_env.get(key) != preloaded.IMPORTED_UNDER.get(key)}
-        if script is None or others or not all(key.startswith(_READ_AT_RUN_TIME) for key in differing):
+        if command is None or others or isinstance(stdout, int) or isinstance(stderr, int) or not all(
+                key in _READ_AT_RUN_TIME_NAMES or key.startswith(_READ_AT_RUN_TIME) for key in differing):
             return _POPEN(args, env=env, stdout=stdout, stderr=stderr, start_new_session=start_new_session, **others)
-        return ForkedRank(args, script, preloaded.SET_BY_IMPORT | rank_env, stdout, stderr, start_new_session)
+        return ForkedRank(args, *command, preloaded.SET_BY_IMPORT | rank_env, stdout, stderr, start_new_session)
 
     _use_popen(rank_process)  # in this launcher alone: it is a fork
 
@@ -179,27 +191,37 @@ def _use_popen(popen) -> None:
     subprocess.Popen = subprocess_handler.Popen = popen
 
 
-def _python_script(args) -> str | None:
-    """The script of `[this python, (-u), script.py, ...]`, else None."""
+def _python_command(args) -> tuple[list[str], bool] | None:
+    """`[script, *its arguments]` and whether `-u` was given, for `[this python, (-u), script.py, ...]`; else None."""
     args = [str(arg) for arg in args]
-    if len(args) < 2 or args[0] != sys.executable:
+    unbuffered = len(args) > 2 and args[1] == "-u"
+    argv = args[2 if unbuffered else 1:]
+    if len(args) < 2 or args[0] != sys.executable or not argv[0].endswith(".py") or not os.path.isfile(argv[0]):
         return None
-    script = args[2] if args[1] == "-u" and len(args) > 2 else args[1]
-    return script if script.endswith(".py") and os.path.isfile(script) else None
+    return argv, unbuffered
 
 
 class ForkedRank:
     """What accelerate's launcher and torch's elastic agent use of `subprocess.Popen`, for a rank that is a fork
-    of the launcher running a Python script as `python -u` would."""
+    of the launcher running a Python script as a new interpreter would."""
 
-    def __init__(self, args, script: str, env: dict[str, str], stdout, stderr, new_session: bool) -> None:
+    def __init__(self, args, argv: list[str], unbuffered: bool, env: dict[str, str], stdout, stderr,
+                 new_session: bool) -> None:
         self.args, self.returncode = args, None
         outputs = tuple(None if stream is None else stream.fileno() for stream in (stdout, stderr))
-        argv = [script, *[str(arg) for arg in args[args.index(script) + 1:]]]
-        self._process = multiprocessing.get_context("fork").Process(
-            target=_run_rank, args=(script, argv, env, outputs, new_session))
-        self._process.start()
+        started_r, started_w = os.pipe()
+        # Signals wait until the rank has a new interpreter's handlers, as they would for a process not yet exec'd.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:
+            self._process = multiprocessing.get_context("fork").Process(
+                target=_run_rank, args=(argv, unbuffered, env, outputs, new_session, mask, started_w))
+            self._process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            os.close(started_w)
         self.pid = self._process.pid
+        os.read(started_r, 1)  # as Popen returns: once the rank is in its session, so that killpg finds it
+        os.close(started_r)
 
     def poll(self) -> int | None:
         if self.returncode is None and not self._process.is_alive():  # is_alive reaps it
@@ -208,7 +230,7 @@ class ForkedRank:
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:  # not join(): its pipe stays open while the rank's own children live
+        while self.poll() is None:  # not join(timeout): once the pipe it watches closes, it waits without a limit
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(0.01)
@@ -230,34 +252,51 @@ def _is_template_code(path: str | None) -> bool:
         and ".venv" not in Path(path).relative_to(REPO).parts
 
 
-def _run_rank(script: str, argv: list[str], env: dict[str, str], outputs: tuple[int | None, int | None],
-              new_session: bool) -> None:
-    """In the fork: `python -u script argv[1:]` under `env`, in a session of its own if asked; exits as Python does."""
+def _run_rank(argv: list[str], unbuffered: bool, env: dict[str, str], outputs: tuple[int | None, int | None],
+              new_session: bool, mask: set[signal.Signals], started: int) -> None:
+    """In the fork, what `exec` and a new interpreter's start would give the rank, then its script as `__main__`."""
+    preloaded = sys.modules["tests.preloaded_train"]
     if new_session:
         os.setsid()
+    ctypes.CDLL(None).prctl(_PR_SET_NAME, os.path.basename(sys.executable).encode()[:15])  # its name, not the agent's
+    for sig, handler in preloaded.SIGNALS.items():  # the launcher's handlers undone
+        signal.signal(sig, handler)
+    _use_popen(_POPEN)  # the rank's own subprocesses (torch.compile's workers, say) are the real thing
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    os.write(started, b"1")
     for fd, output in zip((1, 2), outputs):
         if output is not None:
             os.dup2(output, fd)
-    gc.collect()  # the launcher's garbage closes its descriptors now, not later when the numbers are the rank's
-    gc.freeze()
+    gc.freeze()  # the launcher's objects: never collected here, so no finalizer of the launcher's runs in the rank
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # as Popen(close_fds=True): no store socket or pipe of the launcher
-    _use_popen(_POPEN)  # the rank's own subprocesses (torch.compile's workers, say) are the real thing
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_DFL)  # the launcher's handlers, undone
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _new_standard_streams(unbuffered or bool(env.get("PYTHONUNBUFFERED")))
     os.environ.clear()
     os.environ.update(env)
     for name, module in list(sys.modules.items()):  # the template's own code starts afresh (16 ms): its
         # module-level state, such as the launcher's pid that training/preemption.py records, is this rank's
         if _is_template_code(getattr(module, "__file__", None)):
             del sys.modules[name]
+    script = os.path.abspath(argv[0])
     sys.argv = argv
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.path[:] = [os.path.dirname(os.path.realpath(script))]  # then PYTHONPATH's and the interpreter's, as site lists them
+    for entry in [*filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), *preloaded.INTERPRETER_PATH]:
+        if os.path.abspath(entry) not in sys.path[1:]:
+            sys.path.append(os.path.abspath(entry))
+    multiprocessing.process._current_process = preloaded.MAIN_PROCESS_TYPE()  # a main process, not the launcher's child
+    multiprocessing.process._parent_process = None
+    import numpy
+
+    numpy.random.seed()  # a new interpreter's draw (Python's `random` draws again at every fork by itself)
     code: int | str | None = 0
     try:
-        runpy.run_path(script, run_name="__main__")  # train.py leaves from inside, by os._exit
+        _run_as_main(script)  # train.py leaves from inside, by os._exit
     except SystemExit as exited:
         code = exited.code
+    except KeyboardInterrupt:  # as Python: the traceback, then death by SIGINT
+        sys.excepthook(*sys.exc_info())
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
@@ -266,3 +305,37 @@ def _run_rank(script: str, argv: list[str], env: dict[str, str], outputs: tuple[
 
     atexit._run_exitfuncs()
     sys.exit(code)  # multiprocessing's exit: a code, or a message and 1
+
+
+def _run_as_main(script: str) -> None:
+    """The script as `python script.py` runs it: the module `__main__`, with its absolute path as `__file__`."""
+    import builtins
+    import importlib.machinery
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=script, __cached__=None, __builtins__=builtins,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", script))
+    sys.modules["__main__"] = main
+    with open(script, "rb") as source:
+        code = compile(source.read(), script, "exec")
+    exec(code, main.__dict__)
+
+
+def _new_standard_streams(unbuffered: bool) -> None:
+    """stdin, stdout and stderr as a new interpreter makes them on descriptors 0, 1 and 2 (`-u`: unbuffered)."""
+    import io
+
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        encoding, errors = (getattr(getattr(sys, f"__{name}__"), key, default) for key, default in (
+            ("encoding", "utf-8"), ("errors", "backslashreplace" if fd == 2 else "strict")))
+        try:
+            raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
+        except OSError:  # a closed descriptor: Python's stream is None
+            stream = None
+        else:
+            writer = raw if unbuffered and fd else (io.BufferedReader(raw) if fd == 0 else io.BufferedWriter(raw))
+            stream = io.TextIOWrapper(writer, encoding=encoding, errors=errors, write_through=unbuffered,
+                                      line_buffering=fd == 2 and not unbuffered or fd > 0 and raw.isatty())
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
