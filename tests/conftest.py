@@ -282,11 +282,16 @@ def stop_after_step(launcher, output_dir: Path, step: int, sig: int, processes: 
         assert launcher.wait(timeout=120) != 0
         psutil.wait_procs(list(ranks.values()), timeout=120)  # a rank whose launcher died finishes its save
     finally:
-        for rank in ranks.values():
-            if rank.is_running():
-                rank.kill()
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+        end_launch(launcher, ranks.values())
+
+
+def end_launch(launcher, ranks) -> None:
+    """After a test that signals or freezes ranks: kill the ranks still running, then the launcher's session."""
+    for rank in ranks:
+        if rank.is_running():
+            rank.kill()
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGKILL)
 
 
 @pytest.fixture

@@ -3,15 +3,13 @@ error line naming the rank and step, on gloo and (by its error handling) NCCL.""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from types import SimpleNamespace
 
 import pytest
 from torch.distributed import DistBackendError
 
-from tests.conftest import rank_processes, start, wait_for
+from tests.conftest import end_launch, rank_processes, start, wait_for
 from training.collectives import CollectiveTimeoutError, collective_timeouts_reported, nccl_timeouts_raise
 
 DDP_TIMEOUT = 10
@@ -32,10 +30,7 @@ def test_a_stalled_rank_makes_the_others_abort_with_the_step_and_rank(tmp_path) 
         stalled.resume()
         assert launcher.wait(timeout=120) != 0
     finally:
-        if stalled is not None and stalled.is_running():
-            stalled.kill()
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+        end_launch(launcher, [stalled] if stalled is not None else [])
     error = next(line for line in log.read_text().splitlines() if line.startswith("error: rank 0"))
     assert f"--ddp_timeout {DDP_TIMEOUT}s" in error and "at step" in error
 

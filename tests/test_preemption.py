@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from tests.conftest import (
     REPO,
     SPLIT_OF,
     assert_continues_exactly,
+    end_launch,
     free_port,
     rank_processes,
     read_metrics,
@@ -100,11 +100,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_to_resume_from(unev
             process.kill()
         launcher.wait(timeout=60)
     finally:
-        for rank in ranks.values():
-            if rank.is_running():
-                rank.kill()
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+        end_launch(launcher, ranks.values())
     (half_written,) = checkpoints.glob("*.tmp")
     killed_at = int(half_written.name.removeprefix("step_").removesuffix(".tmp"))
     # the previous checkpoint is complete and rotation (limit 1) did not remove it
