@@ -104,6 +104,7 @@ def train(run: Run) -> dict[str, float]:
     only_the_training_bar()  # one bar, on the main process: steps, ETA, and the last logged loss, lr and tokens/s
     progress = tqdm(total=run.max_steps, initial=state.completed_steps, desc="training", unit="step",
                     disable=not accelerator.is_main_process)
+    run.speed.resume()  # the clock runs from here, through loading each batch, to the last step
     train_loss, eval_result = math.nan, {}  # the last logged
     with collective_timeouts_reported(accelerator, args.ddp_timeout, lambda: state.completed_steps + 1):
         while state.completed_steps < run.max_steps:
@@ -112,7 +113,6 @@ def train(run: Run) -> dict[str, float]:
             batches = epoch_batches(accelerator, run.train_loader, state.epoch,
                                     state.steps_in_epoch * args.gradient_accumulation_steps)
             for window in accumulation_windows(batches, args.gradient_accumulation_steps):
-                run.speed.start_step()
                 step_loss, grad_norm = train_step(run, window)
                 lr = run.scheduler.get_last_lr()[0]  # the rate this step's update used
                 run.scheduler.step()
@@ -123,12 +123,13 @@ def train(run: Run) -> dict[str, float]:
                 nonfinite.update(state.completed_steps, step_loss, grad_norm)
                 step = state.completed_steps
                 log_now = step % args.logging_steps == 0 or step == run.max_steps or (args.logging_first_step and step == 1)
-                run.speed.end_step(sum(task.count_units(batch) for batch in window), synchronize=log_now)
-                progress.update(1)
                 epoch_end = state.steps_in_epoch == run.steps_per_epoch
                 eval_now = args.eval_strategy != "no" and (due(args.eval_strategy, args.eval_steps, step, epoch_end)
                                                            or step == run.max_steps)
                 save_due = due(args.save_strategy, args.save_steps, step, epoch_end)
+                # the device's queued work is this step's: waited for inside its clock before logging, evaluating or saving
+                run.speed.end_step(sum(task.count_units(batch) for batch in window), synchronize=log_now or eval_now or save_due)
+                progress.update(1)
                 # every rank stops after the same step: agreed every few steps, and on the steps that wait anyway
                 stop_signal = run.stop_requests.agreed(step, now=log_now or eval_now or save_due or epoch_end)
                 save_now = save_due or stop_signal is not None
@@ -141,7 +142,7 @@ def train(run: Run) -> dict[str, float]:
                     train_loss = float(ranks["loss"].sum()) / interval_steps
                     interval_loss.zero_()
                     interval_steps = 0
-                    speed_now = run.speed.report(ranks)
+                    speed_now = run.speed.report_interval(ranks)
                     metrics.log(step, loss=train_loss, lr=lr, grad_norm=float(ranks["grad_norm"].max()),
                                 **speed_now, **nonfinite.logged(ranks))
                     progress.set_postfix({"loss": f"{train_loss:.3f}", "lr": f"{lr:.2e}",
@@ -155,6 +156,8 @@ def train(run: Run) -> dict[str, float]:
                     saved = save_checkpoint(accelerator, run.model, args.output_dir, state, args.save_total_limit)
                     if accelerator.is_main_process:
                         progress.write(f"step {step}: saved {saved}")
+                if log_now or eval_now or save_now:
+                    run.speed.resume()  # logging, evaluation and saving are not training time
                 if step >= run.max_steps:
                     break
                 if stop_signal:
@@ -216,6 +219,8 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
         "gradient_accumulation_steps": run.args.gradient_accumulation_steps,
         "wall_time_s": time.time() - psutil.Process().create_time(),
         **run.speed.report(gather_scalars(accelerator, run.speed.whole_run())),
+        **run.speed.steady_state(),  # the whole-run figures above keep the intervals' warm-up
+        **({f"flops_per_{run.task.unit.removesuffix('s')}": run.task.flops_per_unit} if run.task.flops_per_unit else {}),
         "model_state_bytes_per_rank": max_over_ranks(run.model_state, accelerator),
         **({"teacher_state_bytes_per_rank": max_over_ranks({"parameters": run.teacher_bytes}, accelerator)}
            if run.teacher_bytes is not None else {}),

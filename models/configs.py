@@ -61,12 +61,19 @@ NAMED_CONFIGS: dict[str, Callable[[int, int], PretrainedConfig]] = {
 }
 
 
-def build_named_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
-    """The config called `name`, with a vocabulary that fits `tokenizer` (padded to a multiple of 64)."""
+def build_named_config(name: str, tokenizer: PreTrainedTokenizerBase, overrides: str | None = None) -> PretrainedConfig:
+    """The config called `name`, with a vocabulary that fits `tokenizer` (padded to a multiple of 64), then
+    `overrides` (--config_overrides, "key=value,key=value" as in transformers' run_clm.py)."""
     if name not in NAMED_CONFIGS:
         raise ValueError(f"unknown --model_config {name!r}; choose one of {sorted(NAMED_CONFIGS)}")
     vocab_size = -(-len(tokenizer) // 64) * 64  # a multiple of 64 keeps the output matmul fast
-    return NAMED_CONFIGS[name](vocab_size, tokenizer.eos_token_id)
+    config = NAMED_CONFIGS[name](vocab_size, tokenizer.eos_token_id)
+    if overrides:
+        try:
+            config.update_from_string(overrides)
+        except ValueError as error:
+            raise ValueError(f"--config_overrides {overrides!r}: {error}") from None
+    return config
 
 
 def label_maps(labels: list[str]) -> dict[str, dict]:

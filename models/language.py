@@ -84,6 +84,7 @@ def build_model(
     trust_remote_code: bool = False,
     gradient_checkpointing: bool = False,
     empty: bool = False,
+    config_overrides: str | None = None,
 ) -> PreTrainedModel:
     """Load pretrained weights, or initialise a named config from scratch (seed first).
 
@@ -102,7 +103,10 @@ def build_model(
             with loading("model", model_name_or_path):
                 config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
         else:
-            config = build_named_config(model_config, tokenizer)
+            try:
+                config = build_named_config(model_config, tokenizer, config_overrides)
+            except ValueError as error:
+                raise ModelError(str(error)) from None
         # Allocated, never written: no resident memory until the broadcast fills them. (Not the meta device:
         # accelerate maps the optimizer's parameters to the sharded ones by their distinct addresses.)
         with no_init_weights() if empty else nullcontext():

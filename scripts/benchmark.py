@@ -8,6 +8,7 @@
     python scripts/benchmark.py --pipeline --plot docs/pipeline.png         # pipeline schedules against a layer split
     python scripts/benchmark.py --distillation --plot docs/distillation.png # a student alone and distilled
     python scripts/benchmark.py --data --corpus_mb 200                      # data paths against training's appetite
+    python scripts/benchmark.py --mfu                                       # MFU at a 50k vocabulary (GPU: docs/gpus.md)
 
 Every config trains the same model on the same data for `--steps` optimizer steps with
 `accelerate launch train.py`. The table shows, per strategy: tokens/s and step time
@@ -20,7 +21,7 @@ overhead figure is the median of the per-round ratios: back-to-back runs share t
 state), and the data preparation rate (tokenize + pack of the default corpus) is measured
 in-process. The other tables are described by their functions (`fine_tuning_table`,
 `compression_table`, `scaling_table`, `pipeline_table`,
-`distillation_table`; the data table: scripts/data_benchmark.py).
+`distillation_table`; the data table: scripts/data_benchmark.py; MFU: scripts/mfu_benchmark.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the template's modules: metrics, the planner, data preparation
 
 from scripts.data_benchmark import data_table  # noqa: E402
+from scripts.mfu_benchmark import CPU_DEFAULTS, GPU_DEFAULTS, mfu_table  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
 
 CONFIGS = ["ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"]
@@ -73,7 +75,8 @@ def free_port() -> int:
 
 
 def environment(output_dir: Path) -> dict[str, str]:
-    return os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(REPO),
+    module_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the caller's, after ours
+    return os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": module_path,
                          "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -105,9 +108,9 @@ def train_run(config: str, args: argparse.Namespace, output_dir: Path, flags: tu
             if time.perf_counter() - launched > RUN_TIMEOUT_S:
                 process.kill()
             time.sleep(0.05)
-    if process.returncode != 0:
+    if process.returncode != 0:  # SystemExit: the message, then exit 1 (--mfu catches an out-of-memory)
         tail = Path(log.name).read_text()[-3000:]
-        sys.exit(f"{tail}\nerror: train.py failed under {config} (exit {process.returncode}); its log ends above")
+        raise SystemExit(f"{tail}\nerror: train.py failed under {config} (exit {process.returncode}); its log ends above")
     steps = read_metrics(output_dir)
     steady = [m for m in steps if "tokens_per_sec" in m and m["step"] > args.warmup]
     return json.loads((output_dir / "summary.json").read_text()) | {
@@ -366,7 +369,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_config", help="Default: llama-small; --distillation: llama-tiny (the student).")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="Default: every config; --scaling: " + " ".join(SCALING_CONFIGS))
-    parser.add_argument("--num_processes", type=int, default=2)
+    parser.add_argument("--num_processes", type=int, help="Default 2; --mfu: one per GPU (1 on CPU).")
     parser.add_argument("--mixed_precision", choices=["no", "bf16"], help="Default: bf16; --compression: no (the default job's).")
     parser.add_argument("--per_device_train_batch_size", type=int, help="Default 8; --pipeline: 64.")
     parser.add_argument("--block_size", type=int, default=256)
@@ -400,20 +403,33 @@ def main() -> None:
                              "what the default job consumes; scripts/prepare_data.py with 1 and 2 processes.")
     parser.add_argument("--corpus_mb", type=float, default=200, help="--data: the generated corpus's size.")
     parser.add_argument("--data_batches", type=int, default=200, help="--data: micro-batches read per data path.")
+    parser.add_argument("--mfu", action="store_true",
+                        help="Instead: MFU of ddp (eager and compiled), fsdp and deepspeed_zero2 on llama-125m with a "
+                             "50k vocabulary, at the largest micro-batch that fits (scripts/mfu_benchmark.py).")
+    parser.add_argument("--block_sizes", type=int, nargs="+", help="--mfu: sequence lengths T. Default 1024 2048 (CPU: 64 128).")
+    parser.add_argument("--max_micro_batch", type=int, help="--mfu: the first micro-batch tried. Default 64 (CPU: 4).")
     parser.add_argument("--plot", type=Path, help="--compression/--scaling/--pipeline/--distillation: also draw the figure to this PNG.")
     parser.add_argument("--output", type=Path, help="Also write the tables to this markdown file.")
     parser.add_argument("--json", type=Path, help="Also write every figure to this JSON file.")
     args = parser.parse_args()
     args.configs = args.configs or (SCALING_CONFIGS if args.scaling else CONFIGS)
+    if args.mfu:  # one process per GPU; on a machine without one, a tiny shape on one process
+        import torch
+
+        defaults = GPU_DEFAULTS if torch.cuda.is_available() else CPU_DEFAULTS
+        args.num_processes = args.num_processes or torch.cuda.device_count() or 1
     # The pipeline table: fp32 and 64 sequences per step, so that 8 micro-batches still keep a core busy
     # (bf16 with 8 per step measured 1.27x for 1F1B over the naive split; this 1.77x).
-    defaults = PIPELINE_DEFAULTS if args.pipeline else DISTILLATION_DEFAULTS if args.distillation else DEFAULTS
+    if not args.mfu:
+        defaults = PIPELINE_DEFAULTS if args.pipeline else DISTILLATION_DEFAULTS if args.distillation else DEFAULTS
+        args.num_processes = args.num_processes or 2
     for key, value in defaults.items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     args.mixed_precision = args.mixed_precision or ("no" if args.compression or args.distillation or args.data else "bf16")
     table = {"fine_tuning": fine_tuning_table, "compression": compression_table, "scaling": scaling_table,
              "pipeline": pipeline_table, "distillation": distillation_table,
-             "data": lambda args, scratch: data_table(args, scratch, train_run)}
+             "data": lambda args, scratch: data_table(args, scratch, train_run),
+             "mfu": lambda args, scratch: mfu_table(args, scratch, train_run)}
     if chosen := [name for name in table if getattr(args, name)]:
         with tempfile.TemporaryDirectory() as scratch:
             lines, results = table[chosen[0]](args, Path(scratch))

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM
 
+from models.configs import build_named_config
+from models.language import build_tokenizer
 from tests.conftest import REPO
 
 # ZeRO-2's and FSDP2's model-state layouts in bf16; ZeRO-3's (and DDP's, ZeRO-1's, offload's): tests/test_effective_config.py
@@ -151,3 +155,37 @@ def test_the_data_table_sets_each_data_path_against_what_training_consumes(tmp_p
         assert data["delivered_tokens_per_sec"][path] > 0 and f"| {path} |" in figures["table"]
     assert {1, 2} == {run["num_proc"] for run in data["prepare"].values()}
     assert all(run["tokens"] > 0 and run["tokens_per_sec"] > 0 for run in data["prepare"].values())
+
+
+def test_the_mfu_table_recomputes_every_figure_from_what_train_py_logged(tmp_path) -> None:
+    """On CPU: the tiny shape at GPT-2's vocabulary at two sequence lengths, then the tokenizer's vocabulary. Each
+    figure is a median over the intervals each run logged after its first, MFU recomputed here from the logged
+    tokens/s and peak FLOP/s, and FLOPs per token are 6N + 12·L·d·T of the model built here."""
+    figures = run_benchmark(tmp_path, "--mfu", "--configs", "fsdp", "--block_sizes", "32", "64", "--steps", "6",
+                            "--log_every", "2")
+    rows = figures["mfu"]
+    assert [(row["config"], row["compiled"], row["vocabulary"], row["block_size"]) for row in rows] == [
+        ("fsdp", False, 50304, 32), ("fsdp", False, 50304, 64), ("fsdp", False, None, 32)]
+    tokenizer = build_tokenizer(None, None)
+    for row in rows:
+        length, intervals = row["block_size"], row["intervals"]
+        assert [m["step"] for m in intervals] == [4, 6]  # the first interval (steps 1 and 2) is the warm-up
+        overrides = f"max_position_embeddings={length}" + (f",vocab_size={row['vocabulary']}" if row["vocabulary"] else "")
+        model = AutoModelForCausalLM.from_config(build_named_config("llama-tiny", tokenizer, overrides))
+        config, vocabulary = model.config, model.config.vocab_size
+        matmul = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+        assert row["flops_per_token"] == 6 * matmul + 12 * config.num_hidden_layers * config.hidden_size * length
+        tokens = statistics.median(m["tokens_per_sec"] for m in intervals)
+        mfu = statistics.median(m["tokens_per_sec"] * row["flops_per_token"] / m["peak_flops"] for m in intervals)
+        step = statistics.median(m["step_time"] for m in intervals)
+        assert (row["tokens_per_sec"], row["step_time"]) == (tokens, step) and row["mfu"] == pytest.approx(mfu)
+        assert row["train_py_steady_mfu"] == pytest.approx(mfu)  # train.py's summary.json: the same median
+        for m in intervals:  # train.py's own figure, per interval
+            assert m["mfu"] == pytest.approx(m["tokens_per_sec"] * row["flops_per_token"] / m["peak_flops"])
+            assert m["tokens_per_sec"] == pytest.approx(row["micro_batch"] * length / m["step_time"], rel=1e-6)
+        shown = f"{vocabulary:,}" + ("" if row["vocabulary"] else " (tokenizer)")
+        assert (f"| fsdp | no | {shown} | {length} | {row['micro_batch']} | {tokens:,.0f} | {step * 1000:,.1f} | "
+                f"{mfu:.1%} | {row['whole_run_mfu']:.1%} | {row['peak_memory_gb']:.2f} | {row['final_loss']:.3f} |"
+                in figures["table"])
+        assert row["micro_batch"] == 4 and 0 < mfu < 1 and row["peak_memory_gb"] > 0
+    assert vocabulary == 960  # the last row: what the default tokenizer gives

@@ -27,7 +27,7 @@ rank = accelerator.process_index
 guard = NonFiniteGuard(accelerator.device, loss_scaling=True)
 guard.update(1, torch.tensor(2.0), torch.tensor(math.inf if rank == 1 else 1.0))  # rank 1's step overflowed
 speed = SpeedMeter(accelerator.device, flops_per_unit=10.0, peak_flops_per_device=1e15)  # per rank
-speed.start_step()
+speed.resume()
 speed.end_step(units=100 * (rank + 1))
 calls = []
 for name in ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "reduce", "gather"):

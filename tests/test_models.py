@@ -36,6 +36,14 @@ def test_unknown_named_config_is_an_error(tokenizer) -> None:
         build_model(None, "gpt-9", tokenizer)
 
 
+def test_config_overrides_change_the_named_config_before_it_is_built(tokenizer) -> None:
+    """The benchmark's shape: GPT-2's vocabulary whatever the tokenizer, longer sequences."""
+    model = build_model(None, "llama-tiny", tokenizer, config_overrides="vocab_size=50304,max_position_embeddings=256")
+    assert model.get_output_embeddings().weight.shape[0] == 50304 and model.config.max_position_embeddings == 256
+    with pytest.raises(ModelError, match="--config_overrides 'vocab_sise=5': .*vocab_sise"):
+        build_model(None, "llama-tiny", tokenizer, config_overrides="vocab_sise=5")
+
+
 def test_a_local_pretrained_directory_loads_with_its_tokenizer(tmp_path, tokenizer) -> None:
     """--model_name_or_path takes a Hub id or a local directory; the weights come back as saved."""
     saved = build_model(None, "llama-tiny", tokenizer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -93,14 +94,40 @@ def test_whole_run_figures_leave_out_the_launchs_first_step(monkeypatch) -> None
     speed, clock = SpeedMeter(torch.device("cpu"), None, None), iter([0.0, 50.0, 50.0, 51.0, 51.0, 52.0])
     monkeypatch.setattr("training.performance.time.perf_counter", lambda: next(clock))
     for _ in range(3):
-        speed.start_step()
+        speed.resume()
         speed.end_step(units=100)
     assert (speed.whole_run()["units_per_sec"], speed.whole_run()["step_time"]) == (100.0, 1.0)
     alone = SpeedMeter(torch.device("cpu"), None, None)
     monkeypatch.setattr("training.performance.time.perf_counter", iter([0.0, 4.0]).__next__)
-    alone.start_step()
+    alone.resume()
     alone.end_step(units=100)
     assert alone.whole_run()["units_per_sec"] == 25.0  # a launch of one step: that step
+
+
+@pytest.mark.quick
+def test_a_steps_clock_runs_from_the_step_before_and_pauses_for_logging(monkeypatch) -> None:
+    """Loading a batch is training time: a clock that started at each step lost the device work that ran
+    meanwhile (an H200 read 184% MFU under torch.compile). Logging, evaluation and saving are not."""
+    speed, clock = SpeedMeter(torch.device("cpu"), None, None), iter([0.0, 1.0, 3.0, 10.0, 11.0])
+    monkeypatch.setattr("training.performance.time.perf_counter", lambda: next(clock))
+    speed.resume()  # 0
+    speed.end_step(units=100)  # 1: the launch's first step
+    speed.end_step(units=100)  # 3: 2 s, its batch loaded after the step before ended
+    speed.resume()  # 10: after evaluating
+    speed.end_step(units=100)  # 11: 1 s
+    assert speed.whole_run()["step_time"] == 1.5 and speed.whole_run()["units_per_sec"] == pytest.approx(200 / 3)
+
+
+@pytest.mark.quick
+def test_steady_state_is_the_median_of_the_intervals_after_the_first() -> None:
+    speed = SpeedMeter(torch.device("cpu"), flops_per_unit=1e6, peak_flops_per_device=1e12)
+    for rate in (10.0, 400.0, 100.0, 300.0):  # the first interval: compilation
+        speed.units, speed.steps, speed.seconds = rate, 1, 1.0
+        speed.report_interval({name: torch.tensor([value]) for name, value in speed.interval().items()})
+    steady = speed.steady_state()
+    assert steady["steady_tokens_per_sec"] == 300.0 and steady["steady_step_time"] == 1.0
+    assert steady["steady_mfu"] == pytest.approx(300.0 * 1e6 / 1e12)
+    assert SpeedMeter(torch.device("cpu"), None, None).steady_state() == {}  # one interval or none: no steady state
 
 
 @pytest.mark.quick
@@ -148,6 +175,11 @@ def test_every_run_reports_speed_and_memory(cached_run) -> None:
     assert summary["model_state_bytes_per_rank"]["gradients"] == 4 * psi
     assert sum(summary["model_state_bytes_per_rank"].values()) == pytest.approx(16 * psi, rel=1e-3)  # ZeRO stage 0
     assert summary["versions"]["torch"].startswith("2.13.0")
+    # every MFU is recomputable from what the run logged, and the steady state leaves out the first interval
+    for m in steps:
+        assert m["mfu"] == pytest.approx(m["tokens_per_sec"] * summary["flops_per_token"] / m["peak_flops"], rel=1e-6)
+    assert summary["steady_tokens_per_sec"] == pytest.approx(statistics.median(m["tokens_per_sec"] for m in steps[1:]))
+    assert summary["steady_mfu"] == pytest.approx(statistics.median(m["mfu"] for m in steps[1:]))
     assert not (run / "report.png").exists()  # --report_png false (tests/conftest.py TINY_RUN): the run drew nothing
 
 

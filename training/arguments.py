@@ -24,15 +24,9 @@ from training.batch_size import check_auto_find_batch_size
 from training.checkpoint import complete_checkpoints, newer_checkpoints, require_complete_checkpoint
 from training.strategy import Strategy, requested_strategy
 from training.stream_loader import check_streaming_flags
-from training.flags import (
-    ALL_ARGUMENT_CLASSES,
-    KNOWN_KEYS,
-    ArgumentError,
-    DataArguments,
-    ModelArguments,
-    TrainArguments,
-    build_parser,
-)
+from training.compile import check_compile_flags
+from training.flags import (ALL_ARGUMENT_CLASSES, KNOWN_KEYS, ArgumentError, DataArguments, ModelArguments,
+                            TrainArguments, build_parser)
 from training.metrics import TrackerError, resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
 from training.pipeline_layout import check_pipeline_flags
@@ -124,6 +118,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     if data_args.validation_file and not data_args.train_file:
         raise ArgumentError("--validation_file needs --train_file")
     check_task_flags(model_args, data_args)
+    check_compile_flags(train_args)
     check_adapter_flags(model_args)
     check_comm_hook_flags(train_args)
     check_distillation_flags(model_args, train_args)
@@ -228,6 +223,8 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
                             "(a pretrained model's processor keeps the size it was trained at)")
     if data_args.validation_dir and not data_args.train_dir:
         raise ArgumentError("--validation_dir needs --train_dir")
+    if model_args.config_overrides and model_args.model_name_or_path:
+        raise ArgumentError("--config_overrides changes a --model_config trained from scratch: drop it or --model_name_or_path")
 
 
 def model_split(model_args: ModelArguments) -> str | None:

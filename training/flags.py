@@ -25,41 +25,39 @@ class FlagParser(HfArgumentParser):
 
 DEVICE_MAPS = ["auto", "balanced", "balanced_low_0", "sequential"]  # "auto" is "balanced", as in transformers
 INTERVALS = ["steps", "epoch", "no"]
+COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]  # torch.compile(mode=...)
 # --ddp_comm_hook: accelerate's DDPCommunicationHookType values; "allreduce" is DDP's own all-reduce as a counted hook
 DDP_COMM_HOOKS = ["allreduce", "fp16", "bf16", "power_sgd", "batched_power_sgd"]  # --eval_strategy and --save_strategy, as TrainingArguments
 
 
 @dataclass
 class ModelArguments:
-    task: str = field(
-        default="causal-lm", metadata={"help": "What to learn: next-token text, or image labels.", "choices": list(TASKS)}
-    )
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Hub id or local directory of a pretrained model for --task. Unset: train from scratch."}
-    )
+    task: str = field(default="causal-lm", metadata={
+        "help": "What to learn: next-token text, or image labels.", "choices": list(TASKS)})
+    model_name_or_path: str | None = field(default=None, metadata={
+        "help": "Hub id or local directory of a pretrained model for --task. Unset: train from scratch."})
     model_config: str | None = field(
         default=None,
         metadata={"help": "Named config to train from scratch. Default: "
                           + ", ".join(f"{entry.default_config} ({name})" for name, entry in TASKS.items()) + ".",
                   "choices": sorted({name for entry in TASKS.values() for name in entry.configs})},
     )
+    config_overrides: str | None = field(default=None, metadata={
+        "help": "Change the --model_config before it is built: e.g. vocab_size=50304,max_position_embeddings=2048."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model/tokenizer code from the Hub."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations to save memory."})
-    ignore_mismatched_sizes: bool = field(
-        default=False, metadata={"help": "Images: replace a pretrained classification head made for other labels."}
-    )
+    ignore_mismatched_sizes: bool = field(default=False, metadata={
+        "help": "Images: replace a pretrained classification head made for other labels."})
     device_map: str | None = field(
         default=None,
         metadata={"help": "Split the layers over this process's GPUs (single.yaml; see training/layer_split.py).",
                   "choices": DEVICE_MAPS},
     )
-    sync_batchnorm: bool = field(
-        default=False, metadata={"help": "BatchNorm statistics over all processes' batches (GPUs; see training/batchnorm.py)."}
-    )
-    use_peft: bool = field(
-        default=False, metadata={"help": "Train a LoRA adapter (peft) on the frozen --model_name_or_path instead of every weight."}
-    )
+    sync_batchnorm: bool = field(default=False, metadata={
+        "help": "BatchNorm statistics over all processes' batches (GPUs; see training/batchnorm.py)."})
+    use_peft: bool = field(default=False, metadata={
+        "help": "Train a LoRA adapter (peft) on the frozen --model_name_or_path instead of every weight."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling: the update is multiplied by alpha / r."})
     lora_dropout: float = field(
@@ -71,13 +69,11 @@ class ModelArguments:
         default_factory=lambda: ["all-linear"],
         metadata={"help": "Module names that get an adapter (e.g. q_proj v_proj), or all-linear (all but the output layer)."},
     )
-    lora_modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Modules trained whole and saved with the adapter (e.g. lm_head)."}
-    )
+    lora_modules_to_save: list[str] | None = field(default=None, metadata={
+        "help": "Modules trained whole and saved with the adapter (e.g. lm_head)."})
     use_dora: bool = field(default=False, metadata={"help": "DoRA: weight-decomposed LoRA."})
-    merge_adapter: bool = field(
-        default=False, metadata={"help": "Also write final/merged: the base model with the adapter merged in, plain transformers."}
-    )
+    merge_adapter: bool = field(default=False, metadata={
+        "help": "Also write final/merged: the base model with the adapter merged in, plain transformers."})
     teacher_model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "Distil from this frozen teacher (Hub id or directory; same tokenizer, or same labels): it runs "
@@ -93,28 +89,22 @@ class DataArguments:
     train_file: str | None = field(default=None, metadata={"help": "Local txt, json/jsonl, csv or parquet file."})
     validation_file: str | None = field(default=None, metadata={"help": "Same format as --train_file."})
     text_column: str = field(default="text", metadata={"help": "Column that holds the documents."})
-    sample_prompt: str = field(
-        default="Once upon a time", metadata={"help": "Text the exported model continues at the end of the run."}
-    )
+    sample_prompt: str = field(default="Once upon a time", metadata={
+        "help": "Text the exported model continues at the end of the run."})
     train_dir: str | None = field(default=None, metadata={"help": "Images: a folder with one sub-folder per class."})
     validation_dir: str | None = field(default=None, metadata={"help": "Images: same layout as --train_dir."})
     image_column: str = field(default="image", metadata={"help": "Images: the column that holds the images."})
     label_column: str = field(default="label", metadata={"help": "Images: the column that holds the labels."})
-    image_size: int | None = field(
-        default=None, metadata={"help": "Images: side in pixels the images are resized to. Default: the model's."}
-    )
-    validation_split_percentage: int = field(
-        default=5, metadata={"help": "Percent of train held out when there is no validation split."}
-    )
-    packing: bool = field(
-        default=True, metadata={"help": "Pack documents into full blocks; false: one padded sequence per document."}
-    )
-    block_size: int | None = field(
-        default=None, metadata={"help": "Tokens per training sequence. Default: the model's maximum, at most 1024."}
-    )
-    max_train_samples: int | None = field(
-        default=None, metadata={"help": "Train on the first N training examples only (packed sequences, or images)."}
-    )
+    image_size: int | None = field(default=None, metadata={
+        "help": "Images: side in pixels the images are resized to. Default: the model's."})
+    validation_split_percentage: int = field(default=5, metadata={
+        "help": "Percent of train held out when there is no validation split."})
+    packing: bool = field(default=True, metadata={
+        "help": "Pack documents into full blocks; false: one padded sequence per document."})
+    block_size: int | None = field(default=None, metadata={
+        "help": "Tokens per training sequence. Default: the model's maximum, at most 1024."})
+    max_train_samples: int | None = field(default=None, metadata={
+        "help": "Train on the first N training examples only (packed sequences, or images)."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on the first N validation examples only."})
     streaming: bool = field(default=False, metadata={"help": "Read the training data as a stream, tokenised and packed on "
                             "the fly, each rank its own share; needs --max_steps. See docs/data.md."})
@@ -123,18 +113,14 @@ class DataArguments:
     skip_bad_shards: bool = field(default=False, metadata={"help": "--streaming: skip a data file that cannot be read or "
                                                                    "is empty (logged, counted) instead of stopping."})
     dataset_path: str | None = field(default=None, metadata={"help": "Pre-tokenised shards from scripts/prepare_data.py."})
-    chat_template: str | None = field(
-        default=None, metadata={"help": "SFT: a Jinja file that replaces the tokenizer's chat template."}
-    )
-    assistant_only_loss: bool = field(
-        default=True, metadata={"help": "SFT, messages: loss on the assistant's answers only; false: on every token."}
-    )
-    completion_only_loss: bool = field(
-        default=True, metadata={"help": "SFT, prompt/completion: loss on the completion only; false: on every token."}
-    )
-    max_length: int | None = field(
-        default=None, metadata={"help": "SFT: tokens per example at most. Default: the model's maximum, at most 1024."}
-    )
+    chat_template: str | None = field(default=None, metadata={
+        "help": "SFT: a Jinja file that replaces the tokenizer's chat template."})
+    assistant_only_loss: bool = field(default=True, metadata={
+        "help": "SFT, messages: loss on the assistant's answers only; false: on every token."})
+    completion_only_loss: bool = field(default=True, metadata={
+        "help": "SFT, prompt/completion: loss on the completion only; false: on every token."})
+    max_length: int | None = field(default=None, metadata={
+        "help": "SFT: tokens per example at most. Default: the model's maximum, at most 1024."})
     truncation_mode: str = field(
         default="keep_start",
         metadata={"help": "SFT: an example over --max_length keeps its start, its end, or is dropped.",
@@ -170,14 +156,12 @@ class TrainArguments:
                   "DeepSpeed's CPU Adam with the same settings.", "choices": list(OPTIMIZERS)}
     )
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
-    adam_beta2: float = field(
-        default=0.95, metadata={"help": "AdamW beta2: 0.95 as in LLM pretraining (transformers' default is 0.999)."}
-    )
+    adam_beta2: float = field(default=0.95, metadata={
+        "help": "AdamW beta2: 0.95 as in LLM pretraining (transformers' default is 0.999)."})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
     warmup_steps: int = field(default=30, metadata={"help": "Linear warmup, in optimizer steps."})
-    warmup_ratio: float = field(
-        default=0.0, metadata={"help": "Linear warmup as a fraction of the total steps, in [0, 1); replaces --warmup_steps when > 0."}
-    )
+    warmup_ratio: float = field(default=0.0, metadata={
+        "help": "Linear warmup as a fraction of the total steps, in [0, 1); replaces --warmup_steps when > 0."})
     lr_scheduler_type: str = field(
         default="cosine",
         metadata={"help": "Decay after warmup: a transformers scheduler (SchedulerType), e.g. linear, cosine, constant, "
@@ -187,9 +171,8 @@ class TrainArguments:
         default=None,
         metadata={"help": 'JSON object of the scheduler\'s own arguments, e.g. \'{"min_lr_rate": 0.1}\' for cosine_with_min_lr.'},
     )
-    max_grad_norm: float = field(
-        default=1.0, metadata={"help": "Clip the global gradient norm to this on every strategy; 0 disables."}
-    )
+    max_grad_norm: float = field(default=1.0, metadata={
+        "help": "Clip the global gradient norm to this on every strategy; 0 disables."})
     seed: int = field(default=42, metadata={"help": "Seeds model init, data order and dropout."})
     logging_steps: int = field(default=10, metadata={"help": "Log training metrics every N optimizer steps."})
     logging_first_step: bool = field(default=False, metadata={"help": "Also log the run's first optimizer step."})
@@ -207,12 +190,10 @@ class TrainArguments:
     )
     save_steps: int = field(default=200, metadata={"help": "Save a resumable checkpoint every N optimizer steps."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
-    resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "A checkpoint directory, or 'latest' for the newest in output_dir."}
-    )
-    ddp_timeout: int = field(
-        default=1800, metadata={"help": "Seconds a collective may wait before every rank aborts (a stalled rank)."}
-    )
+    resume_from_checkpoint: str | None = field(default=None, metadata={
+        "help": "A checkpoint directory, or 'latest' for the newest in output_dir."})
+    ddp_timeout: int = field(default=1800, metadata={
+        "help": "Seconds a collective may wait before every rank aborts (a stalled rank)."})
     ddp_comm_hook: str | None = field(
         default=None,
         metadata={"help": "Compress DDP's gradient all-reduce (ddp config only; see training/compression.py): fp16, "
@@ -230,12 +211,10 @@ class TrainArguments:
         metadata={"help": "Pipeline stages: the model cut layer-wise over this many processes (ddp config; launch a "
                           "multiple of it: the rest are replicas). See training/pipeline.py."},
     )
-    pipeline_schedule: str = field(
-        default="1F1B", metadata={"help": "Pipeline: torch's schedule.", "choices": ["GPipe", "1F1B", "Interleaved1F1B"]}
-    )
-    pipeline_microbatches: int = field(
-        default=4, metadata={"help": "Pipeline: equal micro-batches each per-device batch is cut into."}
-    )
+    pipeline_schedule: str = field(default="1F1B", metadata={
+        "help": "Pipeline: torch's schedule.", "choices": ["GPipe", "1F1B", "Interleaved1F1B"]})
+    pipeline_microbatches: int = field(default=4, metadata={
+        "help": "Pipeline: equal micro-batches each per-device batch is cut into."})
     pipeline_timeline: bool = field(
         default=False,
         metadata={"help": "Pipeline: record when each stage computes each micro-batch (wall clock) into "
@@ -245,16 +224,22 @@ class TrainArguments:
         default=0.5,
         metadata={"help": "Distillation: weight of the teacher loss; 1 - alpha weighs the label loss. In [0, 1]."},
     )
-    distillation_temperature: float = field(
-        default=1.0, metadata={"help": "Distillation: softmax temperature of both models' logits (the loss is scaled by T^2)."}
-    )
+    distillation_temperature: float = field(default=1.0, metadata={
+        "help": "Distillation: softmax temperature of both models' logits (the loss is scaled by T^2)."})
     distillation_loss: str = field(
         default="forward_kl",
         metadata={"help": "Distillation: the divergence between teacher and student: forward_kl KL(teacher||student), "
                           "reverse_kl KL(student||teacher), or jsd (Jensen-Shannon).",
                   "choices": ["forward_kl", "reverse_kl", "jsd"]},
     )
-    torch_compile: bool = field(default=False, metadata={"help": "Compile the model with torch.compile (inductor)."})
+    torch_compile: bool = field(default=False, metadata={
+        "help": "Compile with torch.compile (inductor): the model and its loss as one graph (training/compile.py)."})
+    torch_compile_mode: str | None = field(default=None, metadata={
+        "help": "torch.compile's mode; implies --torch_compile.", "choices": list(COMPILE_MODES)})
+    torch_compile_fullgraph: bool = field(default=False, metadata={"help": "--torch_compile: a graph break is an error."})
+    torch_compile_dynamic: bool | None = field(default=None, metadata={"help": "--torch_compile: dynamic shapes or not."})
+    torch_compile_regional: bool = field(default=False, metadata={
+        "help": "--torch_compile: one decoder block compiled, reused by every layer; the loss runs eagerly."})
     dataloader_num_workers: int | None = field(
         default=None,
         metadata={"help": "Worker processes loading batches per process; 0: in the main process. Default: 0 on CPU "
@@ -280,9 +265,8 @@ class TrainArguments:
         metadata={"help": "Check the flags, the launcher config, the data and the model, and print the plan (strategy, "
                           "global batch, steps, memory per rank) without training: rank 0 alone, no process group."},
     )
-    run_name: str | None = field(
-        default=None, metadata={"help": "The run's name in the trackers (wandb project, ...). Default: output_dir's name."}
-    )
+    run_name: str | None = field(default=None, metadata={
+        "help": "The run's name in the trackers (wandb project, ...). Default: output_dir's name."})
 
 
 ALL_ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArguments)

@@ -4,6 +4,7 @@ the bytes of model state (parameters, gradients, optimizer state) each rank real
 from __future__ import annotations
 
 import resource
+import statistics
 import time
 from collections.abc import Callable, Iterable
 
@@ -161,13 +162,14 @@ def model_state_bytes(
 
 class SpeedMeter:
     """Throughput (`unit`s/s: tokens or samples), step time, MFU and peak memory over the optimizer
-    steps since the last report.
-
-    Only time inside `start_step`/`end_step` counts, so evaluation and checkpoints do not
-    lower the figures; the whole-run figures also leave out a launch's first step, which
-    carries its start-up (CUDA context, autotuning, torch.compile: 50 s on an H100). On GPUs
-    the steps are timed on the host: the sync at each report (the loss leaves the device then)
-    keeps the sum of step times equal to the wall time.
+    steps since the last report. A step's clock runs from the end of the step before (or from `resume`) to its `end_step`,
+    loading its batches included; logging, evaluation and checkpoints pause it (`resume` after
+    them), so they do not lower the figures. The whole-run figures also leave out a launch's
+    first step, which carries its start-up (CUDA context, autotuning, torch.compile: 50 s on an
+    H100). On GPUs the steps are timed on the host, and every step before a pause waits for the
+    device inside its clock, so no device work runs while the clock is paused. (A clock that
+    restarted at each step lost the device time that ran while the host waited for the next
+    batch: 184% MFU on an H200 under torch.compile, docs/gpus.md.)
     """
 
     def __init__(
@@ -181,9 +183,11 @@ class SpeedMeter:
         self.units = self.steps = self.total_units = self.total_steps = 0
         self.seconds = self.total_seconds = 0.0
         self.first_step: tuple[int, float] = (0, 0.0)  # units, seconds
+        self.reported: list[dict[str, float]] = []  # each logged interval's figures, for `steady_state`
         self._started = 0.0
 
-    def start_step(self) -> None:
+    def resume(self) -> None:
+        """Start the clock: before the first step, and after logging, evaluation or a checkpoint."""
         self._started = time.perf_counter()
 
     def end_step(self, units: int, synchronize: bool = False) -> None:
@@ -191,7 +195,8 @@ class SpeedMeter:
         interval's clock (the report's own wait comes after it), as scripts/raw_ddp.py times each step."""
         if synchronize and self.device.type != "cpu":
             torch.accelerator.synchronize(self.device)
-        elapsed = time.perf_counter() - self._started
+        now = time.perf_counter()
+        elapsed, self._started = now - self._started, now  # the next step's clock starts at once
         self.units, self.steps, self.seconds = self.units + units, self.steps + 1, self.seconds + elapsed
         if self.first_step[1]:  # not the launch's first step
             self.total_units, self.total_seconds = self.total_units + units, self.total_seconds + elapsed
@@ -236,8 +241,23 @@ class SpeedMeter:
         if len(peaks) > 1:
             report |= {f"peak_memory_gb_{device.replace(':', '')}": gb for device, gb in peaks.items()}
         if self.peak and self.flops_per_unit:  # unknown GPUs have no MFU
-            report["mfu"] = units_per_sec * self.flops_per_unit / float(ranks["peak_flops"].sum())
+            # the peak beside the MFU, so that a reader recomputes it: units/s x flops per unit / peak
+            report["peak_flops"] = float(ranks["peak_flops"].sum())
+            report["mfu"] = units_per_sec * self.flops_per_unit / report["peak_flops"]
         return report
+
+    def report_interval(self, ranks: dict[str, torch.Tensor]) -> dict[str, float]:
+        """`report` of a logged interval (`gather_scalars` of `interval()`), kept for `steady_state`."""
+        self.reported.append(self.report(ranks))
+        return self.reported[-1]
+
+    def steady_state(self) -> dict[str, float]:
+        """Medians over this launch's logged intervals after the first, which holds the warm-up (CUDA
+        context, autotuning, torch.compile's compilation): `steady_<unit>_per_sec`, `steady_step_time`
+        and `steady_mfu`. Empty with fewer than two intervals."""
+        after_warm_up = self.reported[1:]
+        keys = [f"{self.unit}_per_sec", "step_time", *(["mfu"] if after_warm_up and "mfu" in after_warm_up[0] else [])]
+        return {f"steady_{key}": statistics.median(r[key] for r in after_warm_up) for key in keys} if after_warm_up else {}
 
 
 def parameter_count(model: torch.nn.Module) -> int:

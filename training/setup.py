@@ -17,7 +17,6 @@ from accelerate.utils import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
     ProjectConfiguration,
-    TorchDynamoPlugin,
     set_seed,
 )
 from datasets import IterableDataset
@@ -29,6 +28,7 @@ from training.batchnorm import convert_sync_batchnorm
 from training.batch_size import fit_micro_batch, take_recorded_micro_batch
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
 from training.collectives import gather_scalars, preflight
+from training.compile import compiled_objective, dynamo_plugin
 from training.compression import GradientTraffic, keep_power_sgd_state_in_checkpoints, register_comm_hook
 from training.console import one_voice
 from training.distillation import build_distillation
@@ -145,7 +145,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
             partial(training_loader, train_set, seed=args.seed, **loading),
             (model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer))
     forward_backward = (partial(model.forward_backward, accelerator) if pipelined(args) else
-                        partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
+                        partial(data_parallel_forward_backward, accelerator, compiled_objective(objective, args), model,
+                                args.gradient_accumulation_steps))
     traffic = register_comm_hook(model, args.ddp_comm_hook, args.power_sgd_rank, args.power_sgd_start_step)
     keep_power_sgd_state_in_checkpoints(accelerator, model)
     model_state = model_state_probe(model, torch_optimizer, lambda: held_gradients(model))  # bytes per rank, at step 2
@@ -240,7 +241,7 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
         ),
         log_with=args.report_to or None,  # TensorBoard writes to output_dir/runs/<run_name>
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "runs")),
-        dynamo_plugin=TorchDynamoPlugin(backend="inductor" if args.torch_compile else "no"),
+        dynamo_plugin=dynamo_plugin(args),
     )
     strategy = verify_strategy(accelerator)
     check_pipeline_launch(args, strategy, accelerator.num_processes)

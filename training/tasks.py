@@ -160,7 +160,7 @@ class CausalLM(Task):
     def build_model(self, raw: DatasetDict, empty: bool = False) -> PreTrainedModel:
         m, d = self.model_args, self.data_args
         model = build_model(m.model_name_or_path, m.model_config, self.processor, m.trust_remote_code,
-                            m.gradient_checkpointing, empty)
+                            m.gradient_checkpointing, empty, m.config_overrides)
         shards_block_size = d.dataset_path and read_manifest(d.dataset_path)["block_size"]  # another --block_size: refused
         self.block_size = resolve_block_size(d.block_size or shards_block_size, model.config)
         self.flops_per_unit = flops_per_token(model, self.block_size)

@@ -1,0 +1,49 @@
+"""--torch_compile and its options: what torch.compile covers, in one place.
+
+accelerate compiles the prepared model (`TorchDynamoPlugin`, built here from the flags), which
+evaluation uses. Training compiles more: the micro-step's objective, the model's forward *and*
+its loss, as one graph. Compiled alone, the model has to hand its logits out of the graph, and
+under bf16 accelerate's output conversion writes them in fp32 (tokens x vocabulary x 4 bytes:
+3.3 GB per 16k tokens at a 50k vocabulary), then the loss reads them again. Inside one graph
+inductor fuses the upcast into the cross-entropy, and only per-sequence loss sums leave it.
+(Regional compilation compiles the decoder blocks alone: the loss then runs eagerly.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from accelerate.utils import TorchDynamoPlugin
+
+from training.errors import ArgumentError
+
+
+def check_compile_flags(args) -> None:
+    """--torch_compile_mode implies --torch_compile (as in transformers); the other options need it."""
+    args.torch_compile = args.torch_compile or args.torch_compile_mode is not None
+    options = {"torch_compile_fullgraph": False, "torch_compile_dynamic": None, "torch_compile_regional": False}
+    if not args.torch_compile and (given := [name for name, off in options.items() if getattr(args, name) != off]):
+        raise ArgumentError(f"--{given[0]} is an option of --torch_compile: add --torch_compile, or drop it")
+
+
+def dynamo_plugin(args) -> TorchDynamoPlugin:
+    """accelerate's plugin for the model, from --torch_compile and its options (`args`: TrainArguments)."""
+    if not args.torch_compile:
+        return TorchDynamoPlugin(backend="no")
+    return TorchDynamoPlugin(backend="inductor", **compile_options(args),
+                             use_regional_compilation=args.torch_compile_regional)
+
+
+def compile_options(args) -> dict:
+    """torch.compile's keyword arguments that the flags set (unset ones keep torch's defaults)."""
+    return {"mode": args.torch_compile_mode or "default", "fullgraph": args.torch_compile_fullgraph,
+            "dynamic": args.torch_compile_dynamic}
+
+
+def compiled_objective(objective: Callable[[torch.nn.Module, dict], torch.Tensor], args) -> Callable:
+    """The training objective (model forward and per-example loss sums) as one compiled graph under
+    --torch_compile, unless compilation is regional; else `objective` unchanged."""
+    if not args.torch_compile or args.torch_compile_regional:
+        return objective
+    return torch.compile(objective, **compile_options(args))
