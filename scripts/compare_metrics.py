@@ -10,6 +10,7 @@ training itself unchanged. Arguments are run directories or metrics.jsonl files.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,14 @@ def compare(first: str | Path, second: str | Path, keys: tuple[str, ...] = DEFAU
     return differences
 
 
+def worst_difference(differences: list[Difference]) -> Difference:
+    """The largest difference, a NaN one first: `max` alone never picks a NaN after the first item
+    (max([0.0, 1e-7, nan]) is 1e-7), and a run whose loss became NaN would pass any tolerance."""
+    if not differences:
+        raise ValueError("no step logged by both runs: nothing was compared")
+    return max(differences, key=lambda d: math.inf if math.isnan(d.absolute) else d.absolute)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("first")
@@ -71,7 +80,7 @@ def main() -> None:
         sys.exit(f"error: {error}")
     for key in args.keys:
         rows = [d for d in differences if d.key == key]
-        worst = max(rows, key=lambda d: d.absolute)
+        worst = worst_difference(rows)
         print(f"{key:>10}: {len(rows)} steps, largest difference {worst.absolute:.3g} at step {worst.step} "
               f"({worst.first:.8g} vs {worst.second:.8g})")
     if args.tolerance is not None and not all(d.absolute <= args.tolerance for d in differences):  # NaN fails too

@@ -20,7 +20,7 @@ import json
 
 import pytest
 
-from scripts.compare_metrics import compare
+from scripts.compare_metrics import compare, worst_difference
 from tests.conftest import MAX_STEPS, SPLITS, assert_same_final_weights, read_metrics
 
 TOLERANCE = 1e-5  # float rounding of differently grouped sums, as in tests/test_parity.py
@@ -30,7 +30,7 @@ TOLERANCE = 1e-5  # float rounding of differently grouped sums, as in tests/test
 def test_every_split_of_the_global_batch_gives_the_same_training(name: str, split_run) -> None:
     reference, run = split_run("1x8x1"), split_run(name)
     # Per-step loss, learning rate at every optimizer step, and eval_loss on uneven validation data.
-    worst = max(compare(reference, run, keys=("loss", "lr", "eval_loss")), key=lambda d: d.absolute)
+    worst = worst_difference(compare(reference, run, keys=("loss", "lr", "eval_loss")))
     assert worst.absolute <= TOLERANCE, worst
     assert_same_final_weights(reference, run, atol=TOLERANCE)
 

@@ -151,3 +151,23 @@ def test_adafactor_is_refused_where_the_optimizer_sees_shards(tmp_path, monkeypa
     monkeypatch.setenv(strategy, "true")
     with pytest.raises(ArgumentError, match="--optim adafactor factors whole weight matrices"):
         parse_args(["--optim", "adafactor", "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flag", ["--teacher_model_name_or_path", "--model_name_or_path", "--train_file"])
+def test_an_overwrite_that_would_delete_what_the_run_reads_is_refused_before_anything_is_deleted(tmp_path, flag) -> None:
+    """The README's distillation recipe read its teacher from outputs/default/final: --overwrite_output_dir
+    there deleted the teacher (8 minutes of training) and exported a 5-step student in its place."""
+    final = tmp_path / "out" / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("{}")
+    read = final / "corpus.txt" if flag == "--train_file" else final
+    if flag == "--train_file":
+        read.write_text("a document\n")
+    with pytest.raises(ArgumentError, match=f"--overwrite_output_dir would delete {final}, which {flag} .*another "
+                                            "--output_dir"):
+        parse_args([flag, str(read), "--overwrite_output_dir", "--output_dir", str(tmp_path / "out")])
+    assert (final / "config.json").exists()
+    (tmp_path / "out" / "corpus.txt").write_text("a document\n")  # beside the run's outputs: not deleted, allowed
+    parse_args(["--train_file", str(tmp_path / "out" / "corpus.txt"), "--overwrite_output_dir", "--output_dir",
+                str(tmp_path / "out")])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.compare_metrics import compare
+from scripts.compare_metrics import compare, worst_difference
 
 from tests.conftest import assert_continues_exactly, assert_same_final_weights, made_once, read_metrics, train, with_processes
 from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
@@ -83,7 +83,7 @@ def test_every_schedule_and_pp_x_dp_trains_what_one_process_trains(name, pipelin
     reference, run = pipeline_run("single"), pipeline_run(name)
     differences = compare(reference, run, keys=("loss", "lr", "eval_loss"))
     assert len(differences) == STEPS * 2 + 3  # loss and lr at every step; eval at the start, step 4 and the end
-    worst = max(differences, key=lambda d: d.absolute)
+    worst = worst_difference(differences)
     assert worst.absolute <= LOSS_TOLERANCE, worst
     assert max(m["grad_norm"] for m in read_metrics(run) if "grad_norm" in m) > 0.5  # clipping at work
     assert_same_final_weights(reference, run, atol=WEIGHT_TOLERANCE)  # final/ is the whole model, merged from the stages
@@ -113,7 +113,7 @@ def test_a_resnet_pipeline_trains_what_one_process_trains(tmp_path) -> None:
           "--pipeline_microbatches", "2")
     differences = compare(tmp_path / "one", tmp_path / "stages", keys=("loss", "eval_loss", "eval_accuracy"))
     assert len(differences) == 6 + 3 * 2
-    assert max(d.absolute for d in differences) <= LOSS_TOLERANCE
+    assert worst_difference(differences).absolute <= LOSS_TOLERANCE
 
 
 def flags(**overrides) -> tuple[ModelArguments, DataArguments, TrainArguments]:

@@ -17,7 +17,7 @@ from data.default_corpus import generate_documents
 from data.pretokenized import load_shards
 from data.streaming import split_files, stream_datasets
 from models.language import build_tokenizer
-from scripts.compare_metrics import compare
+from scripts.compare_metrics import compare, worst_difference
 from scripts.data_benchmark import OneRank
 from tests.conftest import (
     REPO,
@@ -119,7 +119,7 @@ def test_every_strategy_trains_the_same_stream_and_evaluates_the_same_set(stream
     for run in runs[1:]:
         differences = compare(runs[0], run, keys=("loss", "lr", "eval_loss"))
         assert len(differences) == STEPS * 2 + 3  # eval at the start, step 5 and step 10
-        assert max(difference.absolute for difference in differences) <= 1e-5, run
+        assert worst_difference(differences).absolute <= 1e-5, run
     assert "16 examples for evaluation" in (runs[0] / "launch.log").read_text()
 
 

@@ -10,7 +10,6 @@ import difflib
 import json
 import os
 import sys
-import tempfile
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from transformers import SchedulerType  # not in training/flags.py: it loads tor
 from data import check_data_file
 from models.language import first_line
 from training.batch_size import check_auto_find_batch_size
-from training.checkpoint import complete_checkpoints, newer_checkpoints, require_complete_checkpoint
+from training.checkpoint import check_output_dir
 from training.strategy import Strategy, requested_strategy
 from training.stream_loader import check_streaming_flags
 from training.compile import check_compile_flags
@@ -31,6 +30,11 @@ from training.metrics import TrackerError, resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
 from training.pipeline_layout import check_pipeline_flags
 from training.task_registry import ADAPTER_FLAGS, TASKS
+
+
+# Flags naming files or directories the run reads: --overwrite_output_dir must not delete them
+RUN_INPUTS = ("model_name_or_path", "teacher_model_name_or_path", "tokenizer_name", "dataset_name", "train_file",
+              "validation_file", "dataset_path", "train_dir", "validation_dir", "chat_template")
 
 
 # TrainingArguments flags that the launcher owns here: the accelerate config or `accelerate launch` sets them.
@@ -134,27 +138,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
             f"--device_map splits one model over the GPUs of one process, but the launch asked for "
             f"{requested_strategy().value}; use --config_file accelerate_configs/single.yaml (or FSDP2/ZeRO-3 to shard)"
         )
-    resume = train_args.resume_from_checkpoint
-    if resume and resume != "latest":
-        try:
-            require_complete_checkpoint(Path(resume))
-        except FileNotFoundError as error:
-            raise ArgumentError(str(error)) from None
-        if newer := [p.name for p in newer_checkpoints(Path(resume), train_args.output_dir)]:
-            raise ArgumentError(
-                f"{resume} is older than {newer} in the same output_dir, which 'latest' would pick after a restart; "
-                "move those elsewhere first, or resume into another --output_dir"
-            )
-    if resume and train_args.overwrite_output_dir:
-        raise ArgumentError("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues: give one")
-    if not resume and not train_args.overwrite_output_dir and (
-        complete_checkpoints(train_args.output_dir) or (Path(train_args.output_dir) / "final").exists()
-    ):
-        raise ArgumentError(
-            f"{train_args.output_dir} already holds a run (checkpoints or final/); continue it with "
-            "--resume_from_checkpoint latest, start afresh with --overwrite_output_dir, or choose another --output_dir"
-        )
-    check_writable(train_args.output_dir)
+    check_output_dir(train_args.output_dir, train_args.resume_from_checkpoint, train_args.overwrite_output_dir, {
+        flag: getattr(model_args, flag, getattr(data_args, flag, None)) for flag in RUN_INPUTS})
     report_to = train_args.report_to
     try:  # a recipe may give one name as a string, or leave the key empty
         train_args.report_to = resolve_trackers([report_to] if isinstance(report_to, str) else report_to or ["none"])
@@ -281,15 +266,3 @@ def check_distillation_flags(model_args: ModelArguments, train_args: TrainArgume
     if split := model_split(model_args):
         raise ArgumentError(f"--teacher_model_name_or_path with {split} is not supported; distil under a data-parallel "
                             "config (ddp.yaml, fsdp.yaml or a ZeRO config), which places the teacher as it places the student")
-
-
-def check_writable(directory: str) -> None:
-    """Create `directory` if needed and prove this process can write in it, before any training."""
-    try:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
-            pass
-    except OSError as error:
-        raise ArgumentError(
-            f"cannot write to --output_dir {directory} ({error.strerror}); choose a writable directory"
-        ) from None

@@ -14,6 +14,7 @@ import json
 import pickle
 import re
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from accelerate.utils import broadcast_object_list
 from transformers.utils import PushToHubMixin
 
 from training.batchnorm import average_running_statistics
+from training.errors import ArgumentError
 from training.pipeline import StageModules
 from training.safe_loading import safe_unpickling
 from training.strategy_adapters import own_class_while_saving
@@ -67,6 +69,36 @@ def complete_checkpoints(output_dir: str) -> list[Path]:
 
 
 RUN_OUTPUTS = ("checkpoints", "final", "runs", "metrics.jsonl", "summary.json", "report.png")
+
+
+def check_output_dir(output_dir: str, resume: str | None, overwrite: bool, inputs: dict[str, str | None]) -> None:
+    """Before any process group starts: a run that resumes, starts afresh or refuses to overwrite as asked,
+    an --overwrite_output_dir that deletes nothing the run reads (`inputs`: flag -> path), a writable output_dir."""
+    if resume and resume != "latest":
+        try:
+            require_complete_checkpoint(Path(resume))
+        except FileNotFoundError as error:
+            raise ArgumentError(str(error)) from None
+        if newer := [p.name for p in newer_checkpoints(Path(resume), output_dir)]:
+            raise ArgumentError(f"{resume} is older than {newer} in the same output_dir, which 'latest' would pick "
+                                "after a restart; move those elsewhere first, or resume into another --output_dir")
+    if resume and overwrite:
+        raise ArgumentError("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues: give one")
+    if not resume and not overwrite and (complete_checkpoints(output_dir) or (Path(output_dir) / "final").exists()):
+        raise ArgumentError(
+            f"{output_dir} already holds a run (checkpoints or final/); continue it with --resume_from_checkpoint "
+            "latest, start afresh with --overwrite_output_dir, or choose another --output_dir")
+    deleted = [(Path(output_dir) / name).resolve() for name in RUN_OUTPUTS] if overwrite else []
+    for flag, path in inputs.items():
+        if path and (inside := next((d for d in deleted if Path(path).resolve().is_relative_to(d)), None)):
+            raise ArgumentError(f"--overwrite_output_dir would delete {inside}, which --{flag} {path} reads; nothing "
+                                "was deleted: give this run another --output_dir")
+    try:  # created if needed, and written to by this process, before any training
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        raise ArgumentError(f"cannot write to --output_dir {output_dir} ({error.strerror}); choose a writable directory") from None
 
 
 def clear_previous_run(output_dir: str) -> None:
