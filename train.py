@@ -35,6 +35,7 @@ import math
 import os
 import sys
 import time
+import traceback
 
 import psutil
 import torch
@@ -72,6 +73,7 @@ EXIT_BAD_INPUT = 2  # a flag, file, config or checkpoint that cannot work; the m
 EXIT_NONFINITE_LOSS = 3  # the loss became NaN/inf; nothing was saved from that point on
 EXIT_COLLECTIVE_TIMEOUT = 4  # a collective waited longer than --ddp_timeout (a rank stalled or died)
 EXIT_PREEMPTED = 75  # SIGTERM/SIGUSR1: saved a checkpoint; rerun with --resume_from_checkpoint latest (EX_TEMPFAIL)
+EXIT_UNEXPECTED = 1  # any other exception: its traceback is printed
 
 
 def main() -> None:
@@ -240,7 +242,8 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
 
 
 def run() -> int:
-    """`main()`, with each documented failure turned into one error line and its exit code."""
+    """`main()`, with each documented failure turned into one error line and its exit code, and any other
+    exception into its traceback and exit 1: every way out ends in `exit_process`."""
     gc.freeze()  # what the imports made lives as long as the process: no collection need look at it again
     gc.enable()
     try:
@@ -257,6 +260,9 @@ def run() -> int:
     except Preempted as stop:
         report(f"stopped: {stop}")
         return EXIT_PREEMPTED
+    except Exception:  # none of the above: a bug, here or in a library. Its traceback, then the same clean exit
+        traceback.print_exc()
+        return EXIT_UNEXPECTED
     return 0
 
 

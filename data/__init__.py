@@ -24,10 +24,12 @@ from pathlib import Path
 
 import datasets
 from datasets import Dataset, DatasetDict, load_dataset
+from datasets.exceptions import DatasetGenerationError
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, default_data_collator
 
 from data.default_corpus import CORPUS_VERSION, default_splits
 from data.errors import DataError
+from data.file_errors import describe_unreadable
 from data.packing import tokenize_and_pack, tokenize_documents
 
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -70,7 +72,10 @@ def load_raw_datasets(
         raw = load_dataset(dataset_name, dataset_config_name)
     elif train_file:
         builder, files = local_files(train_file, validation_file)
-        raw = load_dataset(builder, data_files=files)
+        try:
+            raw = load_dataset(builder, data_files=files)
+        except DatasetGenerationError as error:  # a malformed line: name the file and line, not pyarrow's row
+            raise DataError(describe_unreadable(files, builder, error.__cause__ or error)) from None
     else:
         raw = DatasetDict({split: Dataset.from_dict({"text": docs}) for split, docs in default_splits().items()})
     if "validation" not in raw:

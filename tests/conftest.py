@@ -127,13 +127,14 @@ LAUNCHER = [sys.executable, "-m", "accelerate.commands.launch"]  # `accelerate l
 
 
 def launch_command(
-    config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), gpu: bool = False
+    config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), gpu: bool = False,
+    env: dict[str, str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment of `accelerate launch --config_file <config> <launcher_args> <script> <args>`;
-    `gpu`: with the machine's GPUs visible."""
+    `gpu`: with the machine's GPUs visible; `env`: variables added to the suite's."""
     command = [*LAUNCHER, "--config_file", str(config_path(config)),
                "--main_process_port", str(free_port()), *launcher_args, str(script), *args]
-    env = os.environ | forked_launcher.SUITE_LAUNCH_ENV
+    env = os.environ | forked_launcher.SUITE_LAUNCH_ENV | (env or {})
     if gpu:
         env.pop("CUDA_VISIBLE_DEVICES")
         env |= {"CUDA_VISIBLE_DEVICES": VISIBLE_GPUS} if VISIBLE_GPUS is not None else {}
@@ -142,11 +143,11 @@ def launch_command(
 
 def launch(
     config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), timeout: int = 300,
-    gpu: bool = False,
+    gpu: bool = False, env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `accelerate launch` for real and wait for it: its `main`, in a fork of a process that imported it
     (tests/forked_launcher.py), so that the launcher does not import torch again for each of the suite's launches."""
-    command, env = launch_command(config, script, *args, launcher_args=launcher_args, gpu=gpu)
+    command, env = launch_command(config, script, *args, launcher_args=launcher_args, gpu=gpu, env=env)
     if gpu:  # a launcher that imports torch itself, with the GPUs visible
         return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return forked_launcher.run(command[len(LAUNCHER):], env, REPO, timeout)
@@ -201,16 +202,19 @@ def node_script_command(
     return [str(NODE_SCRIPT), *args], env
 
 
-def start(config: str | Path, output_dir: Path, *args: str,
-          via_node_script: bool = False) -> subprocess.Popen | forked_launcher.Launcher:
+def start(config: str | Path, output_dir: Path, *args: str, via_node_script: bool = False,
+          shutdown_timeout: str | None = "300") -> subprocess.Popen | forked_launcher.Launcher:
     """Start train.py with the tiny model in the background, in its own session; output to output_dir/launch.log.
-    The launcher: accelerate's launch command in a fork (tests/forked_launcher.py), or the SLURM node script."""
+    The launcher: accelerate's launch command in a fork (tests/forked_launcher.py), or the SLURM node script.
+    `shutdown_timeout`: torchrun's grace after a signal (PET_SHUTDOWN_TIMEOUT); None: its default, 30 s."""
     run_args = (*TINY_RUN, "--output_dir", str(output_dir), *args)
     if via_node_script:
         command, env = node_script_command(config, *run_args)
     else:
         command, env = launch_command(config, "train.py", *run_args)
-    env["PET_SHUTDOWN_TIMEOUT"] = "300"  # a loaded machine may need more than torchrun's 30 s to save after a signal
+    env.pop("PET_SHUTDOWN_TIMEOUT", None)  # whatever the caller's shell says
+    if shutdown_timeout:  # a loaded machine may need more than torchrun's 30 s to save after a signal
+        env["PET_SHUTDOWN_TIMEOUT"] = shutdown_timeout
     output_dir.mkdir(parents=True, exist_ok=True)
     if not via_node_script:
         return forked_launcher.start(command[len(LAUNCHER):], env, REPO, output_dir / "launch.log")

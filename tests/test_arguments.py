@@ -171,3 +171,28 @@ def test_an_overwrite_that_would_delete_what_the_run_reads_is_refused_before_any
     (tmp_path / "out" / "corpus.txt").write_text("a document\n")  # beside the run's outputs: not deleted, allowed
     parse_args(["--train_file", str(tmp_path / "out" / "corpus.txt"), "--overwrite_output_dir", "--output_dir",
                 str(tmp_path / "out")])
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("steps", "flags", "warning"), [
+    (1, [], None),  # the default warmup, 10% rounded down: none in a 1-step run, which then learns
+    (12, [], None),
+    (1, ["--warmup_steps", "30"], "every one of the 1 steps trains at learning rate 0"),
+    (5, ["--warmup_steps", "10"], "warmup of 10 steps covers the whole run of 5: step 1 trains at learning rate 0"),
+    (12, ["--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "2"], None),  # step 1 only: a warmup's start
+    (3, ["--lr_scheduler_type", "linear", "--warmup_ratio", "0.5"], None),
+])
+def test_a_schedule_that_trains_steps_at_learning_rate_zero_is_named(tmp_path, caplog, steps, flags, warning) -> None:
+    """30 chat examples under fsdp.yaml made a 1-step run that a 30-step warmup kept at learning rate 0, silently."""
+    from accelerate import PartialState
+
+    from training.optim import warmup_steps
+
+    PartialState(cpu=True)  # accelerate's logger: the main process of one
+    _, _, args = parse_args([*flags, "--output_dir", str(tmp_path)])
+    with caplog.at_level("WARNING"):
+        build_scheduler(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=args.learning_rate), args, steps)
+    said = [record.getMessage() for record in caplog.records if "learning rate" in record.getMessage()]
+    assert said == [] if warning is None else (len(said) == 1 and warning in said[0]), said
+    if not flags:
+        assert warmup_steps(args, steps) == int(0.1 * steps)

@@ -46,6 +46,9 @@ LAUNCH_CASES = {
     "dataset too small for one batch per process": (
         "ddp", ["--train_file", "{few.txt}", "--validation_file", "{few.txt}", *RESUME], "need at least one global batch"
     ),
+    "a JSON Lines file with one malformed line": (
+        "ddp", ["--train_file", "{malformed.jsonl}", *RESUME], "malformed.jsonl: line 11 is not a valid JSON record"
+    ),
     "SyncBatchNorm on CPU": (
         "ddp", ["--task", "image-classification", "--model_config", "resnet-tiny", "--sync_batchnorm", *RESUME],
         "--sync_batchnorm needs GPUs: torch has no CPU kernels for SyncBatchNorm",
@@ -127,6 +130,9 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     (d / "empty.txt").write_text("")
     (d / "train.xml").write_text("<doc>text</doc>")
     (d / "few.txt").write_text("one short line\nand another\n")
+    records = [json.dumps({"text": f"document {i} " * 20}) for i in range(30)]
+    records[10] = '{"text": "an unterminated quote}'  # line 11: datasets said "row 10", and blamed the encoding
+    (d / "malformed.jsonl").write_text("\n".join(records) + "\n")
     (d / "broken.yaml").write_text("max_steps: [1\n")
     (d / "typo.yaml").write_text("learnin_rate: 0.1\n")
     zero2 = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
@@ -171,7 +177,7 @@ def test_bad_input_is_one_clear_line_and_nothing_saved_is_touched(config, args, 
     config, *launcher_args = fill(config).split()
     result = launch(Path(config) if config.endswith(".yaml") else config, "train.py", *TINY_RUN,
                     "--output_dir", str(previous), *map(fill, args), launcher_args=tuple(launcher_args), timeout=180)
-    assert result.returncode != 0
+    assert result.returncode == 2, result.stderr[-4000:]  # EXIT_BAD_INPUT
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors and message in errors[0], result.stderr[-4000:]
     assert len(errors) == 1  # one line per run: the ranks of a machine found the same problem
@@ -229,7 +235,7 @@ def test_a_checkpoint_that_would_run_code_on_load_is_refused(config, split_run, 
 
     result = launch(config, "train.py", *TINY_RUN, "--output_dir", str(tmp_path), *args,
                     "--resume_from_checkpoint", "latest", timeout=180)
-    assert result.returncode != 0
+    assert result.returncode == 2, result.stderr[-4000:]  # EXIT_BAD_INPUT
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors and "refused to load them, as unpickling can run code" in errors[0], result.stderr[-4000:]
     assert not marker.exists()

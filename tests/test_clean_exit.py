@@ -77,3 +77,18 @@ def test_every_rank_of_a_finished_run_ends_with_nothing_left_running(tmp_path) -
     # reason a rank must not end through the interpreter's teardown. If this ever fails, the
     # libraries release their groups and training/process_exit.py may be unnecessary.
     assert all(record["gloo_threads_alive"] for record in records)
+
+
+def test_an_unexpected_exception_prints_its_traceback_and_leaves_through_the_same_clean_exit(tmp_path) -> None:
+    """Not one of the documented failures (a ZeRO-2 checkpoint resumed under fsdp.yaml raised an AssertionError
+    in torch's checkpoint reader): it left through the interpreter's teardown, and gloo aborted rank 0 (-6)."""
+    out_dir = tmp_path / "exits"
+    out_dir.mkdir()
+    result = launch("ddp", "tests/probes/exit_probe.py", str(out_dir), *TINY_RUN, "--output_dir", str(tmp_path / "run"),
+                    "--max_steps", "3", "--block_size", "64", env={"EXIT_PROBE_FAILING_STEP": "1"})
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert "Traceback" in result.stderr and "AssertionError: an error train.py does not document" in result.stderr
+    assert "terminate called" not in result.stdout + result.stderr
+    for rank in (0, 1):  # each rank ended through exit_process with exit 1, its process group closed
+        record = json.loads((out_dir / f"rank_{rank}.json").read_text())
+        assert record["code"] == 1 and record["non_daemon_threads"] == [], record

@@ -8,10 +8,12 @@ training/cpu_accommodations.py's docstring and re-measure before changing the ac
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import pytest
 
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, TINY_RUN, launch, launch_command
 
 PROBE = REPO / "tests" / "probes" / "strategy_probe.py"
 
@@ -56,3 +58,22 @@ def test_template_accelerator_on_cpu(config: str, expected: dict, tmp_path) -> N
     """The configured strategy, and --ddp_timeout reaching the process group (DeepSpeed included)."""
     for record in probe(config, "template", tmp_path):
         assert record.items() >= expected.items(), record
+
+
+@pytest.mark.parametrize(("config", "processes", "omp_num_threads"), [("single", 1, None), ("ddp", 2, None),
+                                                                       ("single", 1, "1")])
+def test_each_process_computes_on_its_share_of_the_cores_unless_the_user_chose(config, processes, omp_num_threads,
+                                                                                 tmp_path) -> None:
+    """A fresh `accelerate launch train.py` (new interpreters, the user's environment): accelerate gives each
+    process OMP_NUM_THREADS=1 by default, and the README's default job used one of two cores (1.73x slower)."""
+    command, env = launch_command(config, "train.py", *TINY_RUN, "--output_dir", str(tmp_path), "--max_steps", "2",
+                                  "--eval_strategy", "no", "--save_strategy", "no")
+    env.pop("OMP_NUM_THREADS")
+    result = subprocess.run(command, cwd=REPO, env=env | ({"OMP_NUM_THREADS": omp_num_threads} if omp_num_threads else {}),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    share = max(1, len(os.sched_getaffinity(0)) // processes)
+    expected = "1 CPU thread per process (as set)" if omp_num_threads else \
+        f"{share} CPU thread{'s' if share > 1 else ''} per process"
+    started = [line for line in result.stderr.splitlines() if "strategy=" in line]  # the rank's own count
+    assert started and started[0].endswith(f"tf32=off, {expected}"), started

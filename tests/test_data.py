@@ -96,7 +96,12 @@ def test_a_local_dataset_directory_loads_by_name(tmp_path, tokenizer, text_docum
 
 @pytest.mark.parametrize(
     ("name", "content", "message"),
-    [("train.xml", "<a/>", "unsupported data file type '.xml'"), ("missing.txt", None, "data file not found")],
+    [("train.xml", "<a/>", "unsupported data file type '.xml'"), ("missing.txt", None, "data file not found"),
+     # one error line naming the file and its 1-based line, not pyarrow's 0-based row in a long traceback
+     ("train.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": "c}\n', r"train.jsonl: line 3 is not a valid JSON record"),
+     ("train.json", '[{"text": "a"},\n{"text": "b"\n]\n', r"train.json: line 3 is not valid JSON"),
+     ("train.csv", 'text\n"a"\n"b\nc\n', r"train.csv: line 3 is not valid CSV .*a quoted field that never closes"),
+     ("train.csv", "text,label\na,1\nb,1,2\n", r"train.csv: line 3 has 3 fields where the header has 2")],
 )
 def test_bad_data_files_are_named(tmp_path, name, content, message) -> None:
     path = tmp_path / name

@@ -4,6 +4,7 @@ the new interpreters that `accelerate launch` starts would: only the libraries' 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -47,8 +48,9 @@ def test_a_forked_rank_starts_as_a_new_interpreter_would(config) -> None:
 
 
 def test_a_launch_whose_environment_the_libraries_would_read_gets_new_interpreters(monkeypatch) -> None:
-    """HF_HUB_OFFLINE is read as huggingface_hub is imported: the ranks import it themselves."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    """HF_HUB_OFFLINE is read as huggingface_hub is imported: the ranks import it themselves. (Set to the value
+    the caller's shell does not have: an offline cluster's shell often sets it, and the forkserver inherits it.)"""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1")
     result = launch("ddp", PROBE)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [rank["libraries_imported"] for rank in ranks(result)] == [False, False]

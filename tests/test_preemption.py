@@ -52,7 +52,9 @@ def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
 ) -> None:
     args = split_run_args(uneven_data, SPLIT_OF[config])  # the config's run of test_accumulation, uninterrupted
     uninterrupted = split_run(SPLIT_OF[config])
-    launcher = start(config, tmp_path, *args, *DRAW_REPORT, via_node_script=target == "node script")
+    # The plain launch has torchrun's own grace, 30 s, as a user's `accelerate launch` does: the save fits in it
+    launcher = start(config, tmp_path, *args, *DRAW_REPORT, via_node_script=target == "node script",
+                     shutdown_timeout=None if (config, target) == ("ddp", "launcher") else "300")
     # Stop once the first epoch is logged (the ranks agreed on that step already), so the signal lands mid-way
     # through the second epoch, at step 7, 8 or 9 of 10, on any machine: the resume below is also test_resume.py's
     # resume of this config, from within an epoch that is not the first.

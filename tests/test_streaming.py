@@ -121,6 +121,7 @@ def test_every_strategy_trains_the_same_stream_and_evaluates_the_same_set(stream
         assert len(differences) == STEPS * 2 + 3  # eval at the start, step 5 and step 10
         assert worst_difference(differences).absolute <= 1e-5, run
     assert "16 examples for evaluation" in (runs[0] / "launch.log").read_text()
+    assert "epochs as long as the stream" in (runs[0] / "launch.log").read_text()  # not "0 steps/epoch"
 
 
 @pytest.mark.quick

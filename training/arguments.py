@@ -160,7 +160,7 @@ def check_optimization_flags(train_args: TrainArguments) -> None:
                             f"choose one of {names}")
     if not 0 <= train_args.warmup_ratio < 1:
         raise ArgumentError(f"--warmup_ratio must be in [0, 1), got {train_args.warmup_ratio}")
-    if train_args.warmup_steps < 0:
+    if train_args.warmup_steps is not None and train_args.warmup_steps < 0:
         raise ArgumentError(f"--warmup_steps must be >= 0, got {train_args.warmup_steps}")
     kwargs = train_args.lr_scheduler_kwargs
     if isinstance(kwargs, str):  # from the command line; a recipe may give a mapping

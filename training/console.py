@@ -19,6 +19,8 @@ def quiet_third_party_output() -> None:
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     # accelerate 1.15 passes DDP only `broadcast_buffers` (off on purpose: training/batchnorm.py), which torch 2.13 renames.
     warnings.filterwarnings("ignore", message=r"`broadcast_buffers` is deprecated", category=FutureWarning)
+    # peft 0.21 reads transformers 5.23's deprecated `is_gradient_checkpointing` as it wraps a model (3 per LoRA run).
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     if not torch.accelerator.is_available():  # else DeepSpeed warns on every rank that it uses the CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     logging.getLogger("accelerate.accelerator").setLevel(logging.WARNING)  # notes on how it filled DeepSpeed's "auto"s

@@ -159,9 +159,10 @@ class TrainArguments:
     adam_beta2: float = field(default=0.95, metadata={
         "help": "AdamW beta2: 0.95 as in LLM pretraining (transformers' default is 0.999)."})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
-    warmup_steps: int = field(default=30, metadata={"help": "Linear warmup, in optimizer steps."})
-    warmup_ratio: float = field(default=0.0, metadata={
-        "help": "Linear warmup as a fraction of the total steps, in [0, 1); replaces --warmup_steps when > 0."})
+    warmup_steps: int | None = field(default=None, metadata={
+        "help": "Linear warmup, in optimizer steps; overrides --warmup_ratio."})
+    warmup_ratio: float = field(default=0.1, metadata={
+        "help": "Linear warmup as a fraction of the run's steps (rounded down), in [0, 1), unless --warmup_steps is given."})
     lr_scheduler_type: str = field(
         default="cosine",
         metadata={"help": "Decay after warmup: a transformers scheduler (SchedulerType), e.g. linear, cosine, constant, "

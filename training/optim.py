@@ -155,8 +155,9 @@ def run_length(train_examples: int, eval_examples: int, global_batch: int, args)
 
 
 def warmup_steps(args, total_steps: int) -> int:
-    """`--warmup_ratio` of the total steps when set, else `--warmup_steps`."""
-    return math.ceil(args.warmup_ratio * total_steps) if args.warmup_ratio > 0 else args.warmup_steps
+    """`--warmup_steps` when given (as in transformers, it overrides the ratio), else `--warmup_ratio` of the
+    total steps, rounded down (transformers rounds up: a 1-step run would then only warm up, at rate 0)."""
+    return args.warmup_steps if args.warmup_steps is not None else math.floor(args.warmup_ratio * total_steps)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
@@ -169,11 +170,27 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args, total_steps: int) ->
     from transformers import get_scheduler
 
     warmup = warmup_steps(args, total_steps)
-    if warmup >= total_steps > 1 and args.lr_scheduler_type != "constant":
-        get_logger(__name__).warning(
-            f"warmup of {warmup} steps covers the whole run of {total_steps}: the learning rate never reaches "
-            f"--learning_rate {args.learning_rate}; lower --warmup_steps or use --warmup_ratio",
-            main_process_only=True,
-        )
-    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
-                         scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                              num_training_steps=total_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    if warning := idle_steps_warning(scheduler, total_steps, warmup):
+        get_logger(__name__).warning(warning, main_process_only=True)
+    return scheduler
+
+
+def idle_steps_warning(scheduler: torch.optim.lr_scheduler.LRScheduler, total_steps: int, warmup: int) -> str | None:
+    """What a schedule that trains steps at learning rate 0 wastes (a 1-step run under a 30-step warmup learned
+    nothing, and exported its initial weights without a word), or None. A warmup's first step, at 0 in
+    transformers' schedules, is the one exception."""
+    if not hasattr(scheduler, "lr_lambdas"):  # reduce_lr_on_plateau, greedy: no rate known in advance
+        return None
+    factors = [scheduler.lr_lambdas[0](step) for step in range(total_steps)]  # the rate of step k + 1, relative
+    idle = [step + 1 for step, factor in enumerate(factors) if factor == 0 and not (step == 0 < warmup < total_steps)]
+    if len(idle) == total_steps:
+        return (f"every one of the {total_steps} steps trains at learning rate 0 (a warmup of {warmup}): nothing is "
+                "learned; lower --warmup_steps/--warmup_ratio or raise --max_steps")
+    if warmup >= total_steps:
+        return (f"warmup of {warmup} steps covers the whole run of {total_steps}: step 1 trains at learning rate 0 "
+                "and the rate never reaches --learning_rate; lower --warmup_steps or --warmup_ratio")
+    if idle:
+        return f"steps {idle[:5]}{'...' if len(idle) > 5 else ''} train at learning rate 0: check the schedule's flags"
+    return None

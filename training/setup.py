@@ -32,6 +32,7 @@ from training.compile import compiled_objective, dynamo_plugin
 from training.compression import GradientTraffic, keep_power_sgd_state_in_checkpoints, register_comm_hook
 from training.console import one_voice
 from training.distillation import build_distillation
+from training.cpu_accommodations import use_share_of_cores
 from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.layer_split import split_layers
@@ -182,7 +183,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                      "wandb": {"name": args.run_name}},
     )
     logger.info(
-        f"{task.describe_data(train_set)}, global batch {global_batch}, {steps_per_epoch} steps/epoch, "
+        f"{task.describe_data(train_set)}, global batch {global_batch}, "
+        f"{f'{steps_per_epoch} steps/epoch' if steps_per_epoch else 'epochs as long as the stream'}, "
         f"training to step {max_steps}, {len(eval_set)} examples for evaluation",
         main_process_only=True,
     )
@@ -248,6 +250,8 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
     one_voice(accelerator.is_main_process)  # the other ranks report errors only
     tf32 = use_tf32(args.tf32, accelerator.device, accelerator.mixed_precision)
     run_description = f"{describe(accelerator, strategy)} tf32={'on' if tf32 else 'off'}"
+    if accelerator.device.type == "cpu":  # before the peak-FLOP probe, which measures the same threads
+        run_description += f", {use_share_of_cores(int(os.environ.get('LOCAL_WORLD_SIZE', '1')))}"
     logger.info(run_description, main_process_only=True)
     logger.info(preflight(accelerator, args.ddp_timeout), main_process_only=True)
     if warning := idle_gpu_warning(accelerator, owns_every_gpu=bool(model_args.device_map)):

@@ -3,7 +3,8 @@
 Just before the rank leaves through `exit_process`, it writes OUT_DIR/rank_<rank>.json:
 the exit code, the Python threads that Python's shutdown would wait for, whether a process
 group is still initialized, and which gloo worker threads are still alive (the ones that can
-abort an interpreter teardown). Usage: exit_probe.py OUT_DIR <train.py flags>.
+abort an interpreter teardown). Usage: exit_probe.py OUT_DIR <train.py flags>; with EXIT_PROBE_FAILING_STEP=1
+in the environment, the training step raises an AssertionError.
 """
 
 import json
@@ -33,5 +34,11 @@ def recording_exit(code: int) -> None:
     exit_process(code)
 
 
+def failing_step(run, window):
+    raise AssertionError("an error train.py does not document")  # as torch's checkpoint reader raised one
+
+
+if os.environ.get("EXIT_PROBE_FAILING_STEP"):  # every training step raises an exception no handler names
+    train.train_step = failing_step
 exit_process = train.exit_process
 recording_exit(train.run())
