@@ -128,13 +128,14 @@ LAUNCHER = [sys.executable, "-m", "accelerate.commands.launch"]  # `accelerate l
 
 def launch_command(
     config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), gpu: bool = False,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, fresh: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment of `accelerate launch --config_file <config> <launcher_args> <script> <args>`;
-    `gpu`: with the machine's GPUs visible; `env`: variables added to the suite's."""
+    `gpu`: with the machine's GPUs visible; `env`: variables added; `fresh`: the user's environment (none of the
+    suite's launch settings: the threads, the module path), for `python -m accelerate... train.py` from the repo."""
     command = [*LAUNCHER, "--config_file", str(config_path(config)),
                "--main_process_port", str(free_port()), *launcher_args, str(script), *args]
-    env = os.environ | forked_launcher.SUITE_LAUNCH_ENV | (env or {})
+    env = os.environ | ({} if fresh else forked_launcher.SUITE_LAUNCH_ENV) | (env or {})
     if gpu:
         env.pop("CUDA_VISIBLE_DEVICES")
         env |= {"CUDA_VISIBLE_DEVICES": VISIBLE_GPUS} if VISIBLE_GPUS is not None else {}
@@ -143,21 +144,23 @@ def launch_command(
 
 def launch(
     config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), timeout: int = 300,
-    gpu: bool = False, env: dict[str, str] | None = None,
+    gpu: bool = False, env: dict[str, str] | None = None, fresh: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run `accelerate launch` for real and wait for it: its `main`, in a fork of a process that imported it
-    (tests/forked_launcher.py), so that the launcher does not import torch again for each of the suite's launches."""
-    command, env = launch_command(config, script, *args, launcher_args=launcher_args, gpu=gpu, env=env)
-    if gpu:  # a launcher that imports torch itself, with the GPUs visible
+    (tests/forked_launcher.py), so that the launcher does not import torch again for each of the suite's launches;
+    `fresh` (and `gpu`): as a user's shell runs it, new interpreters for the launcher and every rank."""
+    command, env = launch_command(config, script, *args, launcher_args=launcher_args, gpu=gpu, env=env, fresh=fresh)
+    if gpu or fresh:  # a launcher that imports torch itself (with the GPUs visible: `gpu`)
         return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return forked_launcher.run(command[len(LAUNCHER):], env, REPO, timeout)
 
 
 def train(
-    config: str | Path, output_dir: Path, *args: str, launcher_args: tuple[str, ...] = ()
+    config: str | Path, output_dir: Path, *args: str, launcher_args: tuple[str, ...] = (), fresh: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run train.py with the tiny model; fail the test with the run's output if it fails."""
-    result = launch(config, "train.py", *TINY_RUN, "--output_dir", str(output_dir), *args, launcher_args=launcher_args)
+    """Run train.py with the tiny model (`fresh`: new interpreters); fail the test with the run's output if it fails."""
+    result = launch(config, "train.py", *TINY_RUN, "--output_dir", str(output_dir), *args, launcher_args=launcher_args,
+                    fresh=fresh)
     assert result.returncode == 0, f"train.py failed under {config}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result
 
@@ -324,18 +327,18 @@ def made_once(directory: Path, make: Callable[[Path], None]) -> Path:
 
 @pytest.fixture(scope="session")
 def cached_run(shared_dir):
-    """`cached_run(config, *args)` trains once per distinct (config, args) in the test run."""
+    """`cached_run(config, *args, fresh=False)` trains once per distinct (config, args, fresh) in the test run."""
 
-    def trained(config: str | Path, args: tuple[str, ...]) -> Callable[[Path], None]:
+    def trained(config: str | Path, args: tuple[str, ...], fresh: bool) -> Callable[[Path], None]:
         def make(output_dir: Path) -> None:
-            result = train(config, output_dir, *args)
+            result = train(config, output_dir, *args, fresh=fresh)
             (output_dir / "launch.log").write_text(result.stdout + result.stderr)
 
         return make
 
-    def run(config: str | Path, *args: str) -> Path:
-        key = hashlib.sha256(json.dumps([str(config), *args]).encode()).hexdigest()[:16]
-        return made_once(shared_dir / "runs" / key, trained(config, args))
+    def run(config: str | Path, *args: str, fresh: bool = False) -> Path:
+        key = hashlib.sha256(json.dumps([str(config), *args, *(["fresh"] if fresh else [])]).encode()).hexdigest()[:16]
+        return made_once(shared_dir / "runs" / key, trained(config, args, fresh))
 
     return run
 
@@ -471,10 +474,11 @@ def parity_args(config: str, base_model: Path) -> tuple[str, ...]:
 
 @pytest.fixture(scope="session")
 def strategy_run(cached_run, base_model):
-    """`strategy_run(config)`: the parity run of one config, trained once per test run.
+    """`strategy_run(config)`: the parity run of one config, trained once per test run, by a fresh launch (new
+    interpreters, the user's environment): the promise itself, and every config file's launch as a user runs it.
 
     The shipped DeepSpeed JSONs leave clipping "auto", so the flag alone changes it on every config."""
-    return lambda config: cached_run(config, *parity_args(config, base_model))
+    return lambda config: cached_run(config, *parity_args(config, base_model), fresh=True)
 
 
 LORA_STEPS = 5

@@ -48,21 +48,30 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 # What every suite launch adds to the pytest worker's environment (tests/conftest.py).
 SUITE_LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+# GNU readline (imported by pytest's debugger support) writes the terminal size into the C environment, which the
+# forkserver would start with, though this process's os.environ lacks it: accelerate's menus read it at import.
+for _name in {"COLUMNS", "LINES"} - os.environ.keys():
+    os.unsetenv(_name)
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(["tests.preloaded_train", "accelerate.commands.launch"])  # in this order
 # Environment variables that no library reads as it is imported, only as a rank runs: what accelerate's launcher
 # and torch's elastic agent set for each rank (prefixes end in "_"), PYTHONPATH (a rank's module path is rebuilt
-# from it), DeepSpeed's CUDA check (set by importing it, in a test too), and what pytest sets: the current test's
-# name, and the terminal size that GNU readline (imported by pytest's debugger support) writes into the C
-# environment, which the forkserver inherits. Checked in accelerate 1.15 and torch 2.13.
-_READ_AT_RUN_TIME = ("ACCELERATE_USE_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_DYNAMO_", "FSDP_", "PARALLELISM_CONFIG_",
-                     "TORCHELASTIC_", "KMP_")
+# from it), DeepSpeed's CUDA check (set by importing it, in a test too), and the current test's name (pytest's).
+# tests/test_forked_launcher.py imports what the forkserver imports and fails if any of these is read.
+_READ_AT_RUN_TIME = ("ACCELERATE_DEEPSPEED_", "ACCELERATE_DYNAMO_", "FSDP_", "PARALLELISM_CONFIG_", "TORCHELASTIC_",
+                     "KMP_")
 _READ_AT_RUN_TIME_NAMES = {
+    "ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG",
     "ACCELERATE_MIXED_PRECISION", "ACCELERATE_CONFIG_DS_FIELDS", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
     "ACCELERATE_GRADIENT_CLIPPING", "ACCELERATE_DEBUG_MODE", "ACCELERATE_CPU_AFFINITY", "MASTER_ADDR", "MASTER_PORT",
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
     "ROLE_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHONPATH", "PYTORCH_NVML_BASED_CUDA_CHECK",
-    "PYTEST_CURRENT_TEST", "COLUMNS", "LINES"}
+    "PYTEST_CURRENT_TEST"}
+
+
+def read_at_run_time_only(name: str) -> bool:
+    """Whether `name` is on the list above: a launch whose environment differs only in these may fork its ranks."""
+    return name in _READ_AT_RUN_TIME_NAMES or name.startswith(_READ_AT_RUN_TIME)
 _POPEN = subprocess.Popen
 _PR_SET_NAME = 15  # from <linux/prctl.h>
 
@@ -177,7 +186,7 @@ def _fork_ranks() -> None:
         differing = {key for key in rank_env.keys() | preloaded.IMPORTED_UNDER.keys()
                      if rank_env.get(key) != preloaded.IMPORTED_UNDER.get(key)}
         if command is None or others or isinstance(stdout, int) or isinstance(stderr, int) or not all(
-                key in _READ_AT_RUN_TIME_NAMES or key.startswith(_READ_AT_RUN_TIME) for key in differing):
+                map(read_at_run_time_only, differing)):
             return _POPEN(args, env=env, stdout=stdout, stderr=stderr, start_new_session=start_new_session, **others)
         return ForkedRank(args, *command, preloaded.SET_BY_IMPORT | rank_env, stdout, stderr, start_new_session)
 

@@ -18,9 +18,13 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -28,7 +32,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models.configs import build_named_config
 from models.language import SHIPPED_TOKENIZER
-from tests.conftest import CONFIGS, REPO, SPLIT_OF, TINY_RUN, launch, split_args, split_run_args
+from tests.conftest import (CONFIGS, REPO, SPLIT_OF, TINY_RUN, end_launch, launch, launch_command, rank_processes,
+                            split_args, split_run_args, wait_for)
 from training.arguments import ArgumentError, parse_args
 from training.strategy import check_launch_config, requested_strategy
 from training.tensor_parallel import tensor_parallel_plan
@@ -182,6 +187,40 @@ def test_bad_input_is_one_clear_line_and_nothing_saved_is_touched(config, args, 
     assert errors and message in errors[0], result.stderr[-4000:]
     assert len(errors) == 1  # one line per run: the ranks of a machine found the same problem
     assert "Traceback" not in result.stderr.split("error: ")[0], result.stderr[-4000:]
+    assert snapshot(previous) == before
+
+
+def catches(process: psutil.Process, sig: int) -> bool:
+    """Whether `process` has a handler for `sig` (/proc's caught-signals mask)."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    return bool(int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+                & (1 << (sig - 1)))
+
+
+def test_a_fresh_launch_signalled_while_its_ranks_import_still_refuses_in_one_line(previous) -> None:
+    """New interpreters, as a user's launch: the ranks import the libraries themselves (seconds), and a SIGTERM
+    that reaches them meanwhile is held by train.py's prelude (installed first), not fatal: the bad flag is then
+    reported in one line, exit 2 on each rank."""
+    before = snapshot(previous)
+    command, env = launch_command("ddp", "train.py", *TINY_RUN, "--output_dir", str(previous), "--learnin_rate", "0.1",
+                                  *RESUME, fresh=True)
+    launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    ranks = {}
+    try:
+        wait_for(lambda: len(rank_processes(launcher)) == 2, 60, "the ranks to start", poll=0.005)
+        ranks = rank_processes(launcher)
+        wait_for(lambda: all(catches(rank, signal.SIGTERM) for rank in ranks.values()), 30, "the stop handlers",
+                 poll=0.001)
+        assert not any("libtorch" in m.path for rank in ranks.values() for m in rank.memory_maps())  # still importing
+        for rank in ranks.values():
+            rank.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=180)
+    finally:
+        end_launch(launcher, ranks.values())
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "did you mean 'learning_rate'" in errors[0], stderr[-4000:]
+    assert "Traceback" not in stderr.split("error: ")[0] and len(re.findall(r"exitcode\s*:\s*2\b", stderr)) == 2, stderr
     assert snapshot(previous) == before
 
 

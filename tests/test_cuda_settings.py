@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.cuda_settings import MAX_DEFAULT_WORKERS, loader_workers, tune_convolutions, use_tf32
+from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.performance import TF32, gpu_peak_flops
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
@@ -42,7 +42,16 @@ def test_cudnn_tunes_convolutions_only_for_fixed_shapes_on_gpus(device, fixed_sh
         tune_convolutions(CPU, False)
 
 
-def test_loader_workers_default_to_none_on_cpu_and_a_few_on_gpus() -> None:
-    assert loader_workers(None, CPU, local_processes=2) == 0
-    assert 0 <= loader_workers(None, CUDA, local_processes=1) <= MAX_DEFAULT_WORKERS
+@pytest.mark.parametrize(("usable", "cores", "processes", "workers"), [
+    (16, 16, 2, 4),  # 8 cores each, one for the loop: 7, at most 4
+    (16, 16, 8, 1),  # 2 cores each: one for the loop, one worker
+    (2, 2, 1, 1),
+    (1, 1, 1, 0),  # no core to spare: batches load in the loop
+    (3, 64, 8, 2),  # bound to 3 of 64 cores (SLURM's --cpus-per-task): those are this process's own
+])
+def test_loader_workers_default_to_none_on_cpu_and_a_few_on_gpus(usable, cores, processes, workers, monkeypatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(usable)))
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    assert loader_workers(None, CUDA, local_processes=processes) == workers
+    assert loader_workers(None, CPU, local_processes=processes) == 0
     assert loader_workers(3, CPU, local_processes=2) == 3  # the flag wins

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
+from tests import forked_launcher
 from tests.conftest import REPO, launch, launch_command
 
 PROBE = "tests/probes/start_probe.py"
@@ -54,3 +56,39 @@ def test_a_launch_whose_environment_the_libraries_would_read_gets_new_interprete
     result = launch("ddp", PROBE)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [rank["libraries_imported"] for rank in ranks(result)] == [False, False]
+
+
+READS_AT_IMPORT = """
+import collections, json, os, sys
+by_caller = collections.defaultdict(set)  # (file, line) of the read -> the names it read
+get = os._Environ.__getitem__
+
+def recording(self, key):  # os.environ[...], .get, in, os.getenv
+    caller = sys._getframe(1)
+    while "_collections_abc" in caller.f_code.co_filename:  # Mapping.get, a view's iteration: who called them
+        caller = caller.f_back
+    by_caller[caller.f_code.co_filename, caller.f_lineno].add(key)
+    return get(self, key)
+
+os._Environ.__getitem__ = recording
+sys.argv = ["train.py"]
+import train, accelerate.commands.launch  # what the forkserver imports (tests/preloaded_train.py)
+os._Environ.__getitem__ = get
+# a place that read (nearly) every variable set, and nothing else, copied the environment (fsspec and tqdm do, to
+# pick their own prefixes); torch's configs read hundreds of names from one line, most of them unset
+copies = [keys for keys in by_caller.values() if keys <= os.environ.keys() and len(keys) >= 0.9 * len(os.environ)]
+print(json.dumps(sorted({key for keys in by_caller.values() if keys not in copies for key in keys})))
+"""
+
+
+def test_no_variable_a_fork_may_differ_in_is_read_as_the_libraries_are_imported() -> None:
+    """The forked ranks skip the import, so a variable read then keeps the forkserver's value in them: a launch whose
+    environment differs in it must get new interpreters. Re-checked at every pin: accelerate 1.15 reads
+    ACCELERATE_USE_MEGATRON_LM as it is imported (no longer under the exempt ACCELERATE_USE_ prefix), and its menus
+    COLUMNS and LINES. (Reads through os.environ, a whole copy of it aside; a C library's getenv is not seen.)"""
+    done = subprocess.run([sys.executable, "-c", READS_AT_IMPORT], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    read = json.loads(done.stdout.splitlines()[-1])
+    assert len(read) > 100  # the recorder saw the libraries' reads
+    assert [name for name in read if forked_launcher.read_at_run_time_only(name)] == []

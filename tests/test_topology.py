@@ -66,7 +66,7 @@ def test_deepspeed_checkpoint_on_another_number_of_processes_stops_with_the_conv
 def test_resume_with_different_accumulation_keeps_the_windows_aligned(cached_run, uneven_data, tmp_path) -> None:
     """Saved at step 5 of 2x4x1 (test_tracking's run), resumed at 2x2x2 (same global batch): accelerate's saved
     micro-step counter (5, odd) must not shift the windows, or updates would mix two batches."""
-    full = cached_run("ddp", *tracked_run_args(uneven_data))
+    full = cached_run("ddp", *tracked_run_args(uneven_data), fresh=True)  # test_tracking.py's run
     shutil.copytree(full / "checkpoints" / "step_5", tmp_path / "checkpoints" / "step_5")
     train("ddp", tmp_path, *split_args(uneven_data, per_device=2, accumulation=2, save_steps=5),
           "--resume_from_checkpoint", "latest")

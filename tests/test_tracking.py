@@ -25,7 +25,7 @@ def tracked_args(uneven_data) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def tracked(cached_run, tracked_args) -> Path:
-    return cached_run("ddp", *tracked_args)
+    return cached_run("ddp", *tracked_args, fresh=True)  # the console as a user sees it: import-time output too
 
 
 def scalars(output_dir: Path, tag: str) -> list[tuple[int, float]]:
