@@ -135,7 +135,10 @@ def launch_command(
     suite's launch settings: the threads, the module path), for `python -m accelerate... train.py` from the repo."""
     command = [*LAUNCHER, "--config_file", str(config_path(config)),
                "--main_process_port", str(free_port()), *launcher_args, str(script), *args]
-    env = os.environ | ({} if fresh else forked_launcher.SUITE_LAUNCH_ENV) | (env or {})
+    # fresh: a user who chose no thread count (the caller's shell may have: the runs must not depend on it)
+    suite = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"} if fresh else \
+        os.environ | forked_launcher.SUITE_LAUNCH_ENV
+    env = suite | (env or {})
     if gpu:
         env.pop("CUDA_VISIBLE_DEVICES")
         env |= {"CUDA_VISIBLE_DEVICES": VISIBLE_GPUS} if VISIBLE_GPUS is not None else {}

@@ -52,6 +52,11 @@ SUITE_LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "
 # forkserver would start with, though this process's os.environ lacks it: accelerate's menus read it at import.
 for _name in {"COLUMNS", "LINES"} - os.environ.keys():
     os.unsetenv(_name)
+# A rank reads the environment its launcher was started with (training/cpu_accommodations.py: whether the user chose
+# a thread count): a forked launcher's is the forkserver's, started with the suite's launch settings as a user's
+# shell would export them.
+for _name, _value in SUITE_LAUNCH_ENV.items():
+    os.putenv(_name, _value)
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(["tests.preloaded_train", "accelerate.commands.launch"])  # in this order
 # Environment variables that no library reads as it is imported, only as a rank runs: what accelerate's launcher

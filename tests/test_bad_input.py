@@ -182,7 +182,7 @@ def test_bad_input_is_one_clear_line_and_nothing_saved_is_touched(config, args, 
     config, *launcher_args = fill(config).split()
     result = launch(Path(config) if config.endswith(".yaml") else config, "train.py", *TINY_RUN,
                     "--output_dir", str(previous), *map(fill, args), launcher_args=tuple(launcher_args), timeout=180)
-    assert result.returncode == 2, result.stderr[-4000:]  # EXIT_BAD_INPUT
+    assert result.returncode != 0 and re.search(r"exitcode\s*:\s*2\b", result.stderr), result.stderr[-4000:]  # bad input
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors and message in errors[0], result.stderr[-4000:]
     assert len(errors) == 1  # one line per run: the ranks of a machine found the same problem
@@ -210,17 +210,20 @@ def test_a_fresh_launch_signalled_while_its_ranks_import_still_refuses_in_one_li
     try:
         wait_for(lambda: len(rank_processes(launcher)) == 2, 60, "the ranks to start", poll=0.005)
         ranks = rank_processes(launcher)
-        wait_for(lambda: all(catches(rank, signal.SIGTERM) for rank in ranks.values()), 30, "the stop handlers",
-                 poll=0.001)
-        assert not any("libtorch" in m.path for rank in ranks.values() for m in rank.memory_maps())  # still importing
+        for rank in ranks.values():  # frozen as soon as its handler is in: then signalled, while still importing
+            wait_for(lambda: catches(rank, signal.SIGTERM), 30, "the stop handler", poll=0.001)
+            rank.suspend()
+        assert not any("libtorch" in m.path for rank in ranks.values() for m in rank.memory_maps())  # no torch yet
         for rank in ranks.values():
             rank.send_signal(signal.SIGTERM)
+            rank.resume()
         _, stderr = launcher.communicate(timeout=180)
     finally:
         end_launch(launcher, ranks.values())
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "did you mean 'learning_rate'" in errors[0], stderr[-4000:]
-    assert "Traceback" not in stderr.split("error: ")[0] and len(re.findall(r"exitcode\s*:\s*2\b", stderr)) == 2, stderr
+    # exit 2 (the first rank to fail is reported; torchrun then ends the other), no traceback before the line
+    assert "Traceback" not in stderr.split("error: ")[0] and re.search(r"exitcode\s*:\s*2\b", stderr), stderr[-4000:]
     assert snapshot(previous) == before
 
 
@@ -274,7 +277,7 @@ def test_a_checkpoint_that_would_run_code_on_load_is_refused(config, split_run, 
 
     result = launch(config, "train.py", *TINY_RUN, "--output_dir", str(tmp_path), *args,
                     "--resume_from_checkpoint", "latest", timeout=180)
-    assert result.returncode == 2, result.stderr[-4000:]  # EXIT_BAD_INPUT
+    assert result.returncode != 0 and re.search(r"exitcode\s*:\s*2\b", result.stderr), result.stderr[-4000:]  # bad input
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors and "refused to load them, as unpickling can run code" in errors[0], result.stderr[-4000:]
     assert not marker.exists()
