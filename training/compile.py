@@ -6,7 +6,8 @@ its loss, as one graph. Compiled alone, the model has to hand its logits out of 
 under bf16 accelerate's output conversion writes them in fp32 (tokens x vocabulary x 4 bytes:
 3.3 GB per 16k tokens at a 50k vocabulary), then the loss reads them again. Inside one graph
 inductor fuses the upcast into the cross-entropy, and only per-sequence loss sums leave it.
-(Regional compilation compiles the decoder blocks alone: the loss then runs eagerly.)
+(Regional compilation compiles the decoder blocks alone: the loss then runs eagerly. Distillation keeps
+its own objective, uncompiled around the compiled student: the teacher may be a DeepSpeed engine.)
 """
 
 from __future__ import annotations

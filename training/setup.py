@@ -135,7 +135,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     prepare_training = partial(prepared_for_training, accelerator, task, train_data, eval_set, args, loading, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = prepare_training(model)
     keep_stream_position_in_checkpoints(accelerator, train_loader)
-    objective, teacher_bytes = partial(label_loss_sums, task), None  # per-example loss sums of a micro-batch
+    # per-example loss sums of a micro-batch; under --torch_compile one graph with the model (distillation: its own)
+    objective, teacher_bytes = compiled_objective(partial(label_loss_sums, task), args), None
     if model_args.teacher_model_name_or_path:
         distillation, teacher_bytes = build_distillation(accelerator, task, strategy, model_args.teacher_model_name_or_path,
                                                          args)
@@ -146,8 +147,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
             partial(training_loader, train_set, seed=args.seed, **loading),
             (model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer))
     forward_backward = (partial(model.forward_backward, accelerator) if pipelined(args) else
-                        partial(data_parallel_forward_backward, accelerator, compiled_objective(objective, args), model,
-                                args.gradient_accumulation_steps))
+                        partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
     traffic = register_comm_hook(model, args.ddp_comm_hook, args.power_sgd_rank, args.power_sgd_start_step)
     keep_power_sgd_state_in_checkpoints(accelerator, model)
     model_state = model_state_probe(model, torch_optimizer, lambda: held_gradients(model))  # bytes per rank, at step 2
