@@ -29,10 +29,11 @@ from training.metrics import read_metrics
 
 ROWS = [("ddp", False), ("ddp", True), ("fsdp", False), ("deepspeed_zero2", False)]  # (config, --torch_compile)
 ANCHOR_VOCABULARY = 50304  # GPT-2's 50,257 tokens padded to a multiple of 64, as llm.c and modded-nanogpt do
-GPU_DEFAULTS = {"model_config": "llama-125m", "block_sizes": [1024, 2048], "max_micro_batch": 64, "steps": 110, "warmup": 0,
-                "log_every": 10, "mixed_precision": "bf16"}
-CPU_DEFAULTS = {"model_config": "llama-tiny", "block_sizes": [64, 128], "max_micro_batch": 4, "steps": 12, "warmup": 0,
-                "log_every": 2, "mixed_precision": "bf16"}
+# warmup 0: train_run's own medians (unused here) count every logged step
+GPU_DEFAULTS = {"model_config": "llama-125m", "block_sizes": [1024, 2048], "max_micro_batch": 64, "steps": 110,
+                "warmup": 0, "log_every": 10, "mixed_precision": "bf16"}
+CPU_DEFAULTS = {"model_config": "llama-tiny", "block_sizes": [64, 128], "max_micro_batch": 4, "steps": 12,
+                "warmup": 0, "log_every": 2, "mixed_precision": "bf16"}
 
 
 def steady_figures(run_dir: Path) -> dict:
@@ -48,7 +49,8 @@ def steady_figures(run_dir: Path) -> dict:
             "step_time": statistics.median(m["step_time"] for m in intervals),
             "mfu": statistics.median(m["tokens_per_sec"] * flops / m["peak_flops"] for m in intervals),
             "peak_memory_gb": summary["peak_memory_gb"], "final_loss": logged[-1]["loss"], "flops_per_token": flops,
-            "whole_run_mfu": summary["mfu"], "train_py_steady_mfu": summary["steady_mfu"], "wall_time_s": summary["wall_time_s"], "intervals": intervals}
+            "whole_run_mfu": summary["mfu"], "train_py_steady_mfu": summary["steady_mfu"],
+            "wall_time_s": summary["wall_time_s"], "intervals": intervals}
 
 
 def tokenizer_vocabulary() -> int:
