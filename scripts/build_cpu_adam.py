@@ -17,12 +17,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training.optim import ask_cpuinfo_once  # noqa: E402
+from training.optim import prepare_cpu_adam  # noqa: E402
 
 
 def main() -> int:
     started = time.perf_counter()
-    ask_cpuinfo_once()  # as train.py asks: the same build flags, so its runs find this build
+    print("building DeepSpeed's CPU Adam (a minute or two, once per machine)", file=sys.stderr, flush=True)
+    prepare_cpu_adam()  # as train.py does: the same build flags, so its runs find this build
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
@@ -32,7 +33,7 @@ def main() -> int:
         print(f"error: DeepSpeed's CPU Adam did not build ({cause}); install a C++ compiler and ninja "
               "(`pip install ninja`), or leave out the offload configs", file=sys.stderr)
         return 1
-    print(f"DeepSpeed's CPU Adam is built ({time.perf_counter() - started:.0f} s)")
+    print(f"DeepSpeed's CPU Adam is built ({time.perf_counter() - started:.0f} s)", flush=True)
     return 0
 
 

@@ -110,8 +110,7 @@ def pytest_configure(config: pytest.Config) -> None:
     progress (torch's lock) or finds it done."""
     if hasattr(config, "workerinput") or config.option.collectonly or config.option.markexpr:
         return
-    build = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
-    subprocess.Popen([sys.executable, "-c", build], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    subprocess.Popen([sys.executable, "scripts/build_cpu_adam.py"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      start_new_session=True)
 
 

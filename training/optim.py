@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import importlib
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from training.errors import ArgumentError, StrategyError
@@ -96,7 +98,7 @@ def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> to
     groups = [group for group in groups if group["params"]]
     choice = optimizer_for(args.optim, offloaded)
     if choice is DEEPSPEED_CPU_ADAMW:
-        ask_cpuinfo_once()
+        prepare_cpu_adam()
     try:
         return choice.build(groups, args)
     except RuntimeError as error:
@@ -110,6 +112,12 @@ def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> to
         ) from error
 
 
+def prepare_cpu_adam() -> None:
+    """Before DeepSpeed's CPU Adam loads (it compiles on first use, under torch's build lock)."""
+    ask_cpuinfo_once()
+    release_abandoned_build_lock("cpu_adam")
+
+
 def ask_cpuinfo_once() -> None:
     """DeepSpeed's CPU Adam asks py-cpuinfo about the CPU three times as it loads (twice for its build
     flags, once for the vendor), and py-cpuinfo answers each time from two new Python processes: 1.2 s
@@ -121,6 +129,42 @@ def ask_cpuinfo_once() -> None:
 
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+
+
+def release_abandoned_build_lock(extension: str) -> bool:
+    """Remove the lock file of a build that no process holds any more; whether there was one.
+
+    torch builds an extension, or checks that its build is current, holding `<build dir>/lock`
+    (torch.utils.file_baton), and every other load waits while that file exists, with no timeout.
+    A process killed while it held the file (a rank killed at start-up, a session ended mid-build)
+    leaves it behind, and every later offload run, and the setup's build, then waits forever. The
+    holder keeps the file open: one that no process has open, still there a second later (a holder
+    closes it just before removing it), is abandoned. Only this user's processes are seen, as
+    ~/.cache is this user's."""
+    import time
+
+    import psutil
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(extension, verbose=False)) / "lock"
+
+    def held() -> bool:
+        for process in psutil.process_iter():
+            try:
+                if any(Path(file.path) == lock for file in process.open_files()):
+                    return True
+            except psutil.Error:
+                continue
+        return False
+
+    if not lock.exists() or held():
+        return False
+    time.sleep(1)
+    if not lock.exists() or held():
+        return False
+    lock.unlink(missing_ok=True)
+    print(f"warning: removed {lock}, left by a build of {extension} killed while it held it", file=sys.stderr, flush=True)
+    return True
 
 
 def check_optimization(args) -> None:
