@@ -116,7 +116,9 @@ def train_run(config: str, args: argparse.Namespace, output_dir: Path, flags: tu
     return json.loads((output_dir / "summary.json").read_text()) | {
         "tokens_per_sec": statistics.median(m["tokens_per_sec"] for m in steady),
         "step_time": statistics.median(m["step_time"] for m in steady),
+        **({"mfu": statistics.median(m["mfu"] for m in steady)} if "mfu" in steady[0] else {}),
         "time_to_first_step": first_step,
+        "intervals": steady,  # what the medians and the MFU are recomputed from
     }
 
 

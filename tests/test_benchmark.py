@@ -31,13 +31,39 @@ def benchmark(tmp_path_factory) -> dict:
     return {"table": (out / "table.md").read_text(), **json.loads((out / "results.json").read_text())}
 
 
-def test_every_strategy_gets_a_row_with_real_figures(benchmark) -> None:
+def test_every_strategy_gets_a_row_of_figures_recomputed_from_what_train_py_logged(benchmark) -> None:
+    """Each row: medians over the intervals train.py logged after --warmup 2 (steps 4, 6 and 8 of 8, logged
+    every 2), FLOPs per token of the model built here, and MFU from the logged tokens/s and peak FLOP/s."""
     for config in CONFIGS:
         run = benchmark["strategies"][config]
-        assert f"| {config} |" in benchmark["table"]
-        assert run["processes"] == 2 and run["tokens_per_sec"] > 0 and run["step_time"] > 0
-        assert 0 < run["mfu"] < 1 and run["peak_memory_gb"] > 0 and run["time_to_first_step"] > 0
-    assert benchmark["train_py_over_raw"] > 0 and benchmark["data_preparation_tokens_per_sec"] > 0
+        assert [m["step"] for m in run["intervals"]] == [4, 6, 8] and run["processes"] == 2
+        assert_figures_follow_the_logged_intervals(run, run["intervals"], block_size=64)
+        assert run["mfu"] == run["steady_mfu"]  # train.py's own median over the same intervals
+        shown = (f"| {config} | 2 | {run['tokens_per_sec']:,.0f} | {run['step_time'] * 1000:,.0f} | {run['mfu']:.1%} | "
+                 f"{run['time_to_first_step']:.1f} | {run['peak_memory_gb'] * 1024:,.0f} | ")
+        assert shown in benchmark["table"] and run["time_to_first_step"] > 0
+    ours, raw = benchmark["train_py_tokens_per_sec"], benchmark["raw_ddp_tokens_per_sec"]
+    assert len(ours) == len(raw) == 1 and benchmark["train_py_over_raw"] == pytest.approx(ours[0] / raw[0])
+    assert f"| 1 | {ours[0]:,.0f} | {raw[0]:,.0f} | {ours[0] / raw[0]:.3f} |" in benchmark["table"]
+    assert f"{benchmark['data_preparation_tokens_per_sec']:,.0f} tokens/s" in benchmark["table"]
+
+
+def assert_figures_follow_the_logged_intervals(row: dict, intervals: list[dict], block_size: int,
+                                               vocabulary: int | None = None) -> int:
+    """A row's tokens/s, step time and MFU are the medians of its logged intervals; its FLOPs per token are
+    6N + 12·L·d·T of llama-tiny (at `vocabulary`) built here; each interval's MFU is its tokens/s x those
+    FLOPs / its peak FLOP/s. Returns the model's vocabulary."""
+    overrides = f"max_position_embeddings={block_size}" + (f",vocab_size={vocabulary}" if vocabulary else "")
+    model = AutoModelForCausalLM.from_config(build_named_config("llama-tiny", build_tokenizer(None, None), overrides))
+    config = model.config
+    matmul = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    assert row["flops_per_token"] == 6 * matmul + 12 * config.num_hidden_layers * config.hidden_size * block_size
+    assert row["tokens_per_sec"] == statistics.median(m["tokens_per_sec"] for m in intervals)
+    assert row["step_time"] == statistics.median(m["step_time"] for m in intervals)
+    for m in intervals:
+        assert m["mfu"] == pytest.approx(m["tokens_per_sec"] * row["flops_per_token"] / m["peak_flops"])
+    assert row["mfu"] == pytest.approx(statistics.median(m["mfu"] for m in intervals))
+    return config.vocab_size
 
 
 def test_measured_model_state_matches_the_memory_planner(benchmark) -> None:
@@ -83,14 +109,14 @@ def run_benchmark(out: Path, *flags: str) -> dict:
     return {"table": (out / "table.md").read_text(), "plot": out / "figure.png", **json.loads((out / "results.json").read_text())}
 
 
-HOOKS = ("allreduce", "fp16", "batched_power_sgd")  # power_sgd, its resume and its loss: tests/test_compression.py
+HOOKS = ("allreduce", "fp16", "power_sgd", "batched_power_sgd")  # power_sgd's resume and loss: test_compression
 
 
 def test_the_compression_table_counts_the_bytes_each_hook_sends(tmp_path) -> None:
     """Counted by the hook's wrapper: DDP's all-reduce sends every fp32 gradient, fp16 half of that, PowerSGD
     (from step 2 of 6) low-rank factors for the matrices after its first plain step. llama-small's 14 MB of
     gradients fill several of DDP's buckets, where torch's PowerSGD hooks deadlock on gloo unless train.py
-    gives them one (a hang here would end at the timeout; power_sgd shares batched_power_sgd's bucket setting)."""
+    gives them one (a hang here would end at the timeout)."""
     short = "--model_config llama-small --max_steps 6 --block_size 32 --per_device_train_batch_size 2 " \
             "--logging_steps 2 --eval_steps 6 --max_eval_samples 8"
     figures = run_benchmark(tmp_path, "--compression", "--hooks", *HOOKS, "--power_sgd_start_step", "2",
@@ -99,7 +125,8 @@ def test_the_compression_table_counts_the_bytes_each_hook_sends(tmp_path) -> Non
     sent = {hook: runs[hook]["gradient_allreduce_bytes_per_step"] for hook in HOOKS}
     assert sent["allreduce"] == runs["allreduce"]["parameters"] * 4
     assert sent["fp16"] == sent["allreduce"] / 2
-    assert sent["allreduce"] * 2 / 6 < sent["batched_power_sgd"] < sent["allreduce"] * 0.4  # 2 plain steps of 6
+    for hook in ("power_sgd", "batched_power_sgd"):
+        assert sent["allreduce"] * 2 / 6 < sent[hook] < sent["allreduce"] * 0.4, hook  # 2 plain steps of 6
     for hook in HOOKS:
         assert f"| {hook} |" in figures["table"] and runs[hook]["tokens_per_sec"] > 0 and runs[hook]["steps"] == 6
     assert runs["fp16"]["train_loss"] == pytest.approx(runs["allreduce"]["train_loss"], rel=1e-3)
@@ -166,26 +193,16 @@ def test_the_mfu_table_recomputes_every_figure_from_what_train_py_logged(tmp_pat
     rows = figures["mfu"]
     assert [(row["config"], row["compiled"], row["vocabulary"], row["block_size"]) for row in rows] == [
         ("fsdp", False, 50304, 32), ("fsdp", False, None, 32)]
-    tokenizer = build_tokenizer(None, None)
     for row in rows:
         length, intervals = row["block_size"], row["intervals"]
         assert [m["step"] for m in intervals] == [2, 3, 4]  # the first interval (step 1) is the warm-up
-        overrides = f"max_position_embeddings={length}" + (f",vocab_size={row['vocabulary']}" if row["vocabulary"] else "")
-        model = AutoModelForCausalLM.from_config(build_named_config("llama-tiny", tokenizer, overrides))
-        config, vocabulary = model.config, model.config.vocab_size
-        matmul = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
-        assert row["flops_per_token"] == 6 * matmul + 12 * config.num_hidden_layers * config.hidden_size * length
-        tokens = statistics.median(m["tokens_per_sec"] for m in intervals)
-        mfu = statistics.median(m["tokens_per_sec"] * row["flops_per_token"] / m["peak_flops"] for m in intervals)
-        step = statistics.median(m["step_time"] for m in intervals)
-        assert (row["tokens_per_sec"], row["step_time"]) == (tokens, step) and row["mfu"] == pytest.approx(mfu)
-        assert row["train_py_steady_mfu"] == pytest.approx(mfu)  # train.py's summary.json: the same median
-        for m in intervals:  # train.py's own figure, per interval
-            assert m["mfu"] == pytest.approx(m["tokens_per_sec"] * row["flops_per_token"] / m["peak_flops"])
+        vocabulary = assert_figures_follow_the_logged_intervals(row, intervals, length, row["vocabulary"])
+        assert row["train_py_steady_mfu"] == pytest.approx(row["mfu"])  # train.py's summary.json: the same median
+        for m in intervals:  # one process: the tokens of one micro-batch per step
             assert m["tokens_per_sec"] == pytest.approx(row["micro_batch"] * length / m["step_time"], rel=1e-6)
         shown = f"{vocabulary:,}" + ("" if row["vocabulary"] else " (tokenizer)")
-        assert (f"| fsdp | no | {shown} | {length} | {row['micro_batch']} | {tokens:,.0f} | {step * 1000:,.1f} | "
-                f"{mfu:.1%} | {row['whole_run_mfu']:.1%} | {row['peak_memory_gb']:.2f} | {row['final_loss']:.3f} |"
-                in figures["table"])
-        assert row["micro_batch"] == 4 and 0 < mfu < 1 and row["peak_memory_gb"] > 0
+        assert (f"| fsdp | no | {shown} | {length} | {row['micro_batch']} | {row['tokens_per_sec']:,.0f} | "
+                f"{row['step_time'] * 1000:,.1f} | {row['mfu']:.1%} | {row['whole_run_mfu']:.1%} | "
+                f"{row['peak_memory_gb']:.2f} | {row['final_loss']:.3f} |" in figures["table"])
+        assert row["micro_batch"] == 4 and row["peak_memory_gb"] > 0
     assert vocabulary == 960  # the last row: what the default tokenizer gives

@@ -165,6 +165,31 @@ def test_each_stage_refuses_what_cannot_train_in_one_line(tmp_path, monkeypatch,
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("clipping", [1.0, "auto", None])
+def test_the_deepspeed_clipping_is_read_from_accelerates_own_parse_of_the_json(tmp_path, monkeypatch, clipping) -> None:
+    """What a run aligns is the config accelerate parsed from the launcher's environment (its DeepSpeedPlugin, as
+    the Accelerator builds it): a number that disagrees with --max_grad_norm is refused there too, and "auto" or no
+    entry becomes the flag's value (accelerate would write 1.0)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from training.strategy_adapters import align_deepspeed_config
+
+    json_config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    json_config.pop("gradient_clipping", None)
+    (tmp_path / "ds.json").write_text(json.dumps(json_config | ({} if clipping is None else {"gradient_clipping": clipping})))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
+    parsed = DeepSpeedPlugin().deepspeed_config
+    if clipping == 1.0:
+        with pytest.raises(StrategyError, match=re.escape("gradient_clipping is 1.0 in the DeepSpeed JSON but "
+                                                          "--max_grad_norm is 0.5; set \"gradient_clipping\": \"auto\"")):
+            align_deepspeed_config(parsed, max_grad_norm=0.5, per_device_batch=4)
+    else:
+        align_deepspeed_config(parsed, max_grad_norm=0.5, per_device_batch=4)
+        assert (parsed["gradient_clipping"], parsed["train_micro_batch_size_per_gpu"]) == (0.5, 4)
+
+
 @pytest.mark.parametrize(("args", "env", "message"), MISTAKES.values(), ids=MISTAKES.keys())
 def test_a_mistake_is_one_error_line_and_exit_2(tmp_path, args, env, message) -> None:
     files = _files(tmp_path)
