@@ -5,9 +5,12 @@ import atexit
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 libraries_imported = "transformers" in sys.modules  # before this script imports anything
@@ -41,5 +44,16 @@ os.write(1, json.dumps({
     "atexit_callbacks": atexit._ncallbacks(),
     "numpy_draw": numpy.random.randint(2**31),  # differs between the ranks, as each new interpreter draws its own seed
 }).encode() + b"\n")  # one write: the ranks share the file
-if "--exit_code" in sys.argv and int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1:
-    sys.exit(int(sys.argv[sys.argv.index("--exit_code") + 1]))
+if "--exit_code" in sys.argv:
+    # The last rank leaves once every rank has written its line: its exit ends the launch, and a rank still
+    # importing (new interpreters on a loaded machine) would be ended before it wrote.
+    written = Path(tempfile.gettempdir(), f"start-probe-{os.environ.get('MASTER_PORT', 'single')}")
+    written.mkdir(exist_ok=True)
+    (written / os.environ.get("RANK", "0")).touch()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if int(os.environ.get("RANK", "0")) == world_size - 1:
+        deadline = time.monotonic() + 120
+        while len(list(written.iterdir())) < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shutil.rmtree(written, ignore_errors=True)
+        sys.exit(int(sys.argv[sys.argv.index("--exit_code") + 1]))
