@@ -46,7 +46,14 @@ def test_a_forked_rank_starts_as_a_new_interpreter_would(config) -> None:
     assert not any(rank["libraries_imported"] for rank in new_ranks)
     for each in (forked_ranks, new_ranks):  # each rank seeds numpy anew, as a new interpreter does
         assert len({rank["numpy_draw"] for rank in each}) == len(each)
-    assert [comparable(rank) for rank in forked_ranks] == [comparable(rank) for rank in new_ranks]
+    for forked_rank, new_rank in zip(map(comparable, forked_ranks), map(comparable, new_ranks), strict=True):
+        assert forked_rank.keys() == new_rank.keys()
+        for key, value in new_rank.items():  # one key at a time: the environment's difference, not a page of it
+            if isinstance(value, dict):
+                differing = {name for name in value.keys() | forked_rank[key].keys()
+                             if value.get(name) != forked_rank[key].get(name)}
+                assert not differing, {name: (forked_rank[key].get(name), value.get(name)) for name in differing}
+            assert forked_rank[key] == value, key
 
 
 def test_a_launch_whose_environment_the_libraries_would_read_gets_new_interpreters(monkeypatch) -> None:
