@@ -18,11 +18,19 @@ os.environ.setdefault("SUITE_CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE
 VISIBLE_GPUS = None if os.environ["SUITE_CUDA_VISIBLE_DEVICES"] == "<unset>" else os.environ["SUITE_CUDA_VISIBLE_DEVICES"]
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+import signal
+
+# A suite started in the background of a non-interactive shell (`cmd &`, nohup) inherits SIGINT and SIGQUIT
+# ignored, and every launch would inherit that from it: the suite and its launches start from a terminal's
+# dispositions instead, so that no test depends on how its caller's shell started it.
+for _signal in (signal.SIGINT, signal.SIGQUIT):
+    if signal.getsignal(_signal) == signal.SIG_IGN:
+        signal.signal(_signal, signal.default_int_handler if _signal == signal.SIGINT else signal.SIG_DFL)
+
 import hashlib
 import json
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -285,7 +293,7 @@ def stop_after_step(launcher, output_dir: Path, step: int, sig: int, processes: 
         (ranks[1] if to_rank_1 else psutil.Process(launcher.pid)).send_signal(sig)
         if not to_rank_1:  # through a launcher (forwarded, or as its parent's death): resumed once a rank holds
             # it, or a single process's steps, faster than a launcher's death, would train on to the end
-            wait_for(lambda: any(map(signal_pending, ranks.values())), 60, "the signal to reach a rank", poll=0.005)
+            wait_for(lambda: any(map(signal_pending, ranks.values())), 120, "the signal to reach a rank", poll=0.005)
         for rank in ranks.values():
             rank.resume()
         assert launcher.wait(timeout=120) != 0
