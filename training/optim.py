@@ -148,19 +148,21 @@ def release_abandoned_build_lock(extension: str) -> bool:
 
     lock = Path(_get_build_directory(extension, verbose=False)) / "lock"
 
-    def held() -> bool:
+    def abandoned() -> bool:
+        if not lock.exists():
+            return False
         for process in psutil.process_iter():
             try:
                 if any(Path(file.path) == lock for file in process.open_files()):
-                    return True
+                    return False
             except psutil.Error:
                 continue
-        return False
+        return True
 
-    if not lock.exists() or held():
+    if not abandoned():
         return False
     time.sleep(1)
-    if not lock.exists() or held():
+    if not abandoned():
         return False
     lock.unlink(missing_ok=True)
     print(f"warning: removed {lock}, left by a build of {extension} killed while it held it", file=sys.stderr, flush=True)
