@@ -387,7 +387,7 @@ def main() -> None:
                         help="--compression: the --ddp_comm_hook values, allreduce (the uncompressed baseline) first.")
     parser.add_argument("--power_sgd_rank", type=int, default=1)
     parser.add_argument("--power_sgd_start_step", type=int, default=20, help="About 10%% of the default job on 2 processes.")
-    parser.add_argument("--train_flags", default="", help="--compression: train.py flags added to the default job's.")
+    parser.add_argument("--train_flags", default="", help="--compression, --mfu: train.py flags added to every run's.")
     parser.add_argument("--scaling", action="store_true",
                         help="Instead: weak scaling of --configs (default ddp fsdp deepspeed_zero2) on --processes.")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4], help="--scaling: process counts, 1 first.")
@@ -409,6 +409,7 @@ def main() -> None:
                         help="Instead: MFU of ddp (eager and compiled), fsdp and deepspeed_zero2 on llama-125m with a "
                              "50k vocabulary, at the largest micro-batch that fits (scripts/mfu_benchmark.py).")
     parser.add_argument("--block_sizes", type=int, nargs="+", help="--mfu: sequence lengths T. Default 1024 2048 (CPU: 64 128).")
+    parser.add_argument("--no_tokenizer_row", action="store_true", help="--mfu: leave out the row at the shipped tokenizer's vocabulary.")
     parser.add_argument("--max_micro_batch", type=int, help="--mfu: the first micro-batch tried. Default 64 (CPU: 4).")
     parser.add_argument("--plot", type=Path, help="--compression/--scaling/--pipeline/--distillation: also draw the figure to this PNG.")
     parser.add_argument("--output", type=Path, help="Also write the tables to this markdown file.")

@@ -2,6 +2,7 @@
 
     python scripts/benchmark.py --mfu                                   # GPU: the figures in docs/gpus.md
     python scripts/benchmark.py --mfu --configs ddp --block_sizes 1024  # fewer rows
+    python scripts/benchmark.py --mfu --configs ddp --no_tokenizer_row --train_flags "--use_liger_kernel"
 
 - **Model**: the `llama-125m` body (GPT-2 small's: 12 layers, d = 768) with a 50,304-token vocabulary
   (`--config_overrides vocab_size=50304`), as llm.c, modded-nanogpt and nanochat measure it. The data is
@@ -10,7 +11,7 @@
 - **Batch**: the largest micro-batch up to `--max_micro_batch` that fits (halved after an out-of-memory),
   no accumulation, `--mixed_precision bf16`, fused AdamW (train.py's default `--optim`).
 - **Rows**: ddp eager, ddp with `--torch_compile`, fsdp and deepspeed_zero2 (those of `--configs`), at each
-  of `--block_sizes` (T).
+  of `--block_sizes` (T), each with `--train_flags` added (a lever: `--use_liger_kernel`, a compile mode).
 - **Figures**: medians over train.py's logged intervals after the first (the warm-up: CUDA context,
   autotuning, compilation), `--steps` optimizer steps; each MFU is recomputed here from what train.py
   logged: tokens/s x FLOPs per token (summary.json) / peak FLOP/s (metrics.jsonl). On CPU the shape is
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -82,11 +84,14 @@ def mfu_table(args: argparse.Namespace, scratch: Path, train_run: Callable) -> t
             for config, compiled in ROWS if config in args.configs]
     if not rows:
         raise SystemExit(f"error: --mfu measures {sorted({c for c, _ in ROWS})}; --configs names none of them")
-    config, compiled, _, length = next((row for row in rows if row[1]), rows[0])
-    rows.append((config, compiled, None, length))
+    if not args.no_tokenizer_row:
+        config, compiled, _, length = next((row for row in rows if row[1]), rows[0])
+        rows.append((config, compiled, None, length))
+    extra = tuple(shlex.split(args.train_flags))
     lines = [f"MFU: {args.model_config}, {args.num_processes} process(es), {args.mixed_precision}, micro-batch up to "
              f"{args.max_micro_batch} sequences, no accumulation, fused AdamW, {args.steps} steps; medians over the "
-             f"logged intervals ({args.log_every} steps each) after the first", "",
+             f"logged intervals ({args.log_every} steps each) after the first"
+             + (f"; train.py flags added: {args.train_flags}" if extra else ""), "",
              "| config | torch.compile | vocabulary | T | micro-batch | tokens/s | ms/step | MFU | MFU, whole run "
              "| peak memory (GiB) | final loss |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     results = []
@@ -94,7 +99,7 @@ def mfu_table(args: argparse.Namespace, scratch: Path, train_run: Callable) -> t
         overrides = f"max_position_embeddings={length}" + (f",vocab_size={vocabulary}" if vocabulary else "")
         flags = ("--model_config", args.model_config, "--config_overrides", overrides, "--block_size", str(length),
                  "--max_steps", str(args.steps), "--logging_steps", str(args.log_every), "--eval_strategy", "no",
-                 "--save_strategy", "no", *(["--torch_compile"] if compiled else []))
+                 "--save_strategy", "no", *(["--torch_compile"] if compiled else []), *extra)
         name = f"{config}{'-compiled' if compiled else ''}-{vocabulary or 'tokenizer'}-{length}"
         run = fitting_run(train_run, config, args, scratch / name, flags)
         results.append({"config": config, "compiled": compiled, "vocabulary": vocabulary, "block_size": length} | run)

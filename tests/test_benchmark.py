@@ -185,17 +185,18 @@ def test_the_data_table_sets_each_data_path_against_what_training_consumes(tmp_p
 
 
 def test_the_mfu_table_recomputes_every_figure_from_what_train_py_logged(tmp_path) -> None:
-    """On CPU: the tiny shape at GPT-2's vocabulary, then at the tokenizer's vocabulary. Each
+    """On CPU: the tiny shape at GPT-2's vocabulary, then at the tokenizer's vocabulary, with --train_flags. Each
     figure is a median over the intervals each run logged after its first, MFU recomputed here from the logged
     tokens/s and peak FLOP/s, and FLOPs per token are 6N + 12·L·d·T of the model built here."""
     figures = run_benchmark(tmp_path, "--mfu", "--configs", "fsdp", "--block_sizes", "32", "--steps", "4",
-                            "--log_every", "1")
+                            "--log_every", "1", "--train_flags=--max_steps 5")  # added flags come last: they win
+    assert "; train.py flags added: --max_steps 5" in figures["table"]
     rows = figures["mfu"]
     assert [(row["config"], row["compiled"], row["vocabulary"], row["block_size"]) for row in rows] == [
         ("fsdp", False, 50304, 32), ("fsdp", False, None, 32)]
     for row in rows:
         length, intervals = row["block_size"], row["intervals"]
-        assert [m["step"] for m in intervals] == [2, 3, 4]  # the first interval (step 1) is the warm-up
+        assert [m["step"] for m in intervals] == [2, 3, 4, 5]  # the first interval (step 1) is the warm-up
         vocabulary = assert_figures_follow_the_logged_intervals(row, intervals, length, row["vocabulary"])
         assert row["train_py_steady_mfu"] == pytest.approx(row["mfu"])  # train.py's summary.json: the same median
         for m in intervals:  # one process: the tokens of one micro-batch per step

@@ -56,6 +56,9 @@ class ModelArguments:
     )
     sync_batchnorm: bool = field(default=False, metadata={
         "help": "BatchNorm statistics over all processes' batches (GPUs; see training/batchnorm.py)."})
+    use_liger_kernel: bool = field(default=False, metadata={
+        "help": "Liger's Triton kernels for the model's RMSNorm and SwiGLU (Llama-family models on NVIDIA "
+                "GPUs; pip install liger-kernel). transformers' name."})
     use_peft: bool = field(default=False, metadata={
         "help": "Train a LoRA adapter (peft) on the frozen --model_name_or_path instead of every weight."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})

@@ -33,7 +33,7 @@ from training.compression import GradientTraffic, keep_power_sgd_state_in_checkp
 from training.console import one_voice
 from training.distillation import build_distillation
 from training.cpu_accommodations import use_share_of_cores
-from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
+from training.cuda_settings import apply_liger_kernel, loader_workers, tune_convolutions, use_tf32
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.layer_split import split_layers
 from training.metrics import tracker_config
@@ -264,6 +264,8 @@ def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArgu
     as the flags ask: tensor-parallel slices, layers over GPUs, synchronised BatchNorm."""
     with model_construction(accelerator, bool(model_args.model_name_or_path), task.can_build_empty) as empty:
         model = task.build_model(raw, empty)
+    if model_args.use_liger_kernel:
+        apply_liger_kernel(model, accelerator.device)
     set_seed(seed)  # ranks that built the model empty drew no random numbers: every rank goes on level
     if model_args.use_peft:  # after the seed: every rank draws the same adapter
         model = add_adapter(model, model_args)
