@@ -42,26 +42,18 @@ import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from data import DataError
 from models.adapters import merge_adapter
-from models.language import ModelError
 from training.accelerator import release_model_construction_hooks
-from training.arguments import ArgumentError, parse_args
-from training.checkpoint import ResumeError, export_final, save_checkpoint
-from training.collectives import (
-    CollectiveTimeoutError,
-    collective_timeouts_reported,
-    end_collectives,
-    gather_scalars,
-    max_over_ranks,
-)
+from training.arguments import parse_args
+from training.checkpoint import export_final, save_checkpoint
+from training.collectives import collective_timeouts_reported, end_collectives, gather_scalars, max_over_ranks
 from training.console import only_the_training_bar, quiet_third_party_output
 from training.dry_run import dry_run
-from training.errors import StrategyError
+from training.errors import EXIT_UNEXPECTED, Preempted, ending
 from training.evaluation import evaluate
-from training.loss import NonFiniteGuard, NonFiniteLossError, accumulation_windows
+from training.loss import NonFiniteGuard, accumulation_windows
 from training.metrics import MetricsLogger, print_summary, write_summary
-from training.preemption import Preempted, install_stop_handlers
+from training.preemption import install_stop_handlers
 from training.process_exit import exit_process
 from training.report import write_report
 from training.setup import Run, set_up
@@ -69,11 +61,6 @@ from training.strategy_adapters import clip_gradients
 from training.stream_loader import epoch_batches
 
 logger = get_logger(__name__)
-EXIT_BAD_INPUT = 2  # a flag, file, config or checkpoint that cannot work; the message says which
-EXIT_NONFINITE_LOSS = 3  # the loss became NaN/inf; nothing was saved from that point on
-EXIT_COLLECTIVE_TIMEOUT = 4  # a collective waited longer than --ddp_timeout (a rank stalled or died)
-EXIT_PREEMPTED = 75  # SIGTERM/SIGUSR1: saved a checkpoint; rerun with --resume_from_checkpoint latest (EX_TEMPFAIL)
-EXIT_UNEXPECTED = 1  # any other exception: its traceback is printed
 
 
 def main() -> None:
@@ -248,29 +235,15 @@ def run() -> int:
     gc.enable()
     try:
         main()
-    except (ArgumentError, DataError, ModelError, StrategyError, ResumeError, FileNotFoundError) as error:
-        report(f"error: {error}")
-        return EXIT_BAD_INPUT
-    except NonFiniteLossError as error:
-        report(f"error: {error}")
-        return EXIT_NONFINITE_LOSS
-    except CollectiveTimeoutError as error:
-        report(f"error: {error}", every_rank=True)  # each waiting rank names itself
-        return EXIT_COLLECTIVE_TIMEOUT
-    except Preempted as stop:
-        report(f"stopped: {stop}")
-        return EXIT_PREEMPTED
-    except Exception:  # none of the above: a bug, here or in a library. Its traceback, then the same clean exit
-        traceback.print_exc()
-        return EXIT_UNEXPECTED
+    except Exception as error:
+        if (end := ending(error)) is None:  # a bug, here or in a library: its traceback, then the same clean exit
+            traceback.print_exc()
+            return EXIT_UNEXPECTED
+        # once per machine, unless the error is each rank's own (another machine may differ: a file missing there)
+        if end.every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"\n{end.prefix}: {end}", file=sys.stderr)  # on its own line, even after a progress bar
+        return end.exit_code
     return 0
-
-
-def report(line: str, every_rank: bool = False) -> None:
-    """Print `line` once per machine: the ranks of one machine read the same flags, files and data,
-    so they fail alike (another machine may not: a file missing there, a failed download)."""
-    if every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"\n{line}", file=sys.stderr)  # on its own line, even after a progress bar
 
 
 if __name__ == "__main__":

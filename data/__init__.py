@@ -28,9 +28,9 @@ from datasets.exceptions import DatasetGenerationError
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, default_data_collator
 
 from data.default_corpus import CORPUS_VERSION, default_splits
-from data.errors import DataError
 from data.file_errors import describe_unreadable
 from data.packing import tokenize_and_pack, tokenize_documents
+from training.errors import DataError
 
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 PACKING_VERSION = "2"  # bump when packing changes, so old caches are not reused

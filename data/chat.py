@@ -23,7 +23,7 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from data.errors import DataError
+from training.errors import DataError
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")

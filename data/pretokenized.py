@@ -20,7 +20,7 @@ from pathlib import Path
 from datasets import Dataset, DatasetDict, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
-from data.errors import DataError
+from training.errors import DataError
 
 MANIFEST = "manifest.json"
 FORMAT = "datasets-arrow"

@@ -20,8 +20,8 @@ from transformers import PreTrainedTokenizerBase
 
 from data import local_files
 from data.default_corpus import default_splits
-from data.errors import DataError
 from data.packing import tokenize_and_pack, tokenize_documents
+from training.errors import DataError
 
 logger = logging.getLogger(__name__)
 skipped_shards = 0  # in this process (a loader worker counts its own)

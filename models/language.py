@@ -17,12 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from transformers.initialization import no_init_weights
 
 from models.configs import build_named_config
+from training.errors import ModelError
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer"
-
-
-class ModelError(ValueError):
-    """A model or tokenizer that cannot be loaded or used as asked; the message says how to fix it."""
 
 
 def first_line(error: BaseException) -> str:

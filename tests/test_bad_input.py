@@ -58,7 +58,6 @@ LAUNCH_CASES = {
         "ddp", ["--task", "image-classification", "--model_config", "resnet-tiny", "--sync_batchnorm", *RESUME],
         "--sync_batchnorm needs GPUs: torch has no CPU kernels for SyncBatchNorm",
     ),
-    "Liger's GPU kernels on CPU": ("ddp", ["--use_liger_kernel", *RESUME], "--use_liger_kernel runs Triton kernels on NVIDIA GPUs"),
 }
 ARGUMENT_CASES = {
     "missing train file": (["--train_file", "/nonexistent/train.txt", *RESUME], "data file not found"),

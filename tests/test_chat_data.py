@@ -24,7 +24,7 @@ from data.chat import (
     truncate,
 )
 from data.default_sft import default_sft_splits, requests
-from data.errors import DataError
+from training.errors import DataError
 from models.configs import build_named_config
 from models.language import build_tokenizer
 from train import train_step

@@ -92,3 +92,23 @@ def test_an_unexpected_exception_prints_its_traceback_and_leaves_through_the_sam
     for rank in (0, 1):  # each rank ended through exit_process with exit 1, its process group closed
         record = json.loads((out_dir / f"rank_{rank}.json").read_text())
         assert record["code"] == 1 and record["non_daemon_threads"] == [], record
+
+
+@pytest.mark.quick
+def test_each_documented_end_has_its_exit_code_from_one_home() -> None:
+    """training/errors.py: the exit code and line of every error train.py reports in one line; a missing file is
+    bad input; anything else is not a documented end (its traceback, exit 1)."""
+    from models.stages import StageError
+    from training import errors
+
+    codes = {error.__name__: (error.exit_code, error.prefix, error.every_rank) for error in (
+        errors.ArgumentError, errors.DataError, errors.ModelError, errors.StrategyError, errors.ResumeError, StageError,
+        errors.NonFiniteLossError, errors.CollectiveTimeoutError, errors.Preempted)}
+    assert codes == {"ArgumentError": (2, "error", False), "DataError": (2, "error", False),
+                     "ModelError": (2, "error", False), "StrategyError": (2, "error", False),
+                     "ResumeError": (2, "error", False), "StageError": (2, "error", False),
+                     "NonFiniteLossError": (3, "error", False), "CollectiveTimeoutError": (4, "error", True),
+                     "Preempted": (75, "stopped", False)}
+    missing = errors.ending(FileNotFoundError(2, "No such file or directory", "/nonexistent"))
+    assert (missing.exit_code, str(missing)) == (2, "[Errno 2] No such file or directory: '/nonexistent'")
+    assert errors.ending(KeyError("a bug")) is None and errors.ending(ValueError("a bug")) is None

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.cuda_settings import apply_liger_kernel, loader_workers, tune_convolutions, use_tf32
-from training.errors import ArgumentError
+from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.performance import TF32, gpu_peak_flops
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
@@ -58,16 +57,3 @@ def test_loader_workers_default_to_none_on_cpu_and_a_few_on_gpus(usable, cores, 
     assert loader_workers(3, CPU, local_processes=2) == 3  # the flag wins
 
 
-
-def test_liger_kernel_is_refused_in_one_line_where_it_cannot_run() -> None:
-    """On CPU; then as on a GPU machine: without liger-kernel (an optional install), or for a model it has no
-    kernels for."""
-    with pytest.raises(ArgumentError, match="runs Triton kernels on NVIDIA GPUs; this run is on cpu: drop the flag"):
-        apply_liger_kernel(torch.nn.Linear(2, 2), CPU)
-    try:
-        import liger_kernel.transformers.monkey_patch  # noqa: F401 (needs triton, which CPU builds of torch lack)
-        refusal = "liger-kernel has no kernels for model type None: drop the flag"
-    except ImportError:
-        refusal = r"--use_liger_kernel needs liger-kernel \(.*\): pip install liger-kernel==0.8.5, or drop the flag"
-    with pytest.raises(ArgumentError, match=refusal):
-        apply_liger_kernel(torch.nn.Linear(2, 2), CUDA)

@@ -14,7 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.conftest import TRACKED_RUN, read_metrics, tracked_run_args, train
 from training.arguments import parse_args
-from training.metrics import TrackerError, resolve_trackers
+from training.errors import ArgumentError
+from training.metrics import resolve_trackers
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def test_the_console_has_one_progress_bar_and_one_voice(tracked) -> None:
 @pytest.mark.parametrize("tracker", ["wandb", "trackio", "mlflow"])
 def test_an_optional_tracker_that_is_not_installed_is_named_with_its_install_command(tracker, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, tracker, None)  # import fails, as when the package is missing
-    with pytest.raises(TrackerError, match=f"--report_to {tracker} needs the {tracker} package.*pip install {tracker}"):
+    with pytest.raises(ArgumentError, match=f"--report_to {tracker} needs the {tracker} package.*pip install {tracker}"):
         resolve_trackers(["tensorboard", tracker])
     everything_installed = resolve_trackers(["all"])
     assert "tensorboard" in everything_installed and tracker not in everything_installed
@@ -96,7 +97,7 @@ def test_an_optional_tracker_that_is_not_installed_is_named_with_its_install_com
 )
 def test_report_to_values(names, result) -> None:
     if isinstance(result, str):
-        with pytest.raises(TrackerError, match=result):
+        with pytest.raises(ArgumentError, match=result):
             resolve_trackers(names)
     else:
         assert resolve_trackers(names) == result

@@ -26,7 +26,7 @@ from training.stream_loader import check_streaming_flags
 from training.compile import check_compile_flags
 from training.flags import (ALL_ARGUMENT_CLASSES, KNOWN_KEYS, ArgumentError, DataArguments, ModelArguments,
                             TrainArguments, build_parser)
-from training.metrics import TrackerError, resolve_trackers
+from training.metrics import resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
 from training.pipeline_layout import check_pipeline_flags
 from training.task_registry import ADAPTER_FLAGS, TASKS
@@ -141,10 +141,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     check_output_dir(train_args.output_dir, train_args.resume_from_checkpoint, train_args.overwrite_output_dir, {
         flag: getattr(model_args, flag, getattr(data_args, flag, None)) for flag in RUN_INPUTS})
     report_to = train_args.report_to
-    try:  # a recipe may give one name as a string, or leave the key empty
-        train_args.report_to = resolve_trackers([report_to] if isinstance(report_to, str) else report_to or ["none"])
-    except TrackerError as error:
-        raise ArgumentError(str(error)) from None
+    # a recipe may give one name as a string, or leave the key empty
+    train_args.report_to = resolve_trackers([report_to] if isinstance(report_to, str) else report_to or ["none"])
     train_args.run_name = train_args.run_name or Path(train_args.output_dir).resolve().name
     for path in filter(None, (data_args.train_file, data_args.validation_file)):
         try:

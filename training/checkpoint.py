@@ -24,7 +24,7 @@ from accelerate.utils import broadcast_object_list
 from transformers.utils import PushToHubMixin
 
 from training.batchnorm import average_running_statistics
-from training.errors import ArgumentError
+from training.errors import ArgumentError, ResumeError
 from training.pipeline import StageModules
 from training.safe_loading import safe_unpickling
 from training.strategy_adapters import own_class_while_saving
@@ -180,10 +180,6 @@ def rotate_checkpoints(output_dir: str, newest: Path, limit: int) -> None:
     others = [path for path in complete_checkpoints(output_dir) if path != newest]
     for old in others[: max(len(others) - (limit - 1), 0)]:
         shutil.rmtree(old)
-
-
-class ResumeError(RuntimeError):
-    """A checkpoint that cannot continue this run exactly; the message says what to do."""
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max_steps: int,

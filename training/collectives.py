@@ -15,14 +15,12 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
+from training.errors import CollectiveTimeoutError
+
 PREFLIGHT_TIMEOUT_S = 120
 # How a timed-out collective reads: gloo says "timed out"; NCCL's watchdog "Watchdog caught collective
 # operation timeout"; under TORCH_NCCL_ASYNC_ERROR_HANDLING=2 the next NCCL call "communicator was aborted".
 TIMEOUT_MESSAGES = ("timed out", "timeout", "communicator was aborted")
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective did not complete within its timeout: a rank stalled, died or cannot be reached."""
 
 
 @functools.cache

@@ -1,9 +1,69 @@
-"""Owns the errors of input that cannot work: train.py prints their one line and exits 2."""
+"""Owns the ways a run ends early that train.py reports in one line, and their exit codes.
+
+Every other exception is a bug, here or in a library: train.py prints its traceback and exits 1.
+A new error that users should see as one line subclasses one of these, and train.py needs no edit.
+"""
+
+EXIT_UNEXPECTED = 1  # any other exception: its traceback is printed
 
 
-class ArgumentError(ValueError):
+class RunEnded(Exception):
+    """A documented end of a run: `prefix: message` on stderr, then `exit_code`."""
+
+    exit_code = EXIT_UNEXPECTED
+    prefix = "error"
+    # The ranks of one machine read the same flags, files and data, so they fail alike: one line per machine.
+    every_rank = False
+
+
+class BadInputError(RunEnded):
+    """A flag, file, config or checkpoint that cannot work; the message says which and how to fix it."""
+
+    exit_code = 2
+
+
+class ArgumentError(BadInputError, ValueError):
     """A flag or recipe value the template cannot use; its message says how to fix it."""
 
 
-class StrategyError(RuntimeError):
-    """The strategy in use differs from the one configured; training would silently be wrong."""
+class DataError(BadInputError, ValueError):
+    """Data that cannot be used as given; the message says what to change."""
+
+
+class ModelError(BadInputError, ValueError):
+    """A model or tokenizer that cannot be loaded or used as asked; the message says how to fix it."""
+
+
+class StrategyError(BadInputError, RuntimeError):
+    """The strategy in use differs from the one configured, or cannot run here; training would be wrong."""
+
+
+class ResumeError(BadInputError, RuntimeError):
+    """A checkpoint that cannot continue this run exactly; the message says what to do."""
+
+
+class NonFiniteLossError(RunEnded, RuntimeError):
+    """The loss became NaN or infinite; nothing was saved from the poisoned weights."""
+
+    exit_code = 3
+
+
+class CollectiveTimeoutError(RunEnded, RuntimeError):
+    """A collective did not complete within its timeout: a rank stalled, died or cannot be reached."""
+
+    exit_code = 4
+    every_rank = True  # each waiting rank names itself
+
+
+class Preempted(RunEnded):
+    """Training stopped on a signal after saving a checkpoint; resuming continues exactly."""
+
+    exit_code = 75  # EX_TEMPFAIL: rerun with --resume_from_checkpoint latest
+    prefix = "stopped"
+
+
+def ending(error: BaseException) -> RunEnded | None:
+    """`error` as a documented end of the run: a missing file is bad input too; None for anything else."""
+    if isinstance(error, RunEnded):
+        return error
+    return BadInputError(str(error)) if isinstance(error, FileNotFoundError) else None

@@ -14,6 +14,7 @@ from transformers.hf_argparser import HfArgumentParser
 from training.task_registry import TASKS
 from training.errors import ArgumentError
 from training.optim import OPTIMIZERS
+from training.parts import part_flags
 
 class FlagParser(HfArgumentParser):
     """`HfArgumentParser` whose own errors (an unknown choice, a missing value) are ArgumentErrors:
@@ -56,9 +57,6 @@ class ModelArguments:
     )
     sync_batchnorm: bool = field(default=False, metadata={
         "help": "BatchNorm statistics over all processes' batches (GPUs; see training/batchnorm.py)."})
-    use_liger_kernel: bool = field(default=False, metadata={
-        "help": "Liger's Triton kernels for the model's RMSNorm and SwiGLU (Llama-family models on NVIDIA "
-                "GPUs; pip install liger-kernel). transformers' name."})
     use_peft: bool = field(default=False, metadata={
         "help": "Train a LoRA adapter (peft) on the frozen --model_name_or_path instead of every weight."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -136,7 +134,7 @@ class DataArguments:
 
 
 @dataclass
-class TrainArguments:
+class CoreTrainArguments:
     output_dir: str = field(default="outputs/default", metadata={"help": "Checkpoints, metrics and the final model."})
     overwrite_output_dir: bool = field(
         default=False,
@@ -271,6 +269,11 @@ class TrainArguments:
     )
     run_name: str | None = field(default=None, metadata={
         "help": "The run's name in the trackers (wandb project, ...). Default: output_dir's name."})
+
+
+@dataclass
+class TrainArguments(*part_flags(), CoreTrainArguments):
+    """The core's training flags, then every installed part's (parts/: training/parts.py)."""
 
 
 ALL_ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArguments)

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
+from training.errors import NonFiniteLossError
+
 IGNORE_INDEX = -100  # label of padding and of anything else that must not be learned
 
 
@@ -51,10 +53,6 @@ def accumulation_windows(batches: Iterable[dict], size: int) -> Iterator[list[di
             window = []
     if window:
         raise RuntimeError(f"an incomplete accumulation window of {len(window)} micro-batches: the data was not cut to full global batches")
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite; nothing was saved from the poisoned weights."""
 
 
 class NonFiniteGuard:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from accelerate import Accelerator
 
+from training.errors import ArgumentError
+
 if TYPE_CHECKING:
     from training.tasks import Task
 
@@ -18,10 +20,6 @@ if TYPE_CHECKING:
 # --report_to name -> the package it needs. TensorBoard is pinned in requirements.txt; the
 # others are optional installs.
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
-
-
-class TrackerError(ValueError):
-    """A --report_to value that cannot work here; the message says how to fix it."""
 
 
 def _installed(package: str) -> bool:
@@ -40,16 +38,16 @@ def resolve_trackers(names: list[str]) -> list[str]:
     """
     unknown = [name for name in names if name not in (*TRACKER_PACKAGES, "all", "none")]
     if unknown:
-        raise TrackerError(f"unknown --report_to {unknown}; choose from {[*TRACKER_PACKAGES, 'all', 'none']}")
+        raise ArgumentError(f"unknown --report_to {unknown}; choose from {[*TRACKER_PACKAGES, 'all', 'none']}")
     if "none" in names:
         if len(names) > 1:
-            raise TrackerError("--report_to none cannot be combined with other trackers")
+            raise ArgumentError("--report_to none cannot be combined with other trackers")
         return []
     if "all" in names:
         return [name for name, package in TRACKER_PACKAGES.items() if _installed(package)]
     for name in names:
         if not _installed(TRACKER_PACKAGES[name]):
-            raise TrackerError(
+            raise ArgumentError(
                 f"--report_to {name} needs the {TRACKER_PACKAGES[name]} package, which is not installed: "
                 f"pip install {TRACKER_PACKAGES[name]} (tensorboard is installed and works offline)"
             )

@@ -24,6 +24,8 @@ import sys
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from training.errors import Preempted
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
 # torch is imported where it is used: train.py installs the handlers before the libraries
@@ -33,10 +35,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _PARENT_AT_START = os.getppid()
 logger = logging.getLogger(__name__)
-
-
-class Preempted(Exception):
-    """Training stopped on a signal after saving a checkpoint; resuming continues exactly."""
 
 
 class StopRequests:

@@ -33,11 +33,12 @@ from training.compression import GradientTraffic, keep_power_sgd_state_in_checkp
 from training.console import one_voice
 from training.distillation import build_distillation
 from training.cpu_accommodations import use_share_of_cores
-from training.cuda_settings import apply_liger_kernel, loader_workers, tune_convolutions, use_tf32
+from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.layer_split import split_layers
 from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
+from training.parts import convert_model
 from training.performance import SpeedMeter, compute_dtype, model_state_probe, parameter_count, peak_flops
 from training.loss import forward_backward as data_parallel_forward_backward
 from training.loss import label_loss_sums
@@ -113,7 +114,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     tune_convolutions(accelerator.device, task.fixed_input_shapes)
     with accelerator.main_process_first():  # the main process downloads; the others then read its cache
         raw = task.load_raw_datasets(args.seed)
-    model = build_model(accelerator, task, raw, model_args, args.seed)
+    model = build_model(accelerator, task, raw, model_args, args)
     num_parameters = parameter_count(model)
     if pipelined(args):  # this process keeps its stages of the model (training/pipeline.py)
         model = StageModules(accelerator, model, args)
@@ -259,14 +260,15 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
     return accelerator, strategy, run_description, tf32
 
 
-def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArguments, seed: int) -> torch.nn.Module:
-    """The task's model, built without a whole copy per rank where the strategy allows, then laid out
-    as the flags ask: tensor-parallel slices, layers over GPUs, synchronised BatchNorm."""
+def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArguments,
+                args: TrainArguments) -> torch.nn.Module:
+    """The task's model, built without a whole copy per rank where the strategy allows, converted by the
+    parts (training/parts.py), then laid out as the flags ask: tensor-parallel slices, layers over GPUs,
+    synchronised BatchNorm."""
     with model_construction(accelerator, bool(model_args.model_name_or_path), task.can_build_empty) as empty:
         model = task.build_model(raw, empty)
-    if model_args.use_liger_kernel:
-        apply_liger_kernel(model, accelerator.device)
-    set_seed(seed)  # ranks that built the model empty drew no random numbers: every rank goes on level
+    model = convert_model(model, accelerator, args)
+    set_seed(args.seed)  # ranks that built the model empty drew no random numbers: every rank goes on level
     if model_args.use_peft:  # after the seed: every rank draws the same adapter
         model = add_adapter(model, model_args)
         logger.info(trainable_summary(model), main_process_only=True)

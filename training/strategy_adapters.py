@@ -18,6 +18,7 @@ from accelerate.utils import DistributedType
 
 from training.batchnorm import batch_norm_layers, running_statistics
 from training.errors import StrategyError
+from training.performance import compute_dtype
 from training.pipeline import StageModules
 from training.strategy import Strategy, wrapped_strategy
 
@@ -31,7 +32,7 @@ def optimizer_offload_device(accelerator: Accelerator) -> str:
 
 def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_grad_norm: float, per_device_batch: int) -> None:
     """Before the optimizer and `prepare`: make the strategy run what train.py asks for (see each helper)."""
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    half = compute_dtype(accelerator.mixed_precision)
     if accelerator.distributed_type is DistributedType.FSDP:
         _answer_none_for_missing_embeddings(model)
         if accelerator.state.fsdp_plugin.cpu_ram_efficient_loading and (buffers := persistent_buffers(model)):
@@ -40,12 +41,12 @@ def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_gr
                 f"that are saved with it ({', '.join(buffers[:3])}...); set `fsdp_cpu_ram_efficient_loading: false` "
                 "in the accelerate config (every rank then builds the whole model)"
             )
-        if half is not None:
+        if half is not torch.float32:
             _keep_batch_norm_in_fp32(model, accelerator)
             _reduce_gradients_in_fp32(accelerator)
     if accelerator.state.deepspeed_plugin is not None:
         align_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm, per_device_batch)
-        if half is not None:
+        if half is not torch.float32:
             _batch_norm_statistics_in(model, half)
 
 @contextmanager
@@ -106,16 +107,16 @@ def place_frozen_model(accelerator: Accelerator, model: torch.nn.Module) -> torc
       model). Not accelerate's second DeepSpeed plugin: `prepare` would register that engine, and every
       checkpoint would save the teacher.
     """
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    half = compute_dtype(accelerator.mixed_precision)
     if accelerator.distributed_type is DistributedType.FSDP:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
         _answer_none_for_missing_embeddings(model)
-        if half is not None:
+        if half is not torch.float32:
             _keep_batch_norm_in_fp32(model, accelerator)
         return fsdp2_prepare_model(accelerator, model)
     if accelerator.state.deepspeed_plugin is not None:
-        if half is not None:
+        if half is not torch.float32:
             _batch_norm_statistics_in(model, half)
         return _zero3_inference_engine(accelerator, model)
     return model.to(accelerator.device)

@@ -1,0 +1,31 @@
+"""Liger's Triton kernels (`--use_liger_kernel`): fused RMSNorm and SwiGLU for Llama-family models on
+NVIDIA GPUs, an optional install (`pip install liger-kernel==0.8.5`), refused in one line elsewhere.
+
+Without torch.compile, elementwise steps are most of a small model's GPU time; with it, inductor fuses
+them itself and cannot fuse across Liger's kernels. Measured on an H200 (docs/gpus.md, "MFU at a 50k
+vocabulary"): eager steps 9% faster, compiled ones 12% slower. So the flag is for eager runs.
+"""
+
+from dataclasses import dataclass, field
+
+from training.parts import Part
+
+
+@dataclass
+class LigerFlags:
+    use_liger_kernel: bool = field(default=False, metadata={
+        "help": "Liger's Triton kernels for the model's RMSNorm and SwiGLU (Llama-family models on NVIDIA GPUs; "
+                "pip install liger-kernel). transformers' name."})
+
+
+def convert_model(model, accelerator, args):
+    """The model with Liger's kernels in its modules, under --use_liger_kernel."""
+    if args.use_liger_kernel:
+        from parts.liger.kernels import apply_liger_kernel
+
+        apply_liger_kernel(model, accelerator.device)
+    return model
+
+
+PART = Part("liger", "Liger's fused RMSNorm and SwiGLU kernels on NVIDIA GPUs (--use_liger_kernel)", LigerFlags,
+            convert_model=convert_model)

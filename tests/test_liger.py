@@ -1,0 +1,56 @@
+"""parts/liger: Liger's kernels (`--use_liger_kernel`), refused in one line where they cannot run; on a GPU
+(marked `gpu`, skipped without one) a run with them follows the plain bf16 run's losses."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from parts.liger.kernels import apply_liger_kernel
+from tests.conftest import TINY_RUN, launch, read_metrics, with_processes
+from tests.test_gpu_path import GPU_STEPS
+from training.errors import ArgumentError
+
+
+@pytest.mark.quick
+def test_liger_kernel_is_refused_in_one_line_where_it_cannot_run() -> None:
+    """On CPU; then as on a GPU machine: without liger-kernel (an optional install), or for a model it has no
+    kernels for."""
+    with pytest.raises(ArgumentError, match="runs Triton kernels on NVIDIA GPUs; this run is on cpu: drop the flag"):
+        apply_liger_kernel(torch.nn.Linear(2, 2), torch.device("cpu"))
+    try:
+        import liger_kernel.transformers.monkey_patch  # noqa: F401 (needs triton, which CPU builds of torch lack)
+        refusal = "liger-kernel has no kernels for model type None: drop the flag"
+    except ImportError:
+        refusal = r"--use_liger_kernel needs liger-kernel \(.*\): pip install liger-kernel==0.8.5, or drop the flag"
+    with pytest.raises(ArgumentError, match=refusal):
+        apply_liger_kernel(torch.nn.Linear(2, 2), torch.device("cuda"))
+
+
+def test_a_cpu_launch_with_liger_kernels_is_one_error_line_and_exit_2(tmp_path) -> None:
+    """Through the part's hook in a real launch: the flag is train.py's (the part's flags), and the refusal is
+    bad input (training/errors.py)."""
+    result = launch("ddp", "train.py", *TINY_RUN, "--output_dir", str(tmp_path), "--use_liger_kernel")
+    assert result.returncode != 0 and re.search(r"exitcode\s*:\s*2\b", result.stderr), result.stderr[-4000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: --use_liger_kernel runs Triton kernels on NVIDIA GPUs; this run is on cpu: drop the flag"]
+    assert "Traceback" not in result.stderr.split("error: ")[0]  # the launcher's report of the ranks' exit follows
+
+
+@pytest.mark.gpu
+def test_liger_kernels_follow_the_plain_bf16_losses(tmp_path) -> None:
+    """--use_liger_kernel (fused RMSNorm and SwiGLU) against the same bf16 run without it, on 1 GPU; the run's
+    sample of final/ on CPU, after it, uses transformers' own modules. Passed on an H200 (docs/gpus.md)."""
+    pytest.importorskip("liger_kernel", reason="liger-kernel is an optional install (pip install liger-kernel==0.8.5)")
+    one_process = with_processes("ddp", 1, tmp_path / "configs")
+    args = ("--max_steps", str(GPU_STEPS), "--logging_steps", "1", "--eval_steps", "100", "--block_size", "64")
+    for run, flags in {"plain": (), "liger": ("--use_liger_kernel",)}.items():
+        result = launch(one_process, "train.py", *TINY_RUN, "--output_dir", str(tmp_path / run), *args, *flags,
+                        launcher_args=("--mixed_precision", "bf16"), gpu=True)
+        assert result.returncode == 0, result.stderr[-6000:]
+    losses = {run: [m["loss"] for m in read_metrics(tmp_path / run) if "loss" in m] for run in ("plain", "liger")}
+    assert len(losses["liger"]) == GPU_STEPS
+    assert losses["liger"] == pytest.approx(losses["plain"], rel=1e-2)
+    assert losses["liger"] != losses["plain"]  # other kernels ran: bf16 rounds them differently

@@ -1,0 +1,60 @@
+"""Owns how optional features (parts/) join the core: the hook points, and finding the parts installed.
+
+A part is a package `parts/<name>/` whose `__init__.py` defines `PART = Part(...)`: its flags (a
+dataclass, mixed into TrainArguments) and the hooks it fills. The core calls each hook point for
+every part installed, in name order, and never branches on a part by name; a fork leaves a part
+out by deleting its folder. As torchtitan's model converters and transformers' callbacks, a hook is
+a named point of the fixed run, not a second loop.
+
+Hook points:
+- `convert_model(model, accelerator, args) -> model`: the model as the task built it, before
+  adapters, layouts and `prepare` (kernels swapped in, modules rewritten).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+
+
+@dataclass(frozen=True)
+class Part:
+    """One optional feature: what `--list` shows, its flags, and the hooks it fills (None: not used)."""
+
+    name: str
+    description: str  # one line
+    flags: type | None = None  # a dataclass whose fields (all with defaults) become train.py flags
+    convert_model: Callable[[torch.nn.Module, Accelerator, Any], torch.nn.Module] | None = None
+
+
+@functools.cache
+def installed_parts() -> tuple[Part, ...]:
+    """Every part under parts/, in name order (none when the folder is gone)."""
+    try:
+        package = importlib.import_module("parts")
+    except ModuleNotFoundError:
+        return ()
+    found = (importlib.import_module(f"parts.{module.name}").PART
+             for module in sorted(pkgutil.iter_modules(package.__path__), key=lambda module: module.name))
+    return tuple(found)
+
+
+def part_flags() -> tuple[type, ...]:
+    """The parts' flag dataclasses, mixed into TrainArguments (training/flags.py)."""
+    return tuple(part.flags for part in installed_parts() if part.flags is not None)
+
+
+def convert_model(model: torch.nn.Module, accelerator: Accelerator, args) -> torch.nn.Module:
+    """Each part's `convert_model` hook in turn (`args`: TrainArguments)."""
+    for part in installed_parts():
+        if part.convert_model is not None:
+            model = part.convert_model(model, accelerator, args)
+    return model
