@@ -54,10 +54,6 @@ LAUNCH_CASES = {
     "a JSON Lines file with one malformed line": (
         "ddp", ["--train_file", "{malformed.jsonl}", *RESUME], "malformed.jsonl: line 11 is not a valid JSON record"
     ),
-    "SyncBatchNorm on CPU": (
-        "ddp", ["--task", "image-classification", "--model_config", "resnet-tiny", "--sync_batchnorm", *RESUME],
-        "--sync_batchnorm needs GPUs: torch has no CPU kernels for SyncBatchNorm",
-    ),
 }
 ARGUMENT_CASES = {
     "missing train file": (["--train_file", "/nonexistent/train.txt", *RESUME], "data file not found"),

@@ -55,8 +55,6 @@ class ModelArguments:
         metadata={"help": "Split the layers over this process's GPUs (single.yaml; see training/layer_split.py).",
                   "choices": DEVICE_MAPS},
     )
-    sync_batchnorm: bool = field(default=False, metadata={
-        "help": "BatchNorm statistics over all processes' batches (GPUs; see training/batchnorm.py)."})
     use_peft: bool = field(default=False, metadata={
         "help": "Train a LoRA adapter (peft) on the frozen --model_name_or_path instead of every weight."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})

@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader
 
 from models.adapters import add_adapter, trainable_summary
 from training.accelerator import build_accelerator, describe, idle_gpu_warning, model_construction
-from training.batchnorm import convert_sync_batchnorm
 from training.batch_size import fit_micro_batch, take_recorded_micro_batch
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
 from training.collectives import gather_scalars, preflight
@@ -263,8 +262,8 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
 def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArguments,
                 args: TrainArguments) -> torch.nn.Module:
     """The task's model, built without a whole copy per rank where the strategy allows, converted by the
-    parts (training/parts.py), then laid out as the flags ask: tensor-parallel slices, layers over GPUs,
-    synchronised BatchNorm."""
+    parts (training/parts.py: kernels, SyncBatchNorm), then laid out as the flags ask: an adapter,
+    tensor-parallel slices, layers over GPUs."""
     with model_construction(accelerator, bool(model_args.model_name_or_path), task.can_build_empty) as empty:
         model = task.build_model(raw, empty)
     model = convert_model(model, accelerator, args)
@@ -275,8 +274,5 @@ def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArgu
     model = apply_tensor_parallel(accelerator, model)  # with a parallelism_config tp_size in the accelerate config
     if model_args.device_map:  # one process owning several GPUs: each holds some of the layers
         model, note = split_layers(model, model_args.device_map)
-        logger.info(note, main_process_only=True)
-    if model_args.sync_batchnorm:
-        model, note = convert_sync_batchnorm(model, accelerator)
         logger.info(note, main_process_only=True)
     return model
