@@ -213,7 +213,7 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
         "model_state_bytes_per_rank": max_over_ranks(run.model_state, accelerator),
         **({"teacher_state_bytes_per_rank": max_over_ranks({"parameters": run.teacher_bytes}, accelerator)}
            if run.teacher_bytes is not None else {}),
-        **({"gradient_allreduce_bytes_per_step": run.traffic.bytes_sent / steps_run} if run.traffic and steps_run else {}),
+        **{key: value for figures in run.part_figures for key, value in figures(steps_run).items()},
         **outcome,
     }
     end_collectives(accelerator)

@@ -85,9 +85,6 @@ ARGUMENT_CASES = {
     "--use_peft without a pretrained model": (["--use_peft", *RESUME], "give --model_name_or_path"),
     "--use_peft with --device_map": (["--model_name_or_path", "{model}", "--use_peft", "--device_map", "auto", *RESUME],
                                      "--use_peft with --device_map is not supported"),
-    "--power_sgd_rank without PowerSGD": (["--power_sgd_rank", "4", *RESUME], "--power_sgd_rank is for --ddp_comm_hook power_sgd"),
-    "PowerSGD from the first step": (["--ddp_comm_hook", "power_sgd", "--power_sgd_start_step", "1", *RESUME],
-                                     "--power_sgd_start_step >= 2"),
     "a language model config for images": (
         ["--task", "image-classification", *RESUME], "unknown model_config 'llama-tiny' for --task image-classification"
     ),

@@ -1,4 +1,4 @@
-"""--ddp_comm_hook: compressed gradient all-reduce under the ddp config, its bytes counted, PowerSGD resumed exactly.
+"""parts/compression (--ddp_comm_hook): compressed gradient all-reduce under the ddp config, its bytes counted, PowerSGD resumed exactly.
 (Bytes, tokens/s and losses of every hook side by side: tests/test_benchmark.py.)"""
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import assert_continues_exactly, read_metrics, split_run_args, train
-from training.compression import (
+from tests.conftest import TINY_RUN, assert_continues_exactly, read_metrics, split_run_args, train
+from parts.compression.hooks import (
     POWER_SGD_STATE,
     check_comm_hook,
     load_power_sgd_state_dict,
     orthogonalize_single_matrices_too,
     power_sgd_state_dict,
 )
-from training.errors import StrategyError
+from training.arguments import parse_args
+from training.errors import ArgumentError, StrategyError
 from training.strategy import Strategy
 
 PLAIN_STEPS = 2  # --power_sgd_start_step: steps 1 and 2 all-reduce every gradient, PowerSGD from step 3
@@ -117,3 +118,15 @@ def test_a_hook_that_cannot_run_here_is_refused_with_the_fix(case, message) -> N
     with pytest.raises(StrategyError, match=message):
         check_comm_hook(*case)
     check_comm_hook(case[0], Strategy.DDP, 2, on_cpu=False)  # what the message points to runs
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--power_sgd_rank", "4"], "--power_sgd_rank is for --ddp_comm_hook power_sgd or batched_power_sgd: add one"),
+    (["--ddp_comm_hook", "power_sgd", "--power_sgd_start_step", "1"], "--power_sgd_start_step >= 2"),
+])
+def test_power_sgd_flags_that_cannot_work_are_one_line(flags, message, tmp_path) -> None:
+    """The part's flag checks (its `check_flags` hook), in train.py's parse of the flags."""
+    with pytest.raises(ArgumentError) as refused:
+        parse_args([*TINY_RUN, "--output_dir", str(tmp_path), *flags])
+    assert message in str(refused.value) and "\n" not in str(refused.value)

@@ -35,7 +35,8 @@ def test_training_has_no_import_circle() -> None:
         visit(module, [])
 
 
-@pytest.mark.parametrize("path", [REPO / "train.py", *MODULES], ids=lambda path: path.name)
+@pytest.mark.parametrize("path", [REPO / "train.py", *MODULES, *sorted((REPO / "parts").rglob("*.py"))],
+                         ids=lambda path: str(path.relative_to(REPO)))
 def test_each_module_opens_with_what_it_owns(path) -> None:
     assert ast.get_docstring(ast.parse(path.read_text())), "each module opens with a docstring saying what it owns"
 

@@ -18,21 +18,20 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 
 from training.collectives import nccl_timeouts_raise
-from training.compression import check_comm_hook
 from training.cpu_accommodations import cpu_process_group
+from training.parts import check_launch, ddp_settings
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import optimizer_offload_device
 from training.tensor_parallel import data_parallel_size, tensor_parallel_size
 
 logger = get_logger(__name__)
-ONE_BUCKET_MB = 2**20  # DDP's bucket size when every gradient must share one bucket
 
 
-def build_accelerator(ddp_timeout: int, ddp_comm_hook: str | None = None, **accelerator_kwargs) -> Accelerator:
+def build_accelerator(ddp_timeout: int, args=None, **accelerator_kwargs) -> Accelerator:
     """An `Accelerator` for the configured strategy, on GPUs or, for real, on CPU.
 
-    `ddp_timeout` (seconds) bounds every collective of the process group, on every strategy;
-    `ddp_comm_hook` is checked to fit the strategy here, and registered after `prepare`.
+    `ddp_timeout` (seconds) bounds every collective of the process group, on every strategy; `args`
+    (TrainArguments; None: the core's settings alone) gives the parts' launch checks and DDP settings.
     """
     strategy = requested_strategy()
     if strategy is Strategy.DEEPSPEED:
@@ -40,23 +39,17 @@ def build_accelerator(ddp_timeout: int, ddp_comm_hook: str | None = None, **acce
     timeout = timedelta(seconds=ddp_timeout)
     on_cpu = not has_accelerator_device()
     check_launch_config(strategy, on_cpu)
-    check_comm_hook(ddp_comm_hook, strategy, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
+    if args is not None:
+        check_launch(args, strategy, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
     if not on_cpu:
         nccl_timeouts_raise()
     cpu, backend = cpu_process_group(strategy, timeout) if on_cpu else (False, InitProcessGroupKwargs.backend)
     handler = InitProcessGroupKwargs(backend=backend, timeout=timeout)
     # DDP: gradients live in its communication buckets instead of beside them (one copy, not two),
     # and buffers are not copied from rank 0 before each forward: BatchNorm statistics are
-    # averaged instead, on every strategy alike (training/batchnorm.py).
-    # PowerSGD keeps state per gradient bucket, and DDP re-orders its buckets after the first step of
-    # every launch (by the order gradients arrived): a resumed run would apply the saved state to other
-    # parameters. Looking for unused parameters keeps the buckets in their first order, in every launch.
-    # On gloo (CPU) torch's PowerSGD hooks deadlock at the first compressed step once there are two
-    # buckets or more (measured, torch 2.13): one bucket holds every gradient there.
-    power_sgd = "power_sgd" in (ddp_comm_hook or "")
+    # averaged instead, on every strategy alike (training/batchnorm.py). Then the parts' settings.
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False,
-                                        find_unused_parameters=power_sgd,
-                                        **({"bucket_cap_mb": ONE_BUCKET_MB} if power_sgd and on_cpu else {}))
+                                        **(ddp_settings(args, on_cpu) if args is not None else {}))
     return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
 
 

@@ -28,6 +28,7 @@ from training.flags import (ALL_ARGUMENT_CLASSES, KNOWN_KEYS, ArgumentError, Dat
                             TrainArguments, build_parser)
 from training.metrics import resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
+from training.parts import check_flags
 from training.pipeline_layout import check_pipeline_flags
 from training.task_registry import ADAPTER_FLAGS, TASKS
 
@@ -124,7 +125,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     check_task_flags(model_args, data_args)
     check_compile_flags(train_args)
     check_adapter_flags(model_args)
-    check_comm_hook_flags(train_args)
+    check_flags(train_args)  # the parts' (training/parts.py)
     check_distillation_flags(model_args, train_args)
     check_pipeline_flags(model_args, data_args, train_args)
     split = "--pipeline_parallel_size" if train_args.pipeline_parallel_size > 1 else model_split(model_args)
@@ -233,17 +234,6 @@ def check_adapter_flags(model_args: ModelArguments) -> None:
     if model_args.lora_r < 1 or model_args.lora_alpha <= 0 or not 0 <= model_args.lora_dropout < 1:
         raise ArgumentError(f"--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1); got "
                             f"{model_args.lora_r}, {model_args.lora_alpha}, {model_args.lora_dropout}")
-
-
-def check_comm_hook_flags(train_args: TrainArguments) -> None:
-    """--power_sgd_* set PowerSGD, and PowerSGD needs two plain steps first (torch's rule with error feedback)."""
-    if "power_sgd" not in (train_args.ddp_comm_hook or ""):
-        for flag in ("power_sgd_rank", "power_sgd_start_step"):
-            if getattr(train_args, flag) != FIELD_DEFAULTS[flag]:
-                raise ArgumentError(f"--{flag} is for --ddp_comm_hook power_sgd or batched_power_sgd: add one, or drop it")
-    if train_args.power_sgd_rank < 1 or train_args.power_sgd_start_step < 2:
-        raise ArgumentError(f"--power_sgd_rank must be >= 1 and --power_sgd_start_step >= 2; got "
-                            f"{train_args.power_sgd_rank}, {train_args.power_sgd_start_step}")
 
 
 DISTILLATION_FLAGS = ("distillation_alpha", "distillation_temperature", "distillation_loss")

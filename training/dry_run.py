@@ -20,7 +20,6 @@ from contextlib import nullcontext
 from accelerate.utils import DeepSpeedPlugin, set_seed
 
 from models.adapters import add_adapter
-from training.compression import check_comm_hook
 from training.distillation import teacher_plan
 from training.pipeline_layout import check_pipeline_launch, parameters_per_process, pipelined, stage_count
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
@@ -36,6 +35,7 @@ from training.memory_plan import (
     working_bytes,
 )
 from training.optim import global_batch_size, optimizer_for, run_length, warmup_steps
+from training.parts import check_launch
 from training.performance import compute_dtype, parameter_count
 from training.task_registry import build_task
 
@@ -65,13 +65,13 @@ def dry_run(model_args, data_args, args) -> str | None:
     strategy, processes = requested_strategy(), int(os.environ.get("WORLD_SIZE", "1"))
     # Planned on a login node for GPU machines: check as on a GPU, and say what this machine would refuse.
     check_launch_config(strategy, on_cpu=False)
-    check_comm_hook(args.ddp_comm_hook, strategy, processes, on_cpu=False)
+    check_launch(args, strategy, processes, on_cpu=False)  # the parts' (training/parts.py)
     check_pipeline_launch(args, strategy, processes)
     cpu_note = ""
     if not has_accelerator_device():
         try:
             check_launch_config(strategy, on_cpu=True)
-            check_comm_hook(args.ddp_comm_hook, strategy, processes, on_cpu=True)
+            check_launch(args, strategy, processes, on_cpu=True)
         except StrategyError as error:
             cpu_note = f"\nnote:            no GPU here; on CPU machines the run would stop: {error}"
     layout = launched_layout(strategy, args)

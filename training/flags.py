@@ -27,8 +27,6 @@ class FlagParser(HfArgumentParser):
 DEVICE_MAPS = ["auto", "balanced", "balanced_low_0", "sequential"]  # "auto" is "balanced", as in transformers
 INTERVALS = ["steps", "epoch", "no"]
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]  # torch.compile(mode=...)
-# --ddp_comm_hook: accelerate's DDPCommunicationHookType values; "allreduce" is DDP's own all-reduce as a counted hook
-DDP_COMM_HOOKS = ["allreduce", "fp16", "bf16", "power_sgd", "batched_power_sgd"]  # --eval_strategy and --save_strategy, as TrainingArguments
 
 
 @dataclass
@@ -194,18 +192,6 @@ class CoreTrainArguments:
         "help": "A checkpoint directory, or 'latest' for the newest in output_dir."})
     ddp_timeout: int = field(default=1800, metadata={
         "help": "Seconds a collective may wait before every rank aborts (a stalled rank)."})
-    ddp_comm_hook: str | None = field(
-        default=None,
-        metadata={"help": "Compress DDP's gradient all-reduce (ddp config only; see training/compression.py): fp16, "
-                          "bf16 (GPUs), power_sgd, batched_power_sgd; allreduce: uncompressed, with its bytes counted. "
-                          "Pays on a slow interconnect with a large model.", "choices": DDP_COMM_HOOKS},
-    )
-    power_sgd_rank: int = field(default=1, metadata={"help": "PowerSGD: rank of the low-rank gradient approximation."})
-    power_sgd_start_step: int = field(
-        default=1000,
-        metadata={"help": "PowerSGD: optimizer steps of plain all-reduce before compression starts (torch's "
-                          "start_powerSGD_iter; at least 2; about 10%% of the run, and no fewer than the warmup)."},
-    )
     pipeline_parallel_size: int = field(
         default=1,
         metadata={"help": "Pipeline stages: the model cut layer-wise over this many processes (ddp config; launch a "

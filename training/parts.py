@@ -6,9 +6,15 @@ every part installed, in name order, and never branches on a part by name; a for
 out by deleting its folder. As torchtitan's model converters and transformers' callbacks, a hook is
 a named point of the fixed run, not a second loop.
 
-Hook points:
+Hook points, in the order a run meets them (`args`: TrainArguments):
+- `check_flags(args)`: after the core's own checks of the flags; raises ArgumentError.
+- `check_launch(args, strategy, processes, on_cpu)`: before the process group (and in the dry run);
+  raises StrategyError for a launch the part cannot run in.
+- `ddp_settings(args, on_cpu) -> dict`: DDP's settings (`DistributedDataParallelKwargs` fields).
 - `convert_model(model, accelerator, args) -> model`: the model as the task built it, before
   adapters, layouts and `prepare` (kernels swapped in, modules rewritten).
+- `after_prepare(accelerator, model, args) -> figures or None`: the prepared model, before the first
+  step (hooks registered, state added to checkpoints); `figures(steps_run)` adds to summary.json.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
+    from training.strategy import Strategy
+
 
 @dataclass(frozen=True)
 class Part:
@@ -32,7 +40,11 @@ class Part:
     name: str
     description: str  # one line
     flags: type | None = None  # a dataclass whose fields (all with defaults) become train.py flags
+    check_flags: Callable[[Any], None] | None = None
+    check_launch: Callable[[Any, Strategy, int, bool], None] | None = None
+    ddp_settings: Callable[[Any, bool], dict] | None = None
     convert_model: Callable[[torch.nn.Module, Accelerator, Any], torch.nn.Module] | None = None
+    after_prepare: Callable[[Accelerator, torch.nn.Module, Any], Callable[[int], dict] | None] | None = None
 
 
 @functools.cache
@@ -58,3 +70,30 @@ def convert_model(model: torch.nn.Module, accelerator: Accelerator, args) -> tor
         if part.convert_model is not None:
             model = part.convert_model(model, accelerator, args)
     return model
+
+
+def check_flags(args) -> None:
+    for part in installed_parts():
+        if part.check_flags is not None:
+            part.check_flags(args)
+
+
+def check_launch(args, strategy: Strategy, processes: int, on_cpu: bool) -> None:
+    for part in installed_parts():
+        if part.check_launch is not None:
+            part.check_launch(args, strategy, processes, on_cpu)
+
+
+def ddp_settings(args, on_cpu: bool) -> dict:
+    """The parts' DDP settings, merged (a later part's value for the same field wins)."""
+    settings = {}
+    for part in installed_parts():
+        if part.ddp_settings is not None:
+            settings |= part.ddp_settings(args, on_cpu)
+    return settings
+
+
+def after_prepare(accelerator: Accelerator, model: torch.nn.Module, args) -> list[Callable[[int], dict]]:
+    """Each part's `after_prepare` hook; returns the parts' summary figures, each a function of the steps run."""
+    figures = (part.after_prepare(accelerator, model, args) for part in installed_parts() if part.after_prepare)
+    return [figure for figure in figures if figure is not None]

@@ -28,7 +28,6 @@ from training.batch_size import fit_micro_batch, take_recorded_micro_batch
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
 from training.collectives import gather_scalars, preflight
 from training.compile import compiled_objective, dynamo_plugin
-from training.compression import GradientTraffic, keep_power_sgd_state_in_checkpoints, register_comm_hook
 from training.console import one_voice
 from training.distillation import build_distillation
 from training.cpu_accommodations import use_share_of_cores
@@ -37,7 +36,7 @@ from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.layer_split import split_layers
 from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
-from training.parts import convert_model
+from training.parts import after_prepare, convert_model
 from training.performance import SpeedMeter, compute_dtype, model_state_probe, parameter_count, peak_flops
 from training.loss import forward_backward as data_parallel_forward_backward
 from training.loss import label_loss_sums
@@ -85,7 +84,7 @@ class Run:
     speed: SpeedMeter
     first_step: int  # the step this launch started from (0, or the resumed checkpoint's)
     model_args: ModelArguments
-    traffic: GradientTraffic | None  # the bytes --ddp_comm_hook sent, when one is set
+    part_figures: list[Callable[[int], dict]]  # the parts' figures for summary.json, given the steps run
     forward_backward: Callable[[dict, torch.Tensor], torch.Tensor]  # one micro-step: (batch, window targets) -> loss
     teacher_bytes: int | None  # distillation: bytes of teacher weights on this rank (it has nothing else)
 
@@ -148,8 +147,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
             (model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer))
     forward_backward = (partial(model.forward_backward, accelerator) if pipelined(args) else
                         partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
-    traffic = register_comm_hook(model, args.ddp_comm_hook, args.power_sgd_rank, args.power_sgd_start_step)
-    keep_power_sgd_state_in_checkpoints(accelerator, model)
+    part_figures = after_prepare(accelerator, model, args)  # the parts' hooks (training/parts.py)
     model_state = model_state_probe(model, torch_optimizer, lambda: held_gradients(model))  # bytes per rank, at step 2
     verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
     write_effective_deepspeed_config(accelerator, args.output_dir)
@@ -196,7 +194,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     model_name = model_args.model_name_or_path or model_args.model_config
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
-               f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args, traffic,
+               f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args, part_figures,
                forward_backward, teacher_bytes)
 
 
@@ -227,7 +225,7 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
     """The Accelerator, checked to run the configured strategy; the start-up lines on the main process."""
     accelerator = build_accelerator(
         args.ddp_timeout,
-        args.ddp_comm_hook,
+        args,
         # Synchronise by step count only: train.py reads a whole window ahead (see
         # accumulation_windows), so the dataloader's end is seen before the window's last step.
         gradient_accumulation_plugin=GradientAccumulationPlugin(

@@ -1,4 +1,4 @@
-"""Owns gradient compression for DDP (`--ddp_comm_hook`): the hook, the bytes it sends, and PowerSGD's state in checkpoints.
+"""The hooks of parts/compression (`--ddp_comm_hook`): the hook, the bytes it sends, and PowerSGD's state in checkpoints.
 
 accelerate's `DistributedDataParallelKwargs(comm_hook=...)` builds torch's hooks and their state;
 they are registered here, after `prepare`, for what accelerate's own registration does not do:

@@ -1,0 +1,73 @@
+"""Gradient compression for DDP (`--ddp_comm_hook`): torch's fp16, bf16 and PowerSGD hooks, with the bytes
+each rank all-reduces counted (summary.json's `gradient_allreduce_bytes_per_step`) and PowerSGD's state
+kept in checkpoints (parts/compression/hooks.py). See docs/compression.md.
+"""
+
+from dataclasses import dataclass, field
+
+from training.errors import ArgumentError
+from training.parts import Part
+
+# accelerate's DDPCommunicationHookType values; "allreduce" is DDP's own all-reduce as a counted hook
+DDP_COMM_HOOKS = ["allreduce", "fp16", "bf16", "power_sgd", "batched_power_sgd"]
+ONE_BUCKET_MB = 2**20  # DDP's bucket size when every gradient must share one bucket
+
+
+@dataclass
+class CompressionFlags:
+    ddp_comm_hook: str | None = field(
+        default=None,
+        metadata={"help": "Compress DDP's gradient all-reduce (ddp config only; see parts/compression): fp16, "
+                          "bf16 (GPUs), power_sgd, batched_power_sgd; allreduce: uncompressed, with its bytes counted. "
+                          "Pays on a slow interconnect with a large model.", "choices": DDP_COMM_HOOKS},
+    )
+    power_sgd_rank: int = field(default=1, metadata={"help": "PowerSGD: rank of the low-rank gradient approximation."})
+    power_sgd_start_step: int = field(
+        default=1000,
+        metadata={"help": "PowerSGD: optimizer steps of plain all-reduce before compression starts (torch's "
+                          "start_powerSGD_iter; at least 2; about 10%% of the run, and no fewer than the warmup)."},
+    )
+
+
+def check_flags(args) -> None:
+    """--power_sgd_* set PowerSGD, and PowerSGD needs two plain steps first (torch's rule with error feedback)."""
+    if "power_sgd" not in (args.ddp_comm_hook or ""):
+        for flag in ("power_sgd_rank", "power_sgd_start_step"):
+            if getattr(args, flag) != CompressionFlags.__dataclass_fields__[flag].default:
+                raise ArgumentError(f"--{flag} is for --ddp_comm_hook power_sgd or batched_power_sgd: add one, or drop it")
+    if args.power_sgd_rank < 1 or args.power_sgd_start_step < 2:
+        raise ArgumentError(f"--power_sgd_rank must be >= 1 and --power_sgd_start_step >= 2; got "
+                            f"{args.power_sgd_rank}, {args.power_sgd_start_step}")
+
+
+def check_launch(args, strategy, processes: int, on_cpu: bool) -> None:
+    from parts.compression.hooks import check_comm_hook
+
+    check_comm_hook(args.ddp_comm_hook, strategy, processes, on_cpu)
+
+
+def ddp_settings(args, on_cpu: bool) -> dict:
+    """PowerSGD keeps state per gradient bucket, and DDP re-orders its buckets after the first step of every
+    launch (by the order gradients arrived): a resumed run would apply the saved state to other parameters.
+    Looking for unused parameters keeps the buckets in their first order, in every launch. On gloo (CPU)
+    torch's PowerSGD hooks deadlock at the first compressed step once there are two buckets or more
+    (measured, torch 2.13): one bucket holds every gradient there."""
+    if "power_sgd" not in (args.ddp_comm_hook or ""):
+        return {}
+    return {"find_unused_parameters": True, **({"bucket_cap_mb": ONE_BUCKET_MB} if on_cpu else {})}
+
+
+def after_prepare(accelerator, model, args):
+    """The hook on the prepared DDP model, PowerSGD's state in every checkpoint; the bytes per step it sent."""
+    from parts.compression.hooks import keep_power_sgd_state_in_checkpoints, register_comm_hook
+
+    traffic = register_comm_hook(model, args.ddp_comm_hook, args.power_sgd_rank, args.power_sgd_start_step)
+    keep_power_sgd_state_in_checkpoints(accelerator, model)
+    if traffic is None:
+        return None
+    return lambda steps_run: {"gradient_allreduce_bytes_per_step": traffic.bytes_sent / steps_run} if steps_run else {}
+
+
+PART = Part("compression", "DDP gradient compression: fp16, bf16 and PowerSGD hooks, bytes counted (--ddp_comm_hook)",
+            CompressionFlags, check_flags=check_flags, check_launch=check_launch, ddp_settings=ddp_settings,
+            after_prepare=after_prepare)
