@@ -8,6 +8,7 @@ import ast
 import pytest
 
 from tests.conftest import REPO
+from training.parts import installed_parts
 
 pytestmark = pytest.mark.quick
 MODULES = sorted((REPO / "training").glob("*.py"))
@@ -49,3 +50,10 @@ def test_no_core_module_names_a_part() -> None:
         imported = {node.module for node in ast.walk(ast.parse(path.read_text()))
                     if isinstance(node, ast.ImportFrom) and node.module}
         assert not {module for module in imported if module.split(".")[0] == "parts"}, path.name
+
+
+def test_the_layout_page_shows_the_measured_lines_of_the_core_and_each_part() -> None:
+    from scripts.count_lines import counts, table
+
+    assert table() in (REPO / "docs" / "layout.md").read_text()
+    assert set(counts()) == {"core", *(f"parts/{part.name}" for part in installed_parts())}  # every part counted

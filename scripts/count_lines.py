@@ -1,0 +1,36 @@
+"""Lines of Python in the core and in each part, as docs/layout.md shows them (tests/test_module_layout.py
+checks the page against this script).
+
+    python scripts/count_lines.py            # the table, in markdown
+
+The core is train.py, training/, data/ and models/: what the promise needs, and what a fork without parts
+keeps (issue 36's goal for it: at most 3,000 lines). A part is a folder of parts/ (training/parts.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CORE = ("train.py", "training", "data", "models")
+
+
+def python_lines(path: Path) -> int:
+    files = [path] if path.is_file() else sorted(path.rglob("*.py"))
+    return sum(len(file.read_text().splitlines()) for file in files)
+
+
+def counts(repo: Path = REPO) -> dict[str, int]:
+    """'core', then 'parts/<name>' for each part, in name order: lines of Python."""
+    parts = sorted(path for path in (repo / "parts").iterdir() if path.is_dir() and not path.name.startswith("_"))
+    return {"core": sum(python_lines(repo / name) for name in CORE),
+            **{f"parts/{part.name}": python_lines(part) for part in parts}}
+
+
+def table(repo: Path = REPO) -> str:
+    rows = [f"| `{name}` | {lines:,} |" for name, lines in counts(repo).items()]
+    return "\n".join(["| code | lines of Python |", "|---|---:|", *rows])
+
+
+if __name__ == "__main__":
+    print(table())
