@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Part:
-    """One optional feature: what `--list` shows, its flags, and the hooks it fills (None: not used)."""
+    """One optional feature: its name and one line about it, its flags, and the hooks it fills (None: not used)."""
 
     name: str
     description: str  # one line
@@ -64,21 +64,15 @@ def part_flags() -> tuple[type, ...]:
     return tuple(part.flags for part in installed_parts() if part.flags is not None)
 
 
-def convert_model(model: torch.nn.Module, accelerator: Accelerator, args) -> torch.nn.Module:
-    """Each part's `convert_model` hook in turn (`args`: TrainArguments)."""
-    for part in installed_parts():
-        if part.convert_model is not None:
-            model = part.convert_model(model, accelerator, args)
-    return model
-
-
 def check_flags(args) -> None:
+    """Each part's `check_flags` hook (`args`: TrainArguments)."""
     for part in installed_parts():
         if part.check_flags is not None:
             part.check_flags(args)
 
 
 def check_launch(args, strategy: Strategy, processes: int, on_cpu: bool) -> None:
+    """Each part's `check_launch` hook: the configured strategy and process count, and whether on CPU."""
     for part in installed_parts():
         if part.check_launch is not None:
             part.check_launch(args, strategy, processes, on_cpu)
@@ -91,6 +85,14 @@ def ddp_settings(args, on_cpu: bool) -> dict:
         if part.ddp_settings is not None:
             settings |= part.ddp_settings(args, on_cpu)
     return settings
+
+
+def convert_model(model: torch.nn.Module, accelerator: Accelerator, args) -> torch.nn.Module:
+    """Each part's `convert_model` hook in turn (`args`: TrainArguments)."""
+    for part in installed_parts():
+        if part.convert_model is not None:
+            model = part.convert_model(model, accelerator, args)
+    return model
 
 
 def after_prepare(accelerator: Accelerator, model: torch.nn.Module, args) -> list[Callable[[int], dict]]:
