@@ -2,7 +2,7 @@
 
     python scripts/benchmark.py --mfu                                   # GPU: the figures in docs/gpus.md
     python scripts/benchmark.py --mfu --configs ddp --block_sizes 1024  # fewer rows
-    python scripts/benchmark.py --mfu --configs ddp --no_tokenizer_row --train_flags "--use_liger_kernel"
+    python scripts/benchmark.py --mfu --configs ddp --no_tokenizer_row --train_flags=--use_liger_kernel
 
 - **Model**: the `llama-125m` body (GPT-2 small's: 12 layers, d = 768) with a 50,304-token vocabulary
   (`--config_overrides vocab_size=50304`), as llm.c, modded-nanogpt and nanochat measure it. The data is

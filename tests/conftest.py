@@ -30,6 +30,7 @@ for _signal in (signal.SIGINT, signal.SIGQUIT):
 import hashlib
 import json
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -163,6 +164,14 @@ def launch(
     if gpu or fresh:  # a launcher that imports torch itself (with the GPUs visible: `gpu`)
         return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return forked_launcher.run(command[len(LAUNCHER):], env, REPO, timeout)
+
+
+def bad_input_errors(result: subprocess.CompletedProcess) -> list[str]:
+    """The `error:` lines of a launch that refused bad input: exit code 2 in torchrun's report of the ranks
+    (the launcher itself exits 1), and no traceback before the first error line."""
+    assert result.returncode != 0 and re.search(r"exitcode\s*:\s*2\b", result.stderr), result.stderr[-4000:]
+    assert "Traceback" not in result.stderr.split("error: ")[0], result.stderr[-4000:]
+    return [line for line in result.stderr.splitlines() if line.startswith("error: ")]
 
 
 def train(

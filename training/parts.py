@@ -64,38 +64,39 @@ def part_flags() -> tuple[type, ...]:
     return tuple(part.flags for part in installed_parts() if part.flags is not None)
 
 
+def filled(hook: str) -> list[Callable]:
+    """The `hook` of every installed part that fills it, in name order."""
+    return [function for part in installed_parts() if (function := getattr(part, hook)) is not None]
+
+
 def check_flags(args) -> None:
     """Each part's `check_flags` hook (`args`: TrainArguments)."""
-    for part in installed_parts():
-        if part.check_flags is not None:
-            part.check_flags(args)
+    for hook in filled("check_flags"):
+        hook(args)
 
 
 def check_launch(args, strategy: Strategy, processes: int, on_cpu: bool) -> None:
     """Each part's `check_launch` hook: the configured strategy and process count, and whether on CPU."""
-    for part in installed_parts():
-        if part.check_launch is not None:
-            part.check_launch(args, strategy, processes, on_cpu)
+    for hook in filled("check_launch"):
+        hook(args, strategy, processes, on_cpu)
 
 
 def ddp_settings(args, on_cpu: bool) -> dict:
     """The parts' DDP settings, merged (a later part's value for the same field wins)."""
     settings = {}
-    for part in installed_parts():
-        if part.ddp_settings is not None:
-            settings |= part.ddp_settings(args, on_cpu)
+    for hook in filled("ddp_settings"):
+        settings |= hook(args, on_cpu)
     return settings
 
 
 def convert_model(model: torch.nn.Module, accelerator: Accelerator, args) -> torch.nn.Module:
-    """Each part's `convert_model` hook in turn (`args`: TrainArguments)."""
-    for part in installed_parts():
-        if part.convert_model is not None:
-            model = part.convert_model(model, accelerator, args)
+    """Each part's `convert_model` hook in turn."""
+    for hook in filled("convert_model"):
+        model = hook(model, accelerator, args)
     return model
 
 
 def after_prepare(accelerator: Accelerator, model: torch.nn.Module, args) -> list[Callable[[int], dict]]:
     """Each part's `after_prepare` hook; returns the parts' summary figures, each a function of the steps run."""
-    figures = (part.after_prepare(accelerator, model, args) for part in installed_parts() if part.after_prepare)
+    figures = (hook(accelerator, model, args) for hook in filled("after_prepare"))
     return [figure for figure in figures if figure is not None]

@@ -1,6 +1,6 @@
 """Gradient compression for DDP (`--ddp_comm_hook`): torch's fp16, bf16 and PowerSGD hooks, with the bytes
 each rank all-reduces counted (summary.json's `gradient_allreduce_bytes_per_step`) and PowerSGD's state
-kept in checkpoints (parts/compression/hooks.py). See docs/compression.md.
+kept in checkpoints (parts/compression/hooks.py). See docs/performance.md, "Gradient compression".
 """
 
 from dataclasses import dataclass, field
@@ -32,8 +32,9 @@ class CompressionFlags:
 def check_flags(args) -> None:
     """--power_sgd_* set PowerSGD, and PowerSGD needs two plain steps first (torch's rule with error feedback)."""
     if "power_sgd" not in (args.ddp_comm_hook or ""):
+        defaults = CompressionFlags()
         for flag in ("power_sgd_rank", "power_sgd_start_step"):
-            if getattr(args, flag) != CompressionFlags.__dataclass_fields__[flag].default:
+            if getattr(args, flag) != getattr(defaults, flag):
                 raise ArgumentError(f"--{flag} is for --ddp_comm_hook power_sgd or batched_power_sgd: add one, or drop it")
     if args.power_sgd_rank < 1 or args.power_sgd_start_step < 2:
         raise ArgumentError(f"--power_sgd_rank must be >= 1 and --power_sgd_start_step >= 2; got "

@@ -11,6 +11,8 @@ import sys
 import torch
 
 from training.errors import ArgumentError
+
+
 def apply_liger_kernel(model: torch.nn.Module, device: torch.device) -> None:
     """--use_liger_kernel: Liger's kernels patched into `model`'s modules, or one line saying why not."""
     if device.type != "cuda":
