@@ -88,6 +88,12 @@ def speed_flags(args: argparse.Namespace, task: tuple[str, ...] = ()) -> tuple[s
             "--logging_steps", str(args.log_every), "--eval_strategy", "no", "--save_steps", str(10**9))
 
 
+def start_launch(command: list[str], env: dict[str, str], log) -> subprocess.Popen:
+    """`accelerate launch ...` (`command`) started in the repository with `env`, both streams to the file `log`.
+    The one place a launch starts: tests/test_benchmark.py runs most tables with the suite's forked launcher here."""
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
 def train_run(config: str, args: argparse.Namespace, output_dir: Path, flags: tuple[str, ...] | None = None,
               processes: int | None = None) -> dict:
     """One train.py run (`flags`, default `speed_flags`) on `processes` (default --num_processes); its
@@ -100,7 +106,7 @@ def train_run(config: str, args: argparse.Namespace, output_dir: Path, flags: tu
     metrics = output_dir / "metrics.jsonl"
     launched = time.perf_counter()
     with (output_dir.parent / f"{output_dir.name}.log").open("w") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=environment(output_dir), stdout=log, stderr=subprocess.STDOUT)
+        process = start_launch(command, environment(output_dir), log)
         first_step = None
         while process.poll() is None:
             if first_step is None and metrics.exists() and '"loss"' in metrics.read_text():
@@ -367,7 +373,7 @@ def plot_panels(path: Path, title: str, xlabel: str, panels: list[tuple[str, dic
     figure.savefig(path, dpi=100, bbox_inches="tight")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_config", help="Default: llama-small; --distillation: llama-tiny (the student).")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="Default: every config; --scaling: " + " ".join(SCALING_CONFIGS))
@@ -414,7 +420,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="--compression/--scaling/--pipeline/--distillation: also draw the figure to this PNG.")
     parser.add_argument("--output", type=Path, help="Also write the tables to this markdown file.")
     parser.add_argument("--json", type=Path, help="Also write every figure to this JSON file.")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.configs = args.configs or (SCALING_CONFIGS if args.scaling else CONFIGS)
     if args.mfu:  # one process per GPU; on a machine without one, a tiny shape on one process
         import torch

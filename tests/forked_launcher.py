@@ -137,6 +137,9 @@ class Launcher:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self._process.exitcode
 
+    def kill(self) -> None:
+        kill_tree(self.pid)
+
 
 def start(argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path | None = None,
           new_session: bool = True, fork_ranks: bool = False) -> Launcher:

@@ -23,7 +23,7 @@ from training.errors import StrategyError
 # Each process may map 3.7 GB. A rank maps about 2.5 GB before its first step (libraries, threads), and its
 # logits are tokens x 32,000 floats: a micro-batch of 32 x 128 tokens (0.5 GB of logits, about three such
 # tensors in the loss and its backward) cannot fit, 16 can (measured under ddp and fsdp: both find 16 with
-# 3.6 or 3.8 GB; with 3.2 GB FSDP2 runs out of memory outside the search).
+# 3.3 GB, and 32 fits in 4.1 GB: the limit sits in the middle).
 ADDRESS_SPACE_LIMIT = 3700 * 2**20
 REQUESTED, FOUND = 32, 16
 LOSS_TOLERANCE = 1e-5  # test_parity.py's, between strategies (SGD here: Adam would amplify their rounding on the

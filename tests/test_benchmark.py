@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from models.configs import build_named_config
 from models.language import build_tokenizer
+from tests import forked_launcher
 from tests.conftest import REPO
 
 # ZeRO-2's and FSDP2's model-state layouts in bf16; ZeRO-3's (and DDP's, ZeRO-1's, offload's): tests/test_effective_config.py
@@ -21,6 +23,7 @@ CONFIGS = ("deepspeed_zero2", "fsdp")
 
 @pytest.fixture(scope="module")
 def benchmark(tmp_path_factory) -> dict:
+    """The script as a user runs it, every launch new interpreters (the other tables: `run_benchmark`)."""
     out = tmp_path_factory.mktemp("benchmark")
     command = [sys.executable, "scripts/benchmark.py", "--model_config", "llama-tiny", "--configs", *CONFIGS,
                "--steps", "8", "--warmup", "2", "--log_every", "2", "--rounds", "1",
@@ -74,17 +77,35 @@ def test_measured_model_state_matches_the_memory_planner(benchmark) -> None:
         assert run["model_state_bytes"] == pytest.approx(run["planned_bytes"], rel=0.10), config
 
 
+def forked_launch(command: list[str], env: dict[str, str], log) -> forked_launcher.Launcher:
+    """scripts/benchmark.py's `start_launch`, run by the suite's forked launcher (tests/forked_launcher.py)."""
+    assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"], command
+    return forked_launcher.start(command[3:], env, REPO, Path(log.name), fork_ranks=True)
+
+
+def run_benchmark(out: Path, *flags: str) -> dict:
+    """scripts/benchmark.py's `main` with `flags`, in this process, its launches forked (the script as a user runs
+    it, every launch a new interpreter: the `benchmark` fixture above); its table, JSON figures and figure's path."""
+    from scripts import benchmark
+
+    environment = dict(os.environ)  # as a script, the benchmark may set its own (--data: one thread)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(benchmark, "start_launch", forked_launch)
+            benchmark.main([*flags, "--warmup", "2", "--output", str(out / "table.md"), "--json",
+                            str(out / "results.json"), "--plot", str(out / "figure.png")])
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    return {"table": (out / "table.md").read_text(), "plot": out / "figure.png", **json.loads((out / "results.json").read_text())}
+
+
 @pytest.fixture(scope="module")
 def fine_tuning(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("fine-tuning")
     # one process: the table's code path, at the cost of one process per run (every config trains LoRA: test_fine_tuning.py)
-    command = [sys.executable, "scripts/benchmark.py", "--fine_tuning", "--model_config", "llama-tiny", "--configs", "ddp",
-               "--num_processes", "1",
-               "--steps", "6", "--warmup", "2", "--log_every", "2", "--per_device_train_batch_size", "4",
-               "--block_size", "64", "--output", str(out / "table.md"), "--json", str(out / "results.json")]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return {"table": (out / "table.md").read_text(), **json.loads((out / "results.json").read_text())}
+    return run_benchmark(tmp_path_factory.mktemp("fine-tuning"), "--fine_tuning", "--model_config", "llama-tiny",
+                         "--configs", "ddp", "--num_processes", "1", "--steps", "6", "--log_every", "2",
+                         "--per_device_train_batch_size", "4", "--block_size", "64")
 
 
 def test_the_fine_tuning_table_sets_lora_against_full_fine_tuning(fine_tuning) -> None:
@@ -98,15 +119,6 @@ def test_the_fine_tuning_table_sets_lora_against_full_fine_tuning(fine_tuning) -
     assert full_state["parameters"] < lora_state["parameters"] < 1.25 * full_state["parameters"]
     for part in ("gradients", "optimizer"):
         assert 0 < lora_state[part] < 0.25 * full_state[part], part
-
-
-def run_benchmark(out: Path, *flags: str) -> dict:
-    """scripts/benchmark.py with `flags`, as a user runs it; its table, JSON figures and the figure's path."""
-    command = [sys.executable, "scripts/benchmark.py", *flags, "--warmup", "2", "--output", str(out / "table.md"),
-               "--json", str(out / "results.json"), "--plot", str(out / "figure.png")]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return {"table": (out / "table.md").read_text(), "plot": out / "figure.png", **json.loads((out / "results.json").read_text())}
 
 
 HOOKS = ("allreduce", "fp16", "power_sgd", "batched_power_sgd")  # power_sgd's resume and loss: test_compression
