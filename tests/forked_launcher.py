@@ -25,8 +25,8 @@ makes: the tests that signal, freeze or find the ranks by their command line (te
 tests/test_hangs.py, tests/test_streaming.py under ddp, fsdp and ZeRO-3), where the stop handlers must
 be installed before any library loads. Commands of their own run where the command is what is tested: the SLURM node script
 (tests/test_preemption.py, tests/test_multinode.py), the machine flags of several nodes
-(tests/test_multinode.py), the launches under an address-space limit (tests/test_batch_size.py) and
-scripts/benchmark.py (tests/test_benchmark.py).
+(tests/test_multinode.py), the launches under an address-space limit (tests/test_batch_size.py) and the
+main table of scripts/benchmark.py as a user runs it (tests/test_benchmark.py; its other tables fork).
 """
 
 from __future__ import annotations
