@@ -148,13 +148,18 @@ def data_preparation_rate(block_size: int) -> float:
     from data import build_lm_datasets, load_raw_datasets
     from models.language import build_tokenizer
 
+    saved_cache = datasets.config.HF_DATASETS_CACHE
     with tempfile.TemporaryDirectory() as cache:
         datasets.config.HF_DATASETS_CACHE = cache
         datasets.disable_progress_bars()
-        raw, tokenizer = load_raw_datasets(None, None, None, None, 5, 42), build_tokenizer(None, None)
-        start = time.perf_counter()
-        train, validation = build_lm_datasets(raw, tokenizer, "text", block_size)
-        return (len(train) + len(validation)) * block_size / (time.perf_counter() - start)
+        try:
+            raw, tokenizer = load_raw_datasets(None, None, None, None, 5, 42), build_tokenizer(None, None)
+            start = time.perf_counter()
+            train, validation = build_lm_datasets(raw, tokenizer, "text", block_size)
+            return (len(train) + len(validation)) * block_size / (time.perf_counter() - start)
+        finally:
+            datasets.config.HF_DATASETS_CACHE = saved_cache
+            datasets.enable_progress_bars()
 
 
 def precision(args: argparse.Namespace) -> str:

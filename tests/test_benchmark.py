@@ -21,17 +21,36 @@ from tests.conftest import REPO
 CONFIGS = ("deepspeed_zero2", "fsdp")
 
 
+def forked_launch(command: list[str], env: dict[str, str], log) -> forked_launcher.Launcher:
+    """scripts/benchmark.py's `start_launch`, run by the suite's forked launcher (tests/forked_launcher.py)."""
+    assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"], command
+    return forked_launcher.start(command[3:], env, REPO, Path(log.name), fork_ranks=True)
+
+
+def run_benchmark(out: Path, *flags: str) -> dict:
+    """scripts/benchmark.py's `main` with `flags`, in this process, its launches of train.py forked (the script as
+    a user runs it, every launch a new interpreter: the data table's test); its table, JSON figures and figure."""
+    from scripts import benchmark
+
+    environment = dict(os.environ)  # as a script, the benchmark may set its own (--data: one thread)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(benchmark, "start_launch", forked_launch)
+            benchmark.main([*flags, "--warmup", "2", "--output", str(out / "table.md"), "--json",
+                            str(out / "results.json"), "--plot", str(out / "figure.png")])
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    return {"table": (out / "table.md").read_text(), "plot": out / "figure.png", **json.loads((out / "results.json").read_text())}
+
+
 @pytest.fixture(scope="module")
 def benchmark(tmp_path_factory) -> dict:
-    """The script as a user runs it, every launch new interpreters (the other tables: `run_benchmark`)."""
-    out = tmp_path_factory.mktemp("benchmark")
-    command = [sys.executable, "scripts/benchmark.py", "--model_config", "llama-tiny", "--configs", *CONFIGS,
-               "--steps", "8", "--warmup", "2", "--log_every", "2", "--rounds", "1",
-               "--per_device_train_batch_size", "4", "--block_size", "64",
-               "--output", str(out / "table.md"), "--json", str(out / "results.json")]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return {"table": (out / "table.md").read_text(), **json.loads((out / "results.json").read_text())}
+    """The main table: train.py under each config, then train.py against raw DDP (scripts/raw_ddp.py, new
+    interpreters under torchrun) and the data preparation rate."""
+    return run_benchmark(tmp_path_factory.mktemp("benchmark"), "--model_config", "llama-tiny", "--configs", *CONFIGS,
+                         "--steps", "8", "--log_every", "2", "--rounds", "1", "--per_device_train_batch_size", "4",
+                         "--block_size", "64")
 
 
 def test_every_strategy_gets_a_row_of_figures_recomputed_from_what_train_py_logged(benchmark) -> None:
@@ -75,29 +94,6 @@ def test_measured_model_state_matches_the_memory_planner(benchmark) -> None:
     for config in CONFIGS:
         run = benchmark["strategies"][config]
         assert run["model_state_bytes"] == pytest.approx(run["planned_bytes"], rel=0.10), config
-
-
-def forked_launch(command: list[str], env: dict[str, str], log) -> forked_launcher.Launcher:
-    """scripts/benchmark.py's `start_launch`, run by the suite's forked launcher (tests/forked_launcher.py)."""
-    assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"], command
-    return forked_launcher.start(command[3:], env, REPO, Path(log.name), fork_ranks=True)
-
-
-def run_benchmark(out: Path, *flags: str) -> dict:
-    """scripts/benchmark.py's `main` with `flags`, in this process, its launches forked (the script as a user runs
-    it, every launch a new interpreter: the `benchmark` fixture above); its table, JSON figures and figure's path."""
-    from scripts import benchmark
-
-    environment = dict(os.environ)  # as a script, the benchmark may set its own (--data: one thread)
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(benchmark, "start_launch", forked_launch)
-            benchmark.main([*flags, "--warmup", "2", "--output", str(out / "table.md"), "--json",
-                            str(out / "results.json"), "--plot", str(out / "figure.png")])
-    finally:
-        os.environ.clear()
-        os.environ.update(environment)
-    return {"table": (out / "table.md").read_text(), "plot": out / "figure.png", **json.loads((out / "results.json").read_text())}
 
 
 @pytest.fixture(scope="module")
@@ -186,12 +182,16 @@ def test_the_distillation_table_sets_a_taught_student_against_one_alone(tmp_path
 
 
 def test_the_data_table_sets_each_data_path_against_what_training_consumes(tmp_path) -> None:
-    figures = run_benchmark(tmp_path, "--data", "--corpus_mb", "1", "--data_batches", "10", "--steps", "4",
-                            "--log_every", "2")
-    data = figures["data"]
+    """The script as a user runs it (every launch new interpreters: its one training run, scripts/prepare_data.py)."""
+    command = [sys.executable, "scripts/benchmark.py", "--data", "--corpus_mb", "1", "--data_batches", "10", "--steps",
+               "4", "--log_every", "2", "--warmup", "2", "--output", str(tmp_path / "table.md"), "--json",
+               str(tmp_path / "results.json")]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table, data = (tmp_path / "table.md").read_text(), json.loads((tmp_path / "results.json").read_text())["data"]
     assert data["corpus_bytes"] >= 2**20 and data["consumed_tokens_per_sec"] > 0
     for path in ("in memory", "streaming", "pre-tokenised"):
-        assert data["delivered_tokens_per_sec"][path] > 0 and f"| {path} |" in figures["table"]
+        assert data["delivered_tokens_per_sec"][path] > 0 and f"| {path} |" in table
     assert {1, 2} == {run["num_proc"] for run in data["prepare"].values()}
     assert all(run["tokens"] > 0 and run["tokens_per_sec"] > 0 for run in data["prepare"].values())
 
