@@ -25,7 +25,7 @@ makes: the tests that signal, freeze or find the ranks by their command line (te
 tests/test_hangs.py, tests/test_streaming.py under ddp, fsdp and ZeRO-3), where the stop handlers must
 be installed before any library loads. Commands of their own run where the command is what is tested: the SLURM node script
 (tests/test_preemption.py, tests/test_multinode.py), the machine flags of several nodes
-(tests/test_multinode.py), the launches under an address-space limit (tests/test_batch_size.py) and the
+(tests/test_multinode.py), the launch that limits one rank's address space (tests/test_batch_size.py) and the
 main table of scripts/benchmark.py as a user runs it (tests/test_benchmark.py; its other tables fork).
 """
 
@@ -35,6 +35,7 @@ import ctypes
 import gc
 import multiprocessing
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -82,12 +83,15 @@ _PR_SET_NAME = 15  # from <linux/prctl.h>
 
 
 def run_launch_command(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str,
-                       new_session: bool = False, fork_ranks: bool = False) -> None:
+                       new_session: bool = False, fork_ranks: bool = False, address_space: int | None = None) -> None:
     """In the fork: accelerate's `launch` command with `argv`, output to the files `stdout` and `stderr` (one
     file for both if they are the same path); `new_session`: as the leader of a session of its own;
-    `fork_ranks`: its ranks forked from this process where they can be (the module's docstring)."""
+    `fork_ranks`: its ranks forked from this process where they can be (the module's docstring);
+    `address_space`: the bytes this launcher and every rank may map (`prlimit --as` around a command)."""
     if new_session:
         os.setsid()
+    if address_space is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
     if fork_ranks:
         _fork_ranks()
     os.environ.clear()
@@ -142,21 +146,24 @@ class Launcher:
 
 
 def start(argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path | None = None,
-          new_session: bool = True, fork_ranks: bool = False) -> Launcher:
+          new_session: bool = True, fork_ranks: bool = False, address_space: int | None = None) -> Launcher:
     """`accelerate launch <argv>` started, not waited for: by default in a session of its own (as
-    `Popen(start_new_session=True)`) with both output streams to `stdout`, and ranks that are new interpreters."""
+    `Popen(start_new_session=True)`) with both output streams to `stdout`, and ranks that are new interpreters;
+    `address_space`: the bytes the launcher and its ranks may each map (as `prlimit --as` around the command)."""
     process = _FORKSERVER.Process(target=run_launch_command, args=(
-        argv, env, str(cwd), str(stdout), str(stderr or stdout), new_session, fork_ranks))
+        argv, env, str(cwd), str(stdout), str(stderr or stdout), new_session, fork_ranks, address_space))
     process.start()
     return Launcher(process, ["accelerate", "launch", *argv])
 
 
-def run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+def run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float,
+        address_space: int | None = None) -> subprocess.CompletedProcess:
     """`accelerate launch <argv>` under `env` in `cwd`, waited for, as `subprocess.run(capture_output=True, text=True)`
-    gives it. On a timeout the launcher and everything it started are killed, and `subprocess.TimeoutExpired` raised."""
+    gives it (`address_space`: as `start`'s). On a timeout the launcher and everything it started are killed, and
+    `subprocess.TimeoutExpired` raised."""
     with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
         stdout, stderr = Path(scratch, "stdout"), Path(scratch, "stderr")
-        launcher = start(argv, env, cwd, stdout, stderr, new_session=False, fork_ranks=True)
+        launcher = start(argv, env, cwd, stdout, stderr, new_session=False, fork_ranks=True, address_space=address_space)
         try:
             code = launcher.wait(timeout)
         except subprocess.TimeoutExpired:

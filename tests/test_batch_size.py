@@ -16,14 +16,16 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from models.language import SHIPPED_TOKENIZER
 from scripts.compare_metrics import compare, worst_difference
-from tests.conftest import REPO, assert_continues_exactly, flag_refusal, launch_command, rank_processes, wait_for
+from tests import forked_launcher
+from tests.conftest import LAUNCHER, REPO, assert_continues_exactly, flag_refusal, launch_command, rank_processes, wait_for
 from training.batch_size import find_micro_batch
 from training.errors import StrategyError
 
 # Each process may map 3.7 GB. A rank maps about 2.5 GB before its first step (libraries, threads), and its
 # logits are tokens x 32,000 floats: a micro-batch of 32 x 128 tokens (0.5 GB of logits, about three such
 # tensors in the loss and its backward) cannot fit, 16 can (measured under ddp and fsdp: both find 16 with
-# 3.3 GB, and 32 fits in 4.1 GB: the limit sits in the middle).
+# 3.3 GB, and 32 fits in 4.1 GB; forked ZeRO-3 finds 8 with 3.3 GB, and with 4.1 fits 32 in the search but runs out
+# of memory after it: the limit sits in the middle).
 ADDRESS_SPACE_LIMIT = 3700 * 2**20
 REQUESTED, FOUND = 32, 16
 LOSS_TOLERANCE = 1e-5  # test_parity.py's, between strategies (SGD here: Adam would amplify their rounding on the
@@ -53,16 +55,21 @@ def run_args(model: Path, per_device: int, accumulation: int = 1) -> tuple[str, 
 
 
 def launch_run(config: str, output_dir: Path, *args: str, limited: str = "every rank") -> subprocess.CompletedProcess:
-    """train.py under `config` and the address-space limit: on `every rank` (`prlimit --as` around the launch,
-    which every rank inherits), on `rank 1` alone (set on that process as it starts: the other has all the
-    memory it wants), or on `no rank`."""
+    """train.py under `config` and the address-space limit: on `every rank` (set on the launcher, which every
+    rank inherits, as `prlimit --as` around a launch), on `rank 1` alone (set on that process as it starts: the
+    other has all the memory it wants), or on `no rank`. Forked (tests/forked_launcher.py) but for `rank 1`,
+    whose process is found by its command line: new interpreters."""
     command, env = launch_command(config, "train.py", *args, "--output_dir", str(output_dir))
-    prefix = ["prlimit", f"--as={ADDRESS_SPACE_LIMIT}"] if limited == "every rank" else []
-    launcher = subprocess.Popen([*prefix, *command], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-    if limited == "rank 1":  # long before its first step: a rank takes seconds to import its libraries
-        wait_for(lambda: 1 in rank_processes(launcher), 120, "rank 1 to start", poll=0.02)
-        subprocess.run(["prlimit", f"--pid={rank_processes(launcher)[1].pid}", f"--as={ADDRESS_SPACE_LIMIT}"], check=True)
+    if limited != "rank 1":
+        result = forked_launcher.run(command[len(LAUNCHER):], env, REPO, timeout=300,
+                                     address_space=ADDRESS_SPACE_LIMIT if limited == "every rank" else None)
+        (output_dir / "launch.log").write_text(result.stdout + result.stderr)
+        return result
+    launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    # long before its first step: a rank takes seconds to import its libraries
+    wait_for(lambda: 1 in rank_processes(launcher), 120, "rank 1 to start", poll=0.02)
+    subprocess.run(["prlimit", f"--pid={rank_processes(launcher)[1].pid}", f"--as={ADDRESS_SPACE_LIMIT}"], check=True)
     stdout, stderr = launcher.communicate(timeout=300)
     (output_dir / "launch.log").write_text(stdout + stderr)
     return subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr)
