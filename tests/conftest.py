@@ -123,6 +123,11 @@ def pytest_configure(config: pytest.Config) -> None:
                      start_new_session=True)
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if forked_launcher.rank_records.cache_info().currsize:
+        shutil.rmtree(forked_launcher.rank_records(), ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the `gpu` tests on a machine without a GPU (`pytest -m gpu` then skips them all)."""
     gpu_tests = [item for item in items if "gpu" in item.keywords]
@@ -225,10 +230,12 @@ def node_script_command(
 
 
 def start(config: str | Path, output_dir: Path, *args: str, via_node_script: bool = False,
-          shutdown_timeout: str | None = "300") -> subprocess.Popen | forked_launcher.Launcher:
+          shutdown_timeout: str | None = "300", fork_ranks: bool = False) -> subprocess.Popen | forked_launcher.Launcher:
     """Start train.py with the tiny model in the background, in its own session; output to output_dir/launch.log.
     The launcher: accelerate's launch command in a fork (tests/forked_launcher.py), or the SLURM node script.
-    `shutdown_timeout`: torchrun's grace after a signal (PET_SHUTDOWN_TIMEOUT); None: its default, 30 s."""
+    `shutdown_timeout`: torchrun's grace after a signal (PET_SHUTDOWN_TIMEOUT); None: its default, 30 s.
+    `fork_ranks`: ranks forked too, for a test that signals them only once they train (their stop handlers are
+    installed as train.py starts, after the libraries loaded); else new interpreters."""
     run_args = (*TINY_RUN, "--output_dir", str(output_dir), *args)
     if via_node_script:
         command, env = node_script_command(config, *run_args)
@@ -239,7 +246,7 @@ def start(config: str | Path, output_dir: Path, *args: str, via_node_script: boo
         env["PET_SHUTDOWN_TIMEOUT"] = shutdown_timeout
     output_dir.mkdir(parents=True, exist_ok=True)
     if not via_node_script:
-        return forked_launcher.start(command[len(LAUNCHER):], env, REPO, output_dir / "launch.log")
+        return forked_launcher.start(command[len(LAUNCHER):], env, REPO, output_dir / "launch.log", fork_ranks=fork_ranks)
     with (output_dir / "launch.log").open("w") as log:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -265,11 +272,13 @@ def wait_for(condition: Callable[[], object], seconds: float, what: str, poll: f
 
 
 def rank_processes(launcher: subprocess.Popen | forked_launcher.Launcher) -> dict[int, psutil.Process]:
-    """The train.py processes under a launcher, by global rank."""
+    """The train.py processes under a launcher, by global rank (new interpreters, or forked: `start`)."""
     found = {}
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
-            if "train.py" in " ".join(child.cmdline()):
+            if (rank := forked_launcher.forked_rank(child.pid)) is not None:
+                found[rank] = child
+            elif "train.py" in " ".join(child.cmdline()):
                 found[int(child.environ().get("RANK", "0"))] = child
         except psutil.Error:
             continue

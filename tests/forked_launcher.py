@@ -20,18 +20,21 @@ tiny run's rank takes). So:
 
 New interpreters remain where a fork could differ from one: ranks whose environment differs from
 the one the libraries were imported under in a variable that a library reads as it is imported
-(`HF_HOME`, `HF_HUB_OFFLINE`), commands other than a Python script, and every launch that `start`
-makes: the tests that signal, freeze or find the ranks by their command line (tests/test_preemption.py,
-tests/test_hangs.py, tests/test_streaming.py under ddp, fsdp and ZeRO-3), where the stop handlers must
-be installed before any library loads. Commands of their own run where the command is what is tested: the SLURM node script
-(tests/test_preemption.py, tests/test_multinode.py), the machine flags of several nodes
-(tests/test_multinode.py), the launch that limits one rank's address space (tests/test_batch_size.py) and the
-main table of scripts/benchmark.py as a user runs it (tests/test_benchmark.py; its other tables fork).
+(`HF_HOME`, `HF_HUB_OFFLINE`), commands other than a Python script, and the launches that `start`
+makes for tests that signal, freeze or find the ranks (tests/test_preemption.py, tests/test_hangs.py),
+where the stop handlers must be installed before any library loads; tests that signal ranks only
+once they train ask `start` for forked ranks (tests/test_streaming.py), found by the records their
+launcher keeps (`forked_rank`). Commands of their own run where the command is what is tested: the
+SLURM node script (tests/test_preemption.py, tests/test_multinode.py), the machine flags of several
+nodes (tests/test_multinode.py), the launch that limits one rank's address space
+(tests/test_batch_size.py) and scripts/benchmark.py as a user runs it (tests/test_benchmark.py's data
+table; its other tables fork).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import multiprocessing
 import os
@@ -61,11 +64,12 @@ for _name, _value in SUITE_LAUNCH_ENV.items():
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(["tests.preloaded_train", "accelerate.commands.launch"])  # in this order
 # Environment variables that no library reads as it is imported, only as a rank runs: what accelerate's launcher
-# and torch's elastic agent set for each rank (prefixes end in "_"), PYTHONPATH (a rank's module path is rebuilt
-# from it), DeepSpeed's CUDA check (set by importing it, in a test too), and the current test's name (pytest's).
+# and torch's elastic agent set for each rank (prefixes end in "_"), torchrun's options (PET_: its launcher's parser
+# reads them), PYTHONPATH (a rank's module path is rebuilt from it), DeepSpeed's CUDA check (set by importing it,
+# in a test too), and the current test's name (pytest's).
 # tests/test_forked_launcher.py imports what the forkserver imports and fails if any of these is read.
 _READ_AT_RUN_TIME = ("ACCELERATE_DEEPSPEED_", "ACCELERATE_DYNAMO_", "FSDP_", "PARALLELISM_CONFIG_", "TORCHELASTIC_",
-                     "KMP_")
+                     "KMP_", "PET_")
 _READ_AT_RUN_TIME_NAMES = {
     "ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG",
     "ACCELERATE_MIXED_PRECISION", "ACCELERATE_CONFIG_DS_FIELDS", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
@@ -80,20 +84,37 @@ def read_at_run_time_only(name: str) -> bool:
     return name in _READ_AT_RUN_TIME_NAMES or name.startswith(_READ_AT_RUN_TIME)
 _POPEN = subprocess.Popen
 _PR_SET_NAME = 15  # from <linux/prctl.h>
+# A forked rank's command line and /proc environment are the forkserver's: its launcher records its global rank
+# here, by process id, for the tests that find a launch's ranks (tests/conftest.py `rank_processes`).
+@functools.cache
+def rank_records() -> Path:
+    """The directory of those records, made by the first launch of this process (tests/conftest.py removes it as
+    pytest ends: an atexit hook would be one more in every forked rank)."""
+    return Path(tempfile.mkdtemp(prefix="forked-ranks-"))
+
+
+def forked_rank(pid: int) -> int | None:
+    """The global rank of the running forked rank `pid`; None for any other process."""
+    try:
+        return int((rank_records() / str(pid)).read_text())
+    except (FileNotFoundError, ValueError):  # not a forked rank, or one whose record is being written
+        return None
 
 
 def run_launch_command(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str,
-                       new_session: bool = False, fork_ranks: bool = False, address_space: int | None = None) -> None:
+                       new_session: bool = False, fork_ranks: bool = False, address_space: int | None = None,
+                       ranks_dir: Path | None = None) -> None:
     """In the fork: accelerate's `launch` command with `argv`, output to the files `stdout` and `stderr` (one
     file for both if they are the same path); `new_session`: as the leader of a session of its own;
     `fork_ranks`: its ranks forked from this process where they can be (the module's docstring);
-    `address_space`: the bytes this launcher and every rank may map (`prlimit --as` around a command)."""
+    `address_space`: the bytes this launcher and every rank may map (`prlimit --as` around a command);
+    `ranks_dir`: where the forked ranks are recorded (`rank_records` of the process that started this one)."""
     if new_session:
         os.setsid()
     if address_space is not None:
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
     if fork_ranks:
-        _fork_ranks()
+        _fork_ranks(ranks_dir)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -151,7 +172,7 @@ def start(argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr:
     `Popen(start_new_session=True)`) with both output streams to `stdout`, and ranks that are new interpreters;
     `address_space`: the bytes the launcher and its ranks may each map (as `prlimit --as` around the command)."""
     process = _FORKSERVER.Process(target=run_launch_command, args=(
-        argv, env, str(cwd), str(stdout), str(stderr or stdout), new_session, fork_ranks, address_space))
+        argv, env, str(cwd), str(stdout), str(stderr or stdout), new_session, fork_ranks, address_space, rank_records()))
     process.start()
     return Launcher(process, ["accelerate", "launch", *argv])
 
@@ -188,7 +209,7 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def _fork_ranks() -> None:
+def _fork_ranks(ranks_dir: Path) -> None:
     """Have this launcher fork the ranks it would start as `python [-u] <script>.py ...`, where their environment
     differs from the one the libraries were imported under in variables read at run time alone; `Popen` as
     before for anything else."""
@@ -203,7 +224,7 @@ def _fork_ranks() -> None:
         if command is None or others or isinstance(stdout, int) or isinstance(stderr, int) or not all(
                 map(read_at_run_time_only, differing)):
             return _POPEN(args, env=env, stdout=stdout, stderr=stderr, start_new_session=start_new_session, **others)
-        return ForkedRank(args, *command, preloaded.SET_BY_IMPORT | rank_env, stdout, stderr, start_new_session)
+        return ForkedRank(args, *command, preloaded.SET_BY_IMPORT | rank_env, stdout, stderr, start_new_session, ranks_dir)
 
     _use_popen(rank_process)  # in this launcher alone: it is a fork
 
@@ -230,7 +251,7 @@ class ForkedRank:
     of the launcher running a Python script as a new interpreter would."""
 
     def __init__(self, args, argv: list[str], unbuffered: bool, env: dict[str, str], stdout, stderr,
-                 new_session: bool) -> None:
+                 new_session: bool, ranks_dir: Path) -> None:
         self.args, self.returncode = args, None
         outputs = tuple(None if stream is None else stream.fileno() for stream in (stdout, stderr))
         started_r, started_w = os.pipe()
@@ -244,12 +265,16 @@ class ForkedRank:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             os.close(started_w)
         self.pid = self._process.pid
+        self._record = ranks_dir / str(self.pid)
+        self._record.with_suffix(".new").write_text(env.get("RANK", "0"))
+        self._record.with_suffix(".new").rename(self._record)
         os.read(started_r, 1)  # as Popen returns: once the rank is in its session, so that killpg finds it
         os.close(started_r)
 
     def poll(self) -> int | None:
         if self.returncode is None and not self._process.is_alive():  # is_alive reaps it
             self.returncode = self._process.exitcode
+            self._record.unlink(missing_ok=True)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

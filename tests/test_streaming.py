@@ -99,7 +99,7 @@ def stream_args(stream_files) -> tuple[str, ...]:
 def test_a_stream_stopped_by_sigterm_resumes_exactly(config, stream_files, cached_run, tmp_path) -> None:
     args = stream_args(stream_files)
     uninterrupted = cached_run(config, *args)
-    launcher = start(config, tmp_path, *args)
+    launcher = start(config, tmp_path, *args, fork_ranks=True)  # signalled once training (the handlers: test_preemption)
     stop_after_step(launcher, tmp_path, STOP_AFTER, signal.SIGTERM)
     log = (tmp_path / "launch.log").read_text()
     step = int(re.search(r"SIGTERM received: stopped after step (\d+)", log).group(1))
