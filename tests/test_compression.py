@@ -124,6 +124,8 @@ def test_a_hook_that_cannot_run_here_is_refused_with_the_fix(case, message) -> N
 @pytest.mark.parametrize(("flags", "message"), [
     (["--power_sgd_rank", "4"], "--power_sgd_rank is for --ddp_comm_hook power_sgd or batched_power_sgd: add one"),
     (["--ddp_comm_hook", "power_sgd", "--power_sgd_start_step", "1"], "--power_sgd_start_step >= 2"),
+    (["--ddp_comm_hook", "fp16", "--pipeline_parallel_size", "2"],
+     "--ddp_comm_hook with --pipeline_parallel_size is not supported"),
 ])
 def test_power_sgd_flags_that_cannot_work_are_one_line(flags, message, tmp_path) -> None:
     """The part's flag checks (its `check_flags` hook), in train.py's parse of the flags."""

@@ -43,7 +43,7 @@ def check_pipeline_flags(model_args, data_args, args) -> None:
                             f"--pipeline_microbatches ({micro}) a multiple of it")
     unsupported = {"--device_map": model_args.device_map, "--use_peft": model_args.use_peft,
                    "--task sft": model_args.task == "sft", "--packing false": not data_args.packing,
-                   "--ddp_comm_hook": getattr(args, "ddp_comm_hook", None), "--torch_compile": args.torch_compile,
+                   "--torch_compile": args.torch_compile,
                    "--gradient_checkpointing": model_args.gradient_checkpointing,
                    "--teacher_model_name_or_path": model_args.teacher_model_name_or_path}
     if found := [flag for flag, used in unsupported.items() if used]:

@@ -30,7 +30,11 @@ class CompressionFlags:
 
 
 def check_flags(args) -> None:
-    """--power_sgd_* set PowerSGD, and PowerSGD needs two plain steps first (torch's rule with error feedback)."""
+    """--power_sgd_* set PowerSGD, and PowerSGD needs two plain steps first (torch's rule with error feedback);
+    pipeline stages have no DDP buckets to hook."""
+    if args.ddp_comm_hook and args.pipeline_parallel_size > 1:
+        raise ArgumentError("--ddp_comm_hook with --pipeline_parallel_size is not supported (stages exchange "
+                            "activations, not DDP's gradient buckets); drop it, or train without pipeline stages")
     if "power_sgd" not in (args.ddp_comm_hook or ""):
         defaults = CompressionFlags()
         for flag in ("power_sgd_rank", "power_sgd_start_step"):
