@@ -1,6 +1,6 @@
 """Gradient compression for DDP (`--ddp_comm_hook`): torch's fp16, bf16 and PowerSGD hooks, with the bytes
 each rank all-reduces counted (summary.json's `gradient_allreduce_bytes_per_step`) and PowerSGD's state
-kept in checkpoints (parts/compression/hooks.py). See docs/performance.md, "Gradient compression".
+kept in checkpoints (parts/compression/hooks.py). See docs/compression.md.
 """
 
 from dataclasses import dataclass, field

@@ -3,7 +3,7 @@ NVIDIA GPUs, an optional install (`pip install liger-kernel==0.8.5`), refused in
 
 Without torch.compile, elementwise steps are most of a small model's GPU time; with it, inductor fuses
 them itself and cannot fuse across Liger's kernels. Measured on an H200 (docs/gpus.md, "MFU at a 50k
-vocabulary"): eager steps 9% faster, compiled ones 12% slower. So the flag is for eager runs.
+vocabulary"; docs/liger.md): eager steps 9% faster, compiled ones 12% slower. So the flag is for eager runs.
 """
 
 from dataclasses import dataclass, field

@@ -1,5 +1,5 @@
 """SyncBatchNorm (`--sync_batchnorm`): BatchNorm statistics over the micro-batches of all processes, for
-image models trained with a few examples per GPU (torch implements it for GPUs only).
+image models trained with a few examples per GPU (torch implements it for GPUs only). docs/sync_batchnorm.md.
 
 BatchNorm normalises each layer with the mean and variance of the batch it sees. Under data parallelism
 each process sees only its per-device batch, so with a few examples per device those statistics are noisy
