@@ -80,7 +80,7 @@ def measure(train_flags: list[str]) -> None:
     from training.task_registry import build_task
 
     model_args, data_args, args = parse_args(train_flags)
-    accelerator = build_accelerator(args.ddp_timeout)
+    accelerator = build_accelerator(args)
     task = build_task(model_args, data_args)
     before = _peak_rss()  # libraries and process group: what every rank holds without a model
     with model_construction(accelerator, pretrained=True, can_build_empty=task.can_build_empty) as empty:

@@ -27,20 +27,19 @@ from training.tensor_parallel import data_parallel_size, tensor_parallel_size
 logger = get_logger(__name__)
 
 
-def build_accelerator(ddp_timeout: int, args=None, **accelerator_kwargs) -> Accelerator:
+def build_accelerator(args, **accelerator_kwargs) -> Accelerator:
     """An `Accelerator` for the configured strategy, on GPUs or, for real, on CPU.
 
-    `ddp_timeout` (seconds) bounds every collective of the process group, on every strategy; `args`
-    (TrainArguments; None: the core's settings alone) gives the parts' launch checks and DDP settings.
+    `args` (TrainArguments): `--ddp_timeout` (seconds) bounds every collective of the process group, on
+    every strategy; the parts' launch checks and DDP settings read their flags.
     """
     strategy = requested_strategy()
     if strategy is Strategy.DEEPSPEED:
         skip_deepspeed_muon_check()
-    timeout = timedelta(seconds=ddp_timeout)
+    timeout = timedelta(seconds=args.ddp_timeout)
     on_cpu = not has_accelerator_device()
     check_launch_config(strategy, on_cpu)
-    if args is not None:
-        check_launch(args, strategy, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
+    check_launch(args, strategy, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
     if not on_cpu:
         nccl_timeouts_raise()
     cpu, backend = cpu_process_group(strategy, timeout) if on_cpu else (False, InitProcessGroupKwargs.backend)
@@ -49,7 +48,7 @@ def build_accelerator(ddp_timeout: int, args=None, **accelerator_kwargs) -> Acce
     # and buffers are not copied from rank 0 before each forward: BatchNorm statistics are
     # averaged instead, on every strategy alike (training/batchnorm.py). Then the parts' settings.
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False,
-                                        **(ddp_settings(args, on_cpu) if args is not None else {}))
+                                        **ddp_settings(args, on_cpu))
     return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
 
 

@@ -224,7 +224,6 @@ def training_loader(dataset, batch_size: int, seed: int, **loading) -> DataLoade
 def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple[Accelerator, Strategy, str, bool]:
     """The Accelerator, checked to run the configured strategy; the start-up lines on the main process."""
     accelerator = build_accelerator(
-        args.ddp_timeout,
         args,
         # Synchronise by step count only: train.py reads a whole window ahead (see
         # accumulation_windows), so the dataloader's end is seen before the window's last step.

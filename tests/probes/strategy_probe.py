@@ -5,7 +5,7 @@ what `verify_strategy` concluded, as JSON in OUT_DIR/rank_<rank>.json.
   plain        Accelerator()                                  accelerate's own choice on CPU
   gloo_kwarg   Accelerator(kwargs_handlers=[gloo])            a common "fix" found online
   cpu_flag     Accelerator(cpu=True)                          the DDP-on-CPU switch
-  template     training.accelerator.build_accelerator()       what train.py does (--ddp_timeout 123)
+  template     training.accelerator.build_accelerator(args)   what train.py does (--ddp_timeout 123)
 """
 
 import json
@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
 from training.accelerator import build_accelerator
+from training.arguments import parse_args
 from training.process_exit import exit_process
 from training.strategy import verify_strategy
 from training.errors import StrategyError
@@ -27,7 +28,7 @@ builders = {
     "plain": lambda: Accelerator(),
     "gloo_kwarg": lambda: Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")]),
     "cpu_flag": lambda: Accelerator(cpu=True),
-    "template": lambda: build_accelerator(ddp_timeout=123),  # not torch's 1800 s default, so it is visible
+    "template": lambda: build_accelerator(parse_args(["--ddp_timeout", "123"])[2]),  # not torch's 1800 s: visible
 }
 accelerator = builders[scenario]()
 record = {
