@@ -14,23 +14,11 @@ never does either: training/tasks.py builds the model and data and turns logits 
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first of all, before the libraries load: see training/preemption.py
-    import gc
-    import sys
+if __name__ == "__main__":  # first of all, before the libraries load: stop handlers, --help (training/prelude.py)
+    from training.prelude import before_imports
 
-    # Importing torch, transformers and datasets allocates millions of objects, and the cyclic
-    # collector would walk them again and again: 1.1 s of a 5 s start, measured. On at `run()`.
-    gc.disable()
-    from training.preemption import install_stop_handlers
+    before_imports()
 
-    install_stop_handlers()
-    if {"-h", "--help"} & set(sys.argv[1:]):  # answered before torch loads: under 2 s
-        from training.flags import build_parser
-
-        build_parser().print_help()
-        sys.exit(0)
-
-import gc
 import math
 import os
 import sys
@@ -54,6 +42,7 @@ from training.evaluation import evaluate
 from training.loss import NonFiniteGuard, accumulation_windows
 from training.metrics import MetricsLogger, print_summary, write_summary
 from training.preemption import install_stop_handlers
+from training.prelude import after_imports
 from training.process_exit import exit_process
 from training.report import write_report
 from training.setup import Run, set_up
@@ -231,8 +220,7 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
 def run() -> int:
     """`main()`, with each documented failure turned into one error line and its exit code, and any other
     exception into its traceback and exit 1: every way out ends in `exit_process`."""
-    gc.freeze()  # what the imports made lives as long as the process: no collection need look at it again
-    gc.enable()
+    after_imports()
     try:
         main()
     except Exception as error:
