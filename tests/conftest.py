@@ -171,11 +171,16 @@ def launch(
     return forked_launcher.run(command[len(LAUNCHER):], env, REPO, timeout)
 
 
+# torchrun's report that a rank failed: the launcher's own traceback, ending in ChildFailedError
+LAUNCHER_REPORT = re.compile(r"Traceback \(most recent call last\):\n(?: .*\n)*torch\.distributed\.elastic\.multiprocessing"
+                             r"\.errors\.ChildFailedError:.*\n")
+
+
 def bad_input_errors(result: subprocess.CompletedProcess) -> list[str]:
     """The `error:` lines of a launch that refused bad input: exit code 2 in torchrun's report of the ranks
-    (the launcher itself exits 1), and no traceback before the first error line."""
+    (the launcher itself exits 1), and no traceback but that report's."""
     assert result.returncode != 0 and re.search(r"exitcode\s*:\s*2\b", result.stderr), result.stderr[-4000:]
-    assert "Traceback" not in result.stderr.split("error: ")[0], result.stderr[-4000:]
+    assert "Traceback" not in LAUNCHER_REPORT.sub("", result.stderr, count=1), result.stderr[-4000:]
     return [line for line in result.stderr.splitlines() if line.startswith("error: ")]
 
 

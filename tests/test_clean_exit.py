@@ -103,12 +103,17 @@ def test_each_documented_end_has_its_exit_code_from_one_home() -> None:
 
     codes = {error.__name__: (error.exit_code, error.prefix, error.every_rank) for error in (
         errors.ArgumentError, errors.DataError, errors.ModelError, errors.StrategyError, errors.ResumeError, StageError,
-        errors.NonFiniteLossError, errors.CollectiveTimeoutError, errors.Preempted)}
+        errors.NonFiniteLossError, errors.CollectiveTimeoutError, errors.PeerEnded, errors.Preempted)}
     assert codes == {"ArgumentError": (2, "error", False), "DataError": (2, "error", False),
                      "ModelError": (2, "error", False), "StrategyError": (2, "error", False),
                      "ResumeError": (2, "error", False), "StageError": (2, "error", False),
                      "NonFiniteLossError": (3, "error", False), "CollectiveTimeoutError": (4, "error", True),
-                     "Preempted": (75, "stopped", False)}
+                     "PeerEnded": (4, "error", False), "Preempted": (75, "stopped", False)}
     missing = errors.ending(FileNotFoundError(2, "No such file or directory", "/nonexistent"))
     assert (missing.exit_code, str(missing)) == (2, "[Errno 2] No such file or directory: '/nonexistent'")
     assert errors.ending(KeyError("a bug")) is None and errors.ending(ValueError("a bug")) is None
+    # gloo's words for a collective whose peer has exited (the launches of test_bad_input meet it: a JSON Lines
+    # file only the main process reads first, a tampered ZeRO shard only rank 0 loads)
+    lost = errors.ending(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:53410"))
+    assert isinstance(lost, errors.PeerEnded) and lost.exit_code == 4
+    assert errors.ending(RuntimeError("a bug")) is None

@@ -193,6 +193,7 @@ def test_a_mistake_is_one_error_line_and_exit_2(tmp_path, args, message) -> None
     files = _files(tmp_path)
     errors = bad_input_errors(dry_run(tmp_path, *(files.get(arg, arg) for arg in args)))
     assert len(errors) == 1 and message in errors[0], errors
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # nothing written
 
 
 def test_a_gpu_plan_made_on_a_machine_without_gpus_is_a_plan_with_a_note(tmp_path, monkeypatch) -> None:

@@ -62,8 +62,24 @@ class Preempted(RunEnded):
     prefix = "stopped"
 
 
+class PeerEnded(RunEnded, RuntimeError):
+    """Another process ended the run (its own line says why: bad input in a file only it reads, say) while this
+    one waited on it in a collective; this one's traceback of the lost connection would only bury that line."""
+
+    exit_code = 4  # a collective failed, as for a timeout; torchrun's report names the first failure its root cause
+
+
+# What gloo raises in a collective whose peer process has exited.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
 def ending(error: BaseException) -> RunEnded | None:
-    """`error` as a documented end of the run: a missing file is bad input too; None for anything else."""
+    """`error` as a documented end of the run: a missing file is bad input too, and a collective that lost a
+    process which ended first is that process's end; None for anything else."""
     if isinstance(error, RunEnded):
         return error
-    return BadInputError(str(error)) if isinstance(error, FileNotFoundError) else None
+    if isinstance(error, FileNotFoundError):
+        return BadInputError(str(error))
+    if isinstance(error, RuntimeError) and any(sign in str(error) for sign in PEER_GONE):
+        return PeerEnded("another process ended the run first; its own error line says why")
+    return None
