@@ -27,20 +27,27 @@ def forked_launch(command: list[str], env: dict[str, str], log) -> forked_launch
     return forked_launcher.start(command[3:], env, REPO, Path(log.name), fork_ranks=True)
 
 
-def run_benchmark(out: Path, *flags: str) -> dict:
-    """scripts/benchmark.py's `main` with `flags`, in this process, its launches of train.py forked (the script as
-    a user runs it, every launch a new interpreter: the data table's test); its table, JSON figures and figure."""
+def run_benchmark(out: Path, *flags: str, as_user: bool = False) -> dict:
+    """scripts/benchmark.py with `flags`; its table, JSON figures and figure. By default its `main` in this
+    process, its launches of train.py forked; `as_user`: the script as a user runs it, every launch a new
+    interpreter (the data table's test)."""
     from scripts import benchmark
 
-    environment = dict(os.environ)  # as a script, the benchmark may set its own (--data: one thread)
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(benchmark, "start_launch", forked_launch)
-            benchmark.main([*flags, "--warmup", "2", "--output", str(out / "table.md"), "--json",
-                            str(out / "results.json"), "--plot", str(out / "figure.png")])
-    finally:
-        os.environ.clear()
-        os.environ.update(environment)
+    argv = [*flags, "--warmup", "2", "--output", str(out / "table.md"), "--json", str(out / "results.json"),
+            "--plot", str(out / "figure.png")]
+    if as_user:
+        result = subprocess.run([sys.executable, "scripts/benchmark.py", *argv], cwd=REPO, capture_output=True,
+                                text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    else:
+        environment = dict(os.environ)  # as a script, the benchmark may set its own (--data: one thread)
+        try:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(benchmark, "start_launch", forked_launch)
+                benchmark.main(argv)
+        finally:
+            os.environ.clear()
+            os.environ.update(environment)
     return {"table": (out / "table.md").read_text(), "plot": out / "figure.png", **json.loads((out / "results.json").read_text())}
 
 
@@ -183,12 +190,9 @@ def test_the_distillation_table_sets_a_taught_student_against_one_alone(tmp_path
 
 def test_the_data_table_sets_each_data_path_against_what_training_consumes(tmp_path) -> None:
     """The script as a user runs it (every launch new interpreters: its one training run, scripts/prepare_data.py)."""
-    command = [sys.executable, "scripts/benchmark.py", "--data", "--corpus_mb", "1", "--data_batches", "10", "--steps",
-               "4", "--log_every", "2", "--warmup", "2", "--output", str(tmp_path / "table.md"), "--json",
-               str(tmp_path / "results.json")]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    table, data = (tmp_path / "table.md").read_text(), json.loads((tmp_path / "results.json").read_text())["data"]
+    figures = run_benchmark(tmp_path, "--data", "--corpus_mb", "1", "--data_batches", "10", "--steps", "4",
+                            "--log_every", "2", as_user=True)
+    table, data = figures["table"], figures["data"]
     assert data["corpus_bytes"] >= 2**20 and data["consumed_tokens_per_sec"] > 0
     for path in ("in memory", "streaming", "pre-tokenised"):
         assert data["delivered_tokens_per_sec"][path] > 0 and f"| {path} |" in table

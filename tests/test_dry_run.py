@@ -5,7 +5,6 @@ answered before torch loads."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
