@@ -200,8 +200,6 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
         **run.speed.steady_state(),  # the whole-run figures above keep the intervals' warm-up
         **({f"flops_per_{run.task.unit.removesuffix('s')}": run.task.flops_per_unit} if run.task.flops_per_unit else {}),
         "model_state_bytes_per_rank": max_over_ranks(run.model_state, accelerator),
-        **({"teacher_state_bytes_per_rank": max_over_ranks({"parameters": run.teacher_bytes}, accelerator)}
-           if run.teacher_bytes is not None else {}),
         **{key: value for figures in run.part_figures for key, value in figures(steps_run).items()},
         **outcome,
     }

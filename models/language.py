@@ -53,27 +53,6 @@ def build_tokenizer(
     return tokenizer
 
 
-def check_same_vocabulary(tokenizer: PreTrainedTokenizerBase, teacher: str, teacher_vocab_size: int,
-                          trust_remote_code: bool = False) -> None:
-    """A distillation teacher predicts over the student's tokens: its own tokenizer (when it ships one)
-    maps every token to the same id, and its output layer covers them all."""
-    try:
-        teacher_vocab = AutoTokenizer.from_pretrained(teacher, trust_remote_code=trust_remote_code).get_vocab()
-    except (OSError, ValueError):  # weights without a tokenizer: the output's size is all there is to check
-        teacher_vocab = None
-    student_vocab = tokenizer.get_vocab()
-    if teacher_vocab is not None and teacher_vocab != student_vocab:
-        differ = sorted(set(teacher_vocab.items()) ^ set(student_vocab.items()), key=lambda item: item[1])[0][0]
-        raise ModelError(
-            f"teacher {teacher} has another vocabulary than the student's tokenizer ({len(teacher_vocab)} vs "
-            f"{len(student_vocab)} tokens; e.g. {differ!r} differs): distillation compares next-token predictions "
-            "token by token, so both must share one tokenizer; use a teacher of the student's family, or give the "
-            "student the teacher's tokenizer (--tokenizer_name)")
-    if teacher_vocab_size < len(tokenizer):
-        raise ModelError(f"teacher {teacher} predicts {teacher_vocab_size} tokens, fewer than the student's tokenizer "
-                         f"holds ({len(tokenizer)}): it was not trained with this tokenizer; use one that was")
-
-
 def build_model(
     model_name_or_path: str | None,
     model_config: str,

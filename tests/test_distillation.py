@@ -1,4 +1,4 @@
-"""Knowledge distillation (training/distillation.py): the divergences, the teacher checks, and real runs
+"""Knowledge distillation (parts/distillation): the divergences, the teacher checks, and real runs
 of a student distilled from a frozen teacher under every config file, agreeing with one process."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from models.language import ModelError
 from tests.conftest import CONFIGS, TINY_RUN, assert_continues_exactly, assert_same_final_weights, flag_refusal, read_metrics, train
 from training.arguments import parse_args
 from training.task_registry import build_task
-from training.distillation import divergence, memory_warning, teacher_bytes_per_rank
+from parts.distillation.teacher import check_teacher, divergence, memory_warning, teacher_bytes_per_rank
 from training.strategy import Strategy
 
 DISTILLED_CONFIGS = sorted(path.stem for path in CONFIGS.glob("*.yaml") if path.stem not in {"single", "fsdp_tp"})
@@ -86,7 +86,7 @@ def test_an_image_teacher_for_other_labels_is_one_line(tmp_path) -> None:
     task = build_task(model_args, data_args)
     task.labels = ["circle", "square"]  # the student's, from its data
     with pytest.raises(ModelError, match=re.escape("classifies into ['cat', 'dog'], the data into ['circle', 'square']")):
-        task.check_teacher(str(tmp_path))
+        check_teacher(task, str(tmp_path))
 
 
 def student_args(config: str) -> tuple[str, ...]:

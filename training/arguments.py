@@ -28,14 +28,14 @@ from training.flags import (ALL_ARGUMENT_CLASSES, KNOWN_KEYS, ArgumentError, Dat
                             TrainArguments, build_parser)
 from training.metrics import resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
-from training.parts import check_flags
+from training.parts import check_flags, run_inputs
 from training.pipeline_layout import check_pipeline_flags
 from training.task_registry import ADAPTER_FLAGS, TASKS
 
 
-# Flags naming files or directories the run reads: --overwrite_output_dir must not delete them
-RUN_INPUTS = ("model_name_or_path", "teacher_model_name_or_path", "tokenizer_name", "dataset_name", "train_file",
-              "validation_file", "dataset_path", "train_dir", "validation_dir", "chat_template")
+# Flags naming files or directories the run reads: --overwrite_output_dir must not delete them (a part marks its own)
+RUN_INPUTS = ("model_name_or_path", "tokenizer_name", "dataset_name", "train_file", "validation_file", "dataset_path",
+              "train_dir", "validation_dir", "chat_template", *run_inputs())
 
 
 # TrainingArguments flags that the launcher owns here: the accelerate config or `accelerate launch` sets them.
@@ -125,8 +125,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     check_task_flags(model_args, data_args)
     check_compile_flags(train_args)
     check_adapter_flags(model_args)
-    check_flags(train_args)  # the parts' (training/parts.py)
-    check_distillation_flags(model_args, train_args)
+    check_flags(model_args, data_args, train_args)  # the parts' (training/parts.py)
     check_pipeline_flags(model_args, data_args, train_args)
     split = "--pipeline_parallel_size" if train_args.pipeline_parallel_size > 1 else model_split(model_args)
     check_auto_find_batch_size(train_args, split)
@@ -140,7 +139,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
             f"{requested_strategy().value}; use --config_file accelerate_configs/single.yaml (or FSDP2/ZeRO-3 to shard)"
         )
     check_output_dir(train_args.output_dir, train_args.resume_from_checkpoint, train_args.overwrite_output_dir, {
-        flag: getattr(model_args, flag, getattr(data_args, flag, None)) for flag in RUN_INPUTS})
+        flag: getattr(model_args, flag, getattr(data_args, flag, getattr(train_args, flag, None))) for flag in RUN_INPUTS})
     report_to = train_args.report_to
     # a recipe may give one name as a string, or leave the key empty
     train_args.report_to = resolve_trackers([report_to] if isinstance(report_to, str) else report_to or ["none"])
@@ -234,23 +233,3 @@ def check_adapter_flags(model_args: ModelArguments) -> None:
     if model_args.lora_r < 1 or model_args.lora_alpha <= 0 or not 0 <= model_args.lora_dropout < 1:
         raise ArgumentError(f"--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1); got "
                             f"{model_args.lora_r}, {model_args.lora_alpha}, {model_args.lora_dropout}")
-
-
-DISTILLATION_FLAGS = ("distillation_alpha", "distillation_temperature", "distillation_loss")
-
-
-def check_distillation_flags(model_args: ModelArguments, train_args: TrainArguments) -> None:
-    """The distillation settings need a teacher, and the teacher a data-parallel layout (training/distillation.py)."""
-    if not model_args.teacher_model_name_or_path:
-        for flag in DISTILLATION_FLAGS:
-            if getattr(train_args, flag) != FIELD_DEFAULTS[flag]:
-                raise ArgumentError(f"--{flag} is for distillation: add --teacher_model_name_or_path, or drop it")
-        return
-    if not 0 <= train_args.distillation_alpha <= 1:
-        raise ArgumentError(f"--distillation_alpha weighs the teacher loss against the label loss: it must be in [0, 1], "
-                            f"got {train_args.distillation_alpha}")
-    if train_args.distillation_temperature <= 0:
-        raise ArgumentError(f"--distillation_temperature must be > 0, got {train_args.distillation_temperature}")
-    if split := model_split(model_args):
-        raise ArgumentError(f"--teacher_model_name_or_path with {split} is not supported; distil under a data-parallel "
-                            "config (ddp.yaml, fsdp.yaml or a ZeRO config), which places the teacher as it places the student")

@@ -20,7 +20,6 @@ from contextlib import nullcontext
 from accelerate.utils import DeepSpeedPlugin, set_seed
 
 from models.adapters import add_adapter
-from training.distillation import teacher_plan
 from training.pipeline_layout import check_pipeline_launch, parameters_per_process, pipelined, stage_count
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import align_deepspeed_config
@@ -35,7 +34,7 @@ from training.memory_plan import (
     working_bytes,
 )
 from training.optim import global_batch_size, optimizer_for, run_length, warmup_steps
-from training.parts import check_launch
+from training.parts import check_launch, dry_run_lines
 from training.performance import compute_dtype, parameter_count
 from training.task_registry import build_task
 
@@ -102,9 +101,7 @@ def dry_run(model_args, data_args, args) -> str | None:
                                        model_args.gradient_checkpointing)
         memory += (f", activations ~{activations / MIB:,.1f} MiB and working buffers "
                    f"~{working_bytes(layout, shape, dtype.itemsize) / MIB:,.1f} MiB (estimates)")
-    teacher = model_args.teacher_model_name_or_path
-    if teacher:
-        memory += f"\nteacher:         {teacher_plan(task, teacher, strategy, processes, dtype.itemsize)}"
+    memory += "".join(f"\n{line}" for line in dry_run_lines(task, args, strategy, processes, dtype.itemsize))
     return (
         "\n===== dry run: checked, nothing trained =====\n"
         f"launch:          {layout.strategy}, {processes} process(es), {data_parallel} data-parallel, "

@@ -71,12 +71,6 @@ class ModelArguments:
     use_dora: bool = field(default=False, metadata={"help": "DoRA: weight-decomposed LoRA."})
     merge_adapter: bool = field(default=False, metadata={
         "help": "Also write final/merged: the base model with the adapter merged in, plain transformers."})
-    teacher_model_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "Distil from this frozen teacher (Hub id or directory; same tokenizer, or same labels): it runs "
-                          "beside the student under the same strategy and is never trained or saved. See "
-                          "training/distillation.py."},
-    )
 
 
 @dataclass
@@ -205,18 +199,6 @@ class CoreTrainArguments:
         default=False,
         metadata={"help": "Pipeline: record when each stage computes each micro-batch (wall clock) into "
                           "output_dir/pipeline_timeline.json, for scripts/benchmark.py --pipeline."},
-    )
-    distillation_alpha: float = field(
-        default=0.5,
-        metadata={"help": "Distillation: weight of the teacher loss; 1 - alpha weighs the label loss. In [0, 1]."},
-    )
-    distillation_temperature: float = field(default=1.0, metadata={
-        "help": "Distillation: softmax temperature of both models' logits (the loss is scaled by T^2)."})
-    distillation_loss: str = field(
-        default="forward_kl",
-        metadata={"help": "Distillation: the divergence between teacher and student: forward_kl KL(teacher||student), "
-                          "reverse_kl KL(student||teacher), or jsd (Jensen-Shannon).",
-                  "choices": ["forward_kl", "reverse_kl", "jsd"]},
     )
     torch_compile: bool = field(default=False, metadata={
         "help": "Compile with torch.compile (inductor): the model and its loss as one graph (training/compile.py)."})

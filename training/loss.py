@@ -120,7 +120,7 @@ class NonFiniteGuard:
 
 
 def label_loss_sums(task, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """The task's own objective: per-example sums of its label loss (distillation's: training/distillation.py)."""
+    """The task's own objective: per-example sums of its label loss (a part may replace it: training/parts.py)."""
     return task.loss_sums(task.forward(model, batch), batch)[0]
 
 

@@ -104,8 +104,9 @@ def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
     sample = task.sample(final_dir)
     model_state = summary["model_state_bytes_per_rank"]
     state = f"{sum(model_state.values()) / 2**20:,.1f} MiB" if model_state else "not measured (needs 2 optimizer steps)"
-    if teacher := summary.get("teacher_state_bytes_per_rank"):  # distillation: the frozen teacher's weights
-        state += f", teacher weights {teacher['parameters'] / 2**20:,.1f} MiB"
+    for key, held in summary.items():  # models a part runs beside the trained one (a distillation teacher)
+        if key.endswith("_state_bytes_per_rank") and key != "model_state_bytes_per_rank":
+            state += f", {key.removesuffix('_state_bytes_per_rank')} weights {held['parameters'] / 2**20:,.1f} MiB"
     mfu = f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (unknown device peak)"
     per_device = "".join(f", {key.removeprefix('peak_memory_gb_')} {gb:.2f}" for key, gb in summary.items()
                          if key.startswith("peak_memory_gb_"))

@@ -7,14 +7,21 @@ out by deleting its folder. As torchtitan's model converters and transformers' c
 a named point of the fixed run, not a second loop.
 
 Hook points, in the order a run meets them (`args`: TrainArguments):
-- `check_flags(args)`: after the core's own checks of the flags; raises ArgumentError.
+- `check_flags(model_args, data_args, args)`: after the core's own checks of the flags; raises ArgumentError.
+  (A part's `run_inputs` name its flags that point at files the run reads: `--overwrite_output_dir`
+  refuses to delete them.)
 - `check_launch(args, strategy, processes, on_cpu)`: before the process group (and in the dry run);
   raises StrategyError for a launch the part cannot run in.
 - `ddp_settings(args, on_cpu) -> dict`: DDP's settings (`DistributedDataParallelKwargs` fields).
 - `convert_model(model, accelerator, args) -> model`: the model as the task built it, before
   adapters, layouts and `prepare` (kernels swapped in, modules rewritten).
+- `training_objective(objective, accelerator, task, strategy, args) -> (objective, figures or None)`:
+  the micro-step's per-example loss sums `objective(model, batch)`, kept or replaced (distillation);
+  after `prepare`. `figures(steps_run)`, called on every rank at the end, adds to summary.json.
 - `after_prepare(accelerator, model, args) -> figures or None`: the prepared model, before the first
-  step (hooks registered, state added to checkpoints); `figures(steps_run)` adds to summary.json.
+  step (hooks registered, state added to checkpoints).
+- `dry_run_lines(task, args, strategy, processes, compute_bytes) -> list[str]`: lines the dry run's
+  plan adds under its memory figures.
 """
 
 from __future__ import annotations
@@ -40,11 +47,14 @@ class Part:
     name: str
     description: str  # one line
     flags: type | None = None  # a dataclass whose fields (all with defaults) become train.py flags
-    check_flags: Callable[[Any], None] | None = None
+    run_inputs: tuple[str, ...] = ()  # its flags that name files or directories the run reads
+    check_flags: Callable[[Any, Any, Any], None] | None = None
     check_launch: Callable[[Any, Strategy, int, bool], None] | None = None
     ddp_settings: Callable[[Any, bool], dict] | None = None
     convert_model: Callable[[torch.nn.Module, Accelerator, Any], torch.nn.Module] | None = None
+    training_objective: Callable[..., tuple[Callable, Callable[[int], dict] | None]] | None = None
     after_prepare: Callable[[Accelerator, torch.nn.Module, Any], Callable[[int], dict] | None] | None = None
+    dry_run_lines: Callable[..., list[str]] | None = None
 
 
 @functools.cache
@@ -64,15 +74,20 @@ def part_flags() -> tuple[type, ...]:
     return tuple(part.flags for part in installed_parts() if part.flags is not None)
 
 
+def run_inputs() -> tuple[str, ...]:
+    """The parts' flags that name what a run reads."""
+    return tuple(flag for part in installed_parts() for flag in part.run_inputs)
+
+
 def filled(hook: str) -> list[Callable]:
     """The `hook` of every installed part that fills it, in name order."""
     return [function for part in installed_parts() if (function := getattr(part, hook)) is not None]
 
 
-def check_flags(args) -> None:
-    """Each part's `check_flags` hook (`args`: TrainArguments)."""
+def check_flags(model_args, data_args, args) -> None:
+    """Each part's `check_flags` hook (the parsed ModelArguments, DataArguments and TrainArguments)."""
     for hook in filled("check_flags"):
-        hook(args)
+        hook(model_args, data_args, args)
 
 
 def check_launch(args, strategy: Strategy, processes: int, on_cpu: bool) -> None:
@@ -96,7 +111,22 @@ def convert_model(model: torch.nn.Module, accelerator: Accelerator, args) -> tor
     return model
 
 
+def training_objective(objective: Callable, accelerator: Accelerator, task, strategy: Strategy,
+                       args) -> tuple[Callable, list[Callable[[int], dict]]]:
+    """The objective after each part's `training_objective` hook; the parts' summary figures."""
+    figures = []
+    for hook in filled("training_objective"):
+        objective, figure = hook(objective, accelerator, task, strategy, args)
+        figures += [figure] if figure is not None else []
+    return objective, figures
+
+
 def after_prepare(accelerator: Accelerator, model: torch.nn.Module, args) -> list[Callable[[int], dict]]:
     """Each part's `after_prepare` hook; returns the parts' summary figures, each a function of the steps run."""
     figures = (hook(accelerator, model, args) for hook in filled("after_prepare"))
     return [figure for figure in figures if figure is not None]
+
+
+def dry_run_lines(task, args, strategy: Strategy, processes: int, compute_bytes: int) -> list[str]:
+    """The lines every part adds to the dry run's plan."""
+    return [line for hook in filled("dry_run_lines") for line in hook(task, args, strategy, processes, compute_bytes)]

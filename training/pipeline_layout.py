@@ -44,8 +44,7 @@ def check_pipeline_flags(model_args, data_args, args) -> None:
     unsupported = {"--device_map": model_args.device_map, "--use_peft": model_args.use_peft,
                    "--task sft": model_args.task == "sft", "--packing false": not data_args.packing,
                    "--torch_compile": args.torch_compile,
-                   "--gradient_checkpointing": model_args.gradient_checkpointing,
-                   "--teacher_model_name_or_path": model_args.teacher_model_name_or_path}
+                   "--gradient_checkpointing": model_args.gradient_checkpointing}
     if found := [flag for flag, used in unsupported.items() if used]:
         raise ArgumentError(f"{', '.join(found)} with --pipeline_parallel_size is not supported (stages exchange "
                             "fixed-shape activations of whole models); drop it, or train without pipeline stages")

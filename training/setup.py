@@ -29,14 +29,13 @@ from training.checkpoint import TrainerState, clear_previous_run, load_checkpoin
 from training.collectives import gather_scalars, preflight
 from training.compile import compiled_objective, dynamo_plugin
 from training.console import one_voice
-from training.distillation import build_distillation
 from training.cpu_accommodations import use_share_of_cores
 from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.layer_split import split_layers
 from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
-from training.parts import after_prepare, convert_model
+from training.parts import after_prepare, convert_model, training_objective
 from training.performance import SpeedMeter, compute_dtype, model_state_probe, parameter_count, peak_flops
 from training.loss import forward_backward as data_parallel_forward_backward
 from training.loss import label_loss_sums
@@ -86,7 +85,6 @@ class Run:
     model_args: ModelArguments
     part_figures: list[Callable[[int], dict]]  # the parts' figures for summary.json, given the steps run
     forward_backward: Callable[[dict, torch.Tensor], torch.Tensor]  # one micro-step: (batch, window targets) -> loss
-    teacher_bytes: int | None  # distillation: bytes of teacher weights on this rank (it has nothing else)
 
 
 def device_peak_flops(accelerator: Accelerator, tf32: bool) -> float | None:
@@ -134,12 +132,9 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     prepare_training = partial(prepared_for_training, accelerator, task, train_data, eval_set, args, loading, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = prepare_training(model)
     keep_stream_position_in_checkpoints(accelerator, train_loader)
-    # per-example loss sums of a micro-batch; under --torch_compile one graph with the model (distillation: its own)
-    objective, teacher_bytes = compiled_objective(partial(label_loss_sums, task), args), None
-    if model_args.teacher_model_name_or_path:
-        distillation, teacher_bytes = build_distillation(accelerator, task, strategy, model_args.teacher_model_name_or_path,
-                                                         args)
-        objective = distillation.loss_sums
+    # per-example loss sums of a micro-batch; under --torch_compile one graph with the model; a part may replace it
+    objective, part_figures = training_objective(compiled_objective(partial(label_loss_sums, task), args),
+                                                 accelerator, task, strategy, args)
     if args.auto_find_batch_size and not resume_path:
         model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = fit_micro_batch(
             accelerator, task, objective, train_set, args, prepare_training,
@@ -147,7 +142,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
             (model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer))
     forward_backward = (partial(model.forward_backward, accelerator) if pipelined(args) else
                         partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
-    part_figures = after_prepare(accelerator, model, args)  # the parts' hooks (training/parts.py)
+    part_figures += after_prepare(accelerator, model, args)  # the parts' hooks (training/parts.py)
     model_state = model_state_probe(model, torch_optimizer, lambda: held_gradients(model))  # bytes per rank, at step 2
     verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
     write_effective_deepspeed_config(accelerator, args.output_dir)
@@ -195,7 +190,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
                f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args, part_figures,
-               forward_backward, teacher_bytes)
+               forward_backward)
 
 
 def prepared_for_training(accelerator: Accelerator, task: Task, train_data, eval_set, args: TrainArguments,

@@ -17,19 +17,16 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset
 from transformers import (
-    AutoConfig,
     AutoImageProcessor,
     AutoModelForCausalLM,
     AutoModelForImageClassification,
     AutoTokenizer,
-    PretrainedConfig,
     PreTrainedModel,
     default_data_collator,
 )
@@ -38,10 +35,10 @@ from data import build_lm_datasets, load_raw_datasets, make_collator
 from data.pretokenized import load_shards, read_manifest
 from data.streaming import document_streams, stream_datasets
 from data.images import build_image_datasets, class_names, load_raw_image_datasets, pixel_values
-from models.language import ModelError, build_model, build_tokenizer, check_same_vocabulary, loading, resolve_block_size
+from models.language import build_model, build_tokenizer, resolve_block_size
 from models.vision import build_image_model, build_image_processor
 from training.strategy_adapters import floating_input_dtype
-from training.loss import IGNORE_INDEX, class_loss_sums, correct_next_tokens, count_target_tokens, token_loss_sums
+from training.loss import class_loss_sums, correct_next_tokens, count_target_tokens, token_loss_sums
 from training.performance import counted_flops_per_example, flops_per_token
 
 Batch = dict[str, torch.Tensor]
@@ -51,7 +48,7 @@ class Task(ABC):
     """The interface train.py uses; see the module docstring."""
 
     unit: str  # what throughput counts: "tokens" or "samples"
-    auto_model: type  # the transformers Auto class that loads this task's models (a distillation teacher's)
+    auto_model: type  # the transformers Auto class that loads this task's models (e.g. a distillation teacher)
     model_input: str  # the batch key the model's first layer reads (a pipeline's first stage is fed it)
     fixed_input_shapes = False  # every batch the same shape: cuDNN may tune its convolutions once (GPUs)
     can_build_empty = True  # build_model honours `empty` (training/accelerator.py `model_construction`)
@@ -82,29 +79,6 @@ class Task(ABC):
 
     @abstractmethod
     def correct(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor: ...
-
-    @abstractmethod
-    def check_teacher(self, path: str) -> PretrainedConfig:
-        """A distillation teacher's config, checked (without its weights) to predict what the student
-        predicts: the same tokens, or the same labels."""
-
-    def teacher_config(self, path: str) -> PretrainedConfig:
-        """A distillation teacher's config, read without its weights (one error line if it does not load)."""
-        with loading("teacher", path):
-            return AutoConfig.from_pretrained(path, trust_remote_code=self.model_args.trust_remote_code)
-
-    def load_teacher(self, path: str) -> PreTrainedModel:
-        """The checked distillation teacher, fp32."""
-        self.check_teacher(path)
-        with loading("teacher", path):
-            return self.auto_model.from_pretrained(path, dtype=torch.float32,
-                                                   trust_remote_code=self.model_args.trust_remote_code)
-
-    @abstractmethod
-    def distillation_sums(self, logits: torch.Tensor, teacher_logits: torch.Tensor, batch: Batch,
-                          divergence: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Per-example sums of `divergence` between the student's and the teacher's logits, over the
-        targets `loss_sums` counts."""
 
     @abstractmethod
     def count_targets(self, batch: Batch) -> torch.Tensor: ...
@@ -184,18 +158,6 @@ class CausalLM(Task):
     def correct(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         return correct_next_tokens(logits, batch["labels"])
 
-    def check_teacher(self, path: str) -> PretrainedConfig:
-        config = self.teacher_config(path)
-        check_same_vocabulary(self.processor, path, config.vocab_size, self.model_args.trust_remote_code)
-        return config
-
-    def distillation_sums(self, logits: torch.Tensor, teacher_logits: torch.Tensor, batch: Batch,
-                          divergence: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        # Over the tokenizer's tokens: the models' rows beyond it (vocabulary padding) may differ in number.
-        vocab = len(self.processor)
-        per_token = divergence(logits[:, :-1, :vocab], teacher_logits[:, :-1, :vocab])
-        return torch.where(batch["labels"][:, 1:] != IGNORE_INDEX, per_token, 0).sum(dim=1)
-
     def count_targets(self, batch: Batch) -> torch.Tensor:
         return count_target_tokens(batch)
 
@@ -261,19 +223,6 @@ class ImageClassification(Task):
 
     def correct(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         return (logits.argmax(dim=-1) == batch["labels"]).long()
-
-    def check_teacher(self, path: str) -> PretrainedConfig:
-        config = self.teacher_config(path)
-        names = [config.id2label[i] for i in range(config.num_labels)]
-        if names != self.labels:
-            raise ModelError(f"teacher {path} classifies into {names[:5]}{'...' if len(names) > 5 else ''}, the data "
-                             f"into {self.labels[:5]}{'...' if len(self.labels) > 5 else ''}: distillation compares "
-                             "their answers label by label; use a teacher trained on these labels, in this order")
-        return config
-
-    def distillation_sums(self, logits: torch.Tensor, teacher_logits: torch.Tensor, batch: Batch,
-                          divergence: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        return torch.where(batch["labels"] != IGNORE_INDEX, divergence(logits, teacher_logits), 0)
 
     def count_targets(self, batch: Batch) -> torch.Tensor:
         # a fill on the device, not a copy from the host per micro-batch

@@ -29,7 +29,7 @@ class CompressionFlags:
     )
 
 
-def check_flags(args) -> None:
+def check_flags(model_args, data_args, args) -> None:
     """--power_sgd_* set PowerSGD, and PowerSGD needs two plain steps first (torch's rule with error feedback);
     pipeline stages have no DDP buckets to hook."""
     if args.ddp_comm_hook and args.pipeline_parallel_size > 1:

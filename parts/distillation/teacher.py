@@ -1,4 +1,5 @@
-"""Knowledge distillation: a frozen teacher beside the trained student (`--teacher_model_name_or_path`).
+"""Owns knowledge distillation's objective: a frozen teacher beside the trained student
+(`--teacher_model_name_or_path`), loaded, checked against the task, placed and planned.
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml train.py --teacher_model_name_or_path DIR
 
@@ -18,7 +19,7 @@ every strategy, trains the same student.
 
 The teacher is an input, like the data: loaded once, in eval mode, without gradients, never in
 the optimizer, never in a checkpoint or `final/`. The strategy places it as it places the
-student (training/strategy_adapters.py `place_frozen_model`). Evaluation reports the student's
+student (the core's training/strategy_adapters.py `place_frozen_model`). Evaluation reports the student's
 own label loss, so `eval_loss` compares with a run trained without a teacher.
 """
 
@@ -34,11 +35,16 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from models.language import loading
+from training.errors import ModelError
+from training.loss import IGNORE_INDEX
 from training.memory_plan import Layout, model_state
 from training.performance import compute_dtype, frozen_parameter_bytes, parameter_count
 from training.strategy import Strategy
 from training.strategy_adapters import place_frozen_model
-from training.tasks import Batch, Task
+from training.tasks import Batch, CausalLM, Task
 
 logger = get_logger(__name__)
 
@@ -69,6 +75,63 @@ def divergence(kind: str, temperature: float) -> Divergence:
     return scaled
 
 
+def check_teacher(task: Task, path: str) -> PretrainedConfig:
+    """The teacher's config, read without its weights and checked to predict what the student predicts:
+    the same tokens (a causal LM), or the same labels in the same order (a classifier)."""
+    with loading("teacher", path):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=task.model_args.trust_remote_code)
+    if isinstance(task, CausalLM):
+        check_same_vocabulary(task.processor, path, config.vocab_size, task.model_args.trust_remote_code)
+        return config
+    names = [config.id2label[i] for i in range(config.num_labels)]
+    if names != task.labels:
+        raise ModelError(f"teacher {path} classifies into {names[:5]}{'...' if len(names) > 5 else ''}, the data "
+                         f"into {task.labels[:5]}{'...' if len(task.labels) > 5 else ''}: distillation compares "
+                         "their answers label by label; use a teacher trained on these labels, in this order")
+    return config
+
+
+def check_same_vocabulary(tokenizer: PreTrainedTokenizerBase, teacher: str, teacher_vocab_size: int,
+                          trust_remote_code: bool = False) -> None:
+    """A distillation teacher predicts over the student's tokens: its own tokenizer (when it ships one)
+    maps every token to the same id, and its output layer covers them all."""
+    try:
+        teacher_vocab = AutoTokenizer.from_pretrained(teacher, trust_remote_code=trust_remote_code).get_vocab()
+    except (OSError, ValueError):  # weights without a tokenizer: the output's size is all there is to check
+        teacher_vocab = None
+    student_vocab = tokenizer.get_vocab()
+    if teacher_vocab is not None and teacher_vocab != student_vocab:
+        differ = sorted(set(teacher_vocab.items()) ^ set(student_vocab.items()), key=lambda item: item[1])[0][0]
+        raise ModelError(
+            f"teacher {teacher} has another vocabulary than the student's tokenizer ({len(teacher_vocab)} vs "
+            f"{len(student_vocab)} tokens; e.g. {differ!r} differs): distillation compares next-token predictions "
+            "token by token, so both must share one tokenizer; use a teacher of the student's family, or give the "
+            "student the teacher's tokenizer (--tokenizer_name)")
+    if teacher_vocab_size < len(tokenizer):
+        raise ModelError(f"teacher {teacher} predicts {teacher_vocab_size} tokens, fewer than the student's tokenizer "
+                         f"holds ({len(tokenizer)}): it was not trained with this tokenizer; use one that was")
+
+
+def load_teacher(task: Task, path: str) -> PreTrainedModel:
+    """The checked teacher, fp32, loaded by the task's Auto class."""
+    check_teacher(task, path)
+    with loading("teacher", path):
+        return task.auto_model.from_pretrained(path, dtype=torch.float32,
+                                               trust_remote_code=task.model_args.trust_remote_code)
+
+
+def divergence_sums(task: Task, logits: torch.Tensor, teacher_logits: torch.Tensor, batch: Batch,
+                    divergence: Divergence) -> torch.Tensor:
+    """Per-example sums of `divergence` between the student's and the teacher's logits, over the targets the
+    task's label loss counts: next tokens that are not ignored, or labelled examples."""
+    if isinstance(task, CausalLM):
+        # Over the tokenizer's tokens: the models' rows beyond it (vocabulary padding) may differ in number.
+        vocab = len(task.processor)
+        per_token = divergence(logits[:, :-1, :vocab], teacher_logits[:, :-1, :vocab])
+        return torch.where(batch["labels"][:, 1:] != IGNORE_INDEX, per_token, 0).sum(dim=1)
+    return torch.where(batch["labels"] != IGNORE_INDEX, divergence(logits, teacher_logits), 0)
+
+
 class Distillation:
     """The distillation objective: per-example loss sums of the student, with the teacher's logits."""
 
@@ -84,7 +147,7 @@ class Distillation:
         with torch.no_grad(), self.accelerator.autocast():
             teacher_logits = self.task.forward(self.teacher, batch)
         label_sums = self.task.loss_sums(logits, batch)[0]
-        teacher_sums = self.task.distillation_sums(logits, teacher_logits, batch, self.divergence)
+        teacher_sums = divergence_sums(self.task, logits, teacher_logits, batch, self.divergence)
         return (1 - self.alpha) * label_sums + self.alpha * teacher_sums
 
 
@@ -98,7 +161,7 @@ def build_distillation(accelerator: Accelerator, task: Task, strategy: Strategy,
     bytes of teacher weights this rank holds."""
     # Loading draws nothing from the RNG the student's run draws from (dropout, data order).
     with torch.random.fork_rng(devices=[]):
-        teacher = frozen(task.load_teacher(path))
+        teacher = frozen(load_teacher(task, path))
     parameters = parameter_count(teacher)  # (loaded partitioned under a ZeRO-3 student: by their full size)
     compute_bytes = compute_dtype(accelerator.mixed_precision).itemsize
     planned = teacher_bytes_per_rank(strategy, parameters, accelerator.num_processes, compute_bytes)
@@ -140,7 +203,7 @@ def memory_warning(path: str, planned_bytes: float, free_bytes: int, device: tor
 
 def teacher_plan(task: Task, path: str, strategy: Strategy, processes: int, compute_bytes: int) -> str:
     """The dry run's line: the teacher checked from its config and tokenizer, its weights per rank planned."""
-    config = task.check_teacher(path)
+    config = check_teacher(task, path)
     with torch.device("meta"):  # no memory: the architecture only
         parameters = parameter_count(task.auto_model.from_config(config))
     planned = teacher_bytes_per_rank(strategy, parameters, processes, compute_bytes)
