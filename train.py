@@ -161,7 +161,7 @@ def train_step(run: Run, window: list[dict]) -> tuple[torch.Tensor, torch.Tensor
     step_loss, grad_norm = torch.zeros((), device=accelerator.device), math.nan
     for batch in window:
         with accelerator.accumulate(model):
-            # forward, loss and backward (training/loss.py; pipeline stages: training/pipeline.py)
+            # forward, loss and backward (training/loss.py; a part's ModelRunner: training/parts.py)
             step_loss += run.forward_backward(batch, window_targets)  # stays on device: no host sync here
             if accelerator.sync_gradients:
                 grad_norm = clip_gradients(accelerator, model, clip_norm)

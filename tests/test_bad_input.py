@@ -204,7 +204,9 @@ def test_a_fresh_launch_signalled_while_its_ranks_import_still_refuses_in_one_li
         for rank in ranks.values():  # frozen as soon as its handler is in: then signalled, while still importing
             wait_for(lambda: catches(rank, signal.SIGTERM), 30, "the stop handler", poll=0.001)
             rank.suspend()
-        assert not any("libtorch" in m.path for rank in ranks.values() for m in rank.memory_maps())  # no torch yet
+        # still importing: datasets' pyarrow loads seconds into the import (libtorch within 0.1 s of the handler, too
+        # soon for a test on a loaded machine to freeze both ranks before it)
+        assert not any("libarrow" in m.path for rank in ranks.values() for m in rank.memory_maps())
         for rank in ranks.values():
             rank.send_signal(signal.SIGTERM)
             rank.resume()

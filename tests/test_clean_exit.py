@@ -98,7 +98,7 @@ def test_an_unexpected_exception_prints_its_traceback_and_leaves_through_the_sam
 def test_each_documented_end_has_its_exit_code_from_one_home() -> None:
     """training/errors.py: the exit code and line of every error train.py reports in one line; a missing file is
     bad input; anything else is not a documented end (its traceback, exit 1)."""
-    from models.stages import StageError
+    from parts.pipeline.stages import StageError
     from training import errors
 
     codes = {error.__name__: (error.exit_code, error.prefix, error.every_rank) for error in (

@@ -22,7 +22,7 @@ from tests.conftest import assert_continues_exactly, assert_same_final_weights, 
 from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
 from training.checkpoint import ResumeError, load_checkpoint
 from training.errors import ArgumentError, StrategyError
-from training.pipeline_layout import check_pipeline_flags, check_pipeline_launch
+from parts.pipeline.layout import check_pipeline_flags, check_pipeline_launch
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.strategy import Strategy
 
@@ -99,8 +99,9 @@ def test_a_pipeline_resumes_exactly_and_refuses_another_layout(pipeline_run, fou
     shutil.copytree(run / "checkpoints" / f"step_{SAVED}", tmp_path / "checkpoints" / f"step_{SAVED}")
     train("ddp", tmp_path, *layout_args(four_layer_model, "Interleaved1F1B"), "--resume_from_checkpoint", "latest")
     assert_continues_exactly(run, tmp_path, SAVED, last_step=STEPS)
-    with pytest.raises(ResumeError, match="cut into 4 pipeline stage.s. and this run cuts it into 1; resume with the layout"):
-        load_checkpoint(None, run / "checkpoints" / f"step_{SAVED}", global_batch=8, max_steps=STEPS, pipeline_stages=1)
+    with pytest.raises(ResumeError, match="laid out as pipeline_stages 4 and this run lays it out as one whole model per "
+                                          "process; resume with the flags that laid it out so"):
+        load_checkpoint(None, run / "checkpoints" / f"step_{SAVED}", global_batch=8, max_steps=STEPS, layout={})
 
 
 def test_a_resnet_pipeline_trains_what_one_process_trains(tmp_path) -> None:
@@ -160,7 +161,7 @@ def test_models_stages_cannot_hold_are_refused_with_what_is_supported() -> None:
 
     from models.configs import build_named_config
     from models.language import build_tokenizer
-    from models.stages import StageError, split_into_stages
+    from parts.pipeline.stages import StageError, split_into_stages
 
     config = build_named_config("llama-tiny", build_tokenizer(None, None))
     with pytest.raises(StageError, match="2 layers cannot fill 4 pipeline stages"):
@@ -179,7 +180,7 @@ def test_stages_compute_what_the_whole_model_computes() -> None:
 
     from models.configs import build_named_config
     from models.language import build_tokenizer
-    from models.stages import balanced, split_into_stages
+    from parts.pipeline.stages import balanced, split_into_stages
 
     assert balanced(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
     config = build_named_config("llama-tiny", build_tokenizer(None, None))

@@ -29,7 +29,7 @@ from training.flags import (ALL_ARGUMENT_CLASSES, KNOWN_KEYS, ArgumentError, Dat
 from training.metrics import resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
 from training.parts import check_flags, run_inputs
-from training.pipeline_layout import check_pipeline_flags
+from training.parts import model_split as part_model_split
 from training.task_registry import ADAPTER_FLAGS, TASKS
 
 
@@ -97,8 +97,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
 def validate(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
     """Reject settings that cannot train, on every rank, before any process group starts."""
     positive = ["per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                "logging_steps", "eval_steps", "save_steps", "ddp_timeout", "pipeline_parallel_size",
-                "pipeline_microbatches"]
+                "logging_steps", "eval_steps", "save_steps", "ddp_timeout"]
     for name in positive:
         if getattr(train_args, name) < 1:
             raise ArgumentError(f"--{name} must be at least 1, got {getattr(train_args, name)}")
@@ -126,8 +125,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     check_compile_flags(train_args)
     check_adapter_flags(model_args)
     check_flags(model_args, data_args, train_args)  # the parts' (training/parts.py)
-    check_pipeline_flags(model_args, data_args, train_args)
-    split = "--pipeline_parallel_size" if train_args.pipeline_parallel_size > 1 else model_split(model_args)
+    split = split_model(model_args, train_args)
     check_auto_find_batch_size(train_args, split)
     check_streaming_flags(data_args, train_args, split)
     if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
@@ -208,6 +206,12 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
         raise ArgumentError("--validation_dir needs --train_dir")
     if model_args.config_overrides and model_args.model_name_or_path:
         raise ArgumentError("--config_overrides changes a --model_config trained from scratch: drop it or --model_name_or_path")
+
+
+def split_model(model_args: ModelArguments, train_args: TrainArguments) -> str | None:
+    """What splits one model over several processes of a replica, if anything: a part's flag (pipeline stages),
+    --device_map or tensor parallelism."""
+    return part_model_split(model_args, train_args) or model_split(model_args)
 
 
 def model_split(model_args: ModelArguments) -> str | None:

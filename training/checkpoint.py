@@ -15,7 +15,7 @@ import pickle
 import re
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from transformers.utils import PushToHubMixin
 
 from training.batchnorm import average_running_statistics
 from training.errors import ArgumentError, ResumeError
-from training.pipeline import StageModules
+from training.parts import ModelRunner
 from training.safe_loading import safe_unpickling
 from training.strategy_adapters import own_class_while_saving
 
@@ -43,7 +43,7 @@ class TrainerState:
     steps_in_epoch: int = 0  # optimizer steps taken in `epoch`: the data position to skip to
     global_batch: int = 0  # sequences per optimizer step; resuming needs the same
     num_processes: int = 1  # that saved the checkpoint
-    pipeline_stages: int = 1  # the model cut into this many stages (training/pipeline.py), each saved apart
+    layout: dict[str, int] = field(default_factory=dict)  # how parts cut the model (pipeline stages), each saved apart
     per_device_train_batch_size: int = 0  # the micro-batch that ran (0: not recorded, before --auto_find_batch_size)
     gradient_accumulation_steps: int = 0
 
@@ -183,13 +183,16 @@ def rotate_checkpoints(output_dir: str, newest: Path, limit: int) -> None:
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max_steps: int,
-                    pipeline_stages: int = 1) -> TrainerState:
+                    layout: dict[str, int] | None = None) -> TrainerState:
     """Restore model, optimizer, scheduler and RNG state; return where training stood.
 
     Checks first, on every rank, that the checkpoint can continue this run exactly.
     """
     try:
-        state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
+        saved = json.loads((path / TRAINER_STATE).read_text())
+        if (stages := saved.pop("pipeline_stages", 1)) > 1:  # how checkpoints before 2026-11-27 recorded a pipeline
+            saved["layout"] = {"pipeline_stages": stages}
+        state = TrainerState(**saved)
     except (TypeError, ValueError):
         raise ResumeError(f"{path / TRAINER_STATE} was not written by this version of train.py; cannot resume it")
     if state.completed_steps >= max_steps:
@@ -202,12 +205,14 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
             f"{path} was trained with a global batch of {state.global_batch}, this run has {global_batch}; "
             "keep per_device_train_batch_size x processes x gradient_accumulation_steps the same to resume"
         )
-    if state.pipeline_stages != pipeline_stages:
+    if state.layout != (layout or {}):
+        def shown(cut: dict[str, int]) -> str:
+            return ", ".join(f"{key} {value}" for key, value in sorted(cut.items())) or "one whole model per process"
+
         raise ResumeError(
-            f"{path} holds a model cut into {state.pipeline_stages} pipeline stage(s) and this run cuts it into "
-            f"{pipeline_stages}; resume with the layout that saved it (--pipeline_parallel_size and "
-            "--pipeline_schedule: Interleaved1F1B has two stages per process), or start a new run from that run's "
-            "final/ with --model_name_or_path (the optimizer state is not carried over)"
+            f"{path} holds a model laid out as {shown(state.layout)} and this run lays it out as {shown(layout or {})}; "
+            "resume with the flags that laid it out so, or start a new run from that run's final/ with "
+            "--model_name_or_path (the optimizer state is not carried over)"
         )
     if (path / DEEPSPEED_DIR).is_dir() and state.num_processes != accelerator.num_processes:
         raise ResumeError(
@@ -241,7 +246,7 @@ def export_final(accelerator: Accelerator, model, processor: PushToHubMixin, out
     """
     final_dir = Path(output_dir) / "final"
     average_running_statistics(model, accelerator)
-    if isinstance(model, StageModules):  # each process holds some stages: merged on rank 0
+    if isinstance(model, ModelRunner):  # a part's model that exports itself (pipeline stages: merged on rank 0)
         return model.export(accelerator, processor, final_dir)
     # --torch_compile wraps the strategy's wrapper, and accelerate's unwrapping keeps it: the weights
     # would be saved as `_orig_mod.model...`, which transformers drops on loading (a random model).

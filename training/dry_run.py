@@ -20,7 +20,6 @@ from contextlib import nullcontext
 from accelerate.utils import DeepSpeedPlugin, set_seed
 
 from models.adapters import add_adapter
-from training.pipeline_layout import check_pipeline_launch, parameters_per_process, pipelined, stage_count
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import align_deepspeed_config
 from training.errors import StrategyError
@@ -34,7 +33,7 @@ from training.memory_plan import (
     working_bytes,
 )
 from training.optim import global_batch_size, optimizer_for, run_length, warmup_steps
-from training.parts import check_launch, dry_run_lines
+from training.parts import check_launch, dry_run_lines, held_parameters, processes_per_replica
 from training.performance import compute_dtype, parameter_count
 from training.task_registry import build_task
 
@@ -65,7 +64,6 @@ def dry_run(model_args, data_args, args) -> str | None:
     # Planned on a login node for GPU machines: check as on a GPU, and say what this machine would refuse.
     check_launch_config(strategy, on_cpu=False)
     check_launch(args, strategy, processes, on_cpu=False)  # the parts' (training/parts.py)
-    check_pipeline_launch(args, strategy, processes)
     cpu_note = ""
     if not has_accelerator_device():
         try:
@@ -83,14 +81,14 @@ def dry_run(model_args, data_args, args) -> str | None:
     if model_args.use_peft:
         model = add_adapter(model, model_args)
     train_set, eval_set = task.datasets(raw, nullcontext())
-    data_parallel = processes // layout.tp_size // args.pipeline_parallel_size
+    data_parallel = processes // layout.tp_size // processes_per_replica(args)
     global_batch = global_batch_size(args, data_parallel)
     steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
 
     offloaded = layout.deepspeed and layout.offload_optimizer  # ZeRO steps the optimizer on the CPU
     dtype = compute_dtype(mixed_precision)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    held = parameters_per_process(model, args) if pipelined(args) else parameter_count(model)  # the most on one process
+    held = held_parameters(model, args) or parameter_count(model)  # the most on one process (a part may cut the model)
     state = model_state(layout, held, processes, dtype.itemsize, trainable * held // parameter_count(model))
     memory = (f"model state {(state['parameters'] + state['gradients'] + state['optimizer']) / MIB:,.1f} MiB "
               f"(parameters {state['parameters'] / MIB:,.1f}, gradients {state['gradients'] / MIB:,.1f}, "
@@ -105,8 +103,6 @@ def dry_run(model_args, data_args, args) -> str | None:
     return (
         "\n===== dry run: checked, nothing trained =====\n"
         f"launch:          {layout.strategy}, {processes} process(es), {data_parallel} data-parallel, "
-        + (f"{stage_count(args)} pipeline stages ({args.pipeline_schedule}, {args.pipeline_microbatches} micro-batches), "
-           if pipelined(args) else "") +
         f"mixed precision {mixed_precision}\n"
         f"model:           {model_args.model_name_or_path or model_args.model_config}, "
         f"{parameter_count(model):,} parameters ({type(model).__name__}), {trainable:,} trained\n"

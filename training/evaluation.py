@@ -7,7 +7,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from training.batchnorm import average_running_statistics
-from training.pipeline import StageModules
+from training.parts import ModelRunner
 from training.tensor_parallel import gather_once_per_batch
 from training.tasks import Task
 
@@ -22,7 +22,7 @@ def evaluate(model: torch.nn.Module, dataloader: DataLoader, accelerator: Accele
     with one rank per group counted).
     """
     average_running_statistics(model, accelerator)  # every rank evaluates the same model
-    if isinstance(model, StageModules):  # the schedule runs the stages forward: training/pipeline.py
+    if isinstance(model, ModelRunner):  # a part's model that evaluates itself (pipeline stages)
         return model.evaluate(dataloader, accelerator, task)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss sum, targets, right answers

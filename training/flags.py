@@ -186,20 +186,6 @@ class CoreTrainArguments:
         "help": "A checkpoint directory, or 'latest' for the newest in output_dir."})
     ddp_timeout: int = field(default=1800, metadata={
         "help": "Seconds a collective may wait before every rank aborts (a stalled rank)."})
-    pipeline_parallel_size: int = field(
-        default=1,
-        metadata={"help": "Pipeline stages: the model cut layer-wise over this many processes (ddp config; launch a "
-                          "multiple of it: the rest are replicas). See training/pipeline.py."},
-    )
-    pipeline_schedule: str = field(default="1F1B", metadata={
-        "help": "Pipeline: torch's schedule.", "choices": ["GPipe", "1F1B", "Interleaved1F1B"]})
-    pipeline_microbatches: int = field(default=4, metadata={
-        "help": "Pipeline: equal micro-batches each per-device batch is cut into."})
-    pipeline_timeline: bool = field(
-        default=False,
-        metadata={"help": "Pipeline: record when each stage computes each micro-batch (wall clock) into "
-                          "output_dir/pipeline_timeline.json, for scripts/benchmark.py --pipeline."},
-    )
     torch_compile: bool = field(default=False, metadata={
         "help": "Compile with torch.compile (inductor): the model and its loss as one graph (training/compile.py)."})
     torch_compile_mode: str | None = field(default=None, metadata={

@@ -127,7 +127,7 @@ def label_loss_sums(task, model: torch.nn.Module, batch: dict) -> torch.Tensor:
 def forward_backward(accelerator, objective: Callable[[torch.nn.Module, dict], torch.Tensor], model: torch.nn.Module,
                      accumulation: int, batch: dict, window_targets: torch.Tensor) -> torch.Tensor:
     """One micro-step under every data-parallel strategy: forward, loss, backward; returns this process's
-    share of the step's loss. (Pipeline stages run their schedule instead: training/pipeline.py.)
+    share of the step's loss. (A part's ModelRunner runs its own: training/parts.py.)
 
     `objective` gives per-example loss sums. The loss is the mean over every target (token, or image)
     of the global batch (all micro-batches on all ranks), not a mean of per-batch means, so padded

@@ -12,9 +12,16 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   refuses to delete them.)
 - `check_launch(args, strategy, processes, on_cpu)`: before the process group (and in the dry run);
   raises StrategyError for a launch the part cannot run in.
+- `model_split(model_args, args) -> str | None`: the flag that splits one model over several processes
+  of a replica, if this part's does (other features refuse to combine with a split model).
+- `processes_per_replica(args) -> int`: processes that read the same batches (a pipeline's stages).
 - `ddp_settings(args, on_cpu) -> dict`: DDP's settings (`DistributedDataParallelKwargs` fields).
 - `convert_model(model, accelerator, args) -> model`: the model as the task built it, before
   adapters, layouts and `prepare` (kernels swapped in, modules rewritten).
+- `wrap_model(accelerator, model, args) -> model`: the model built and laid out, kept, or replaced by
+  a `ModelRunner` (below) that runs it; `checkpoint_layout(args) -> dict` names how it is cut, which
+  a checkpoint records and a resume must match; `held_parameters(model, args) -> int | None` is the
+  most parameters one process then holds (the dry run's plan).
 - `training_objective(objective, accelerator, task, strategy, args) -> (objective, figures or None)`:
   the micro-step's per-example loss sums `objective(model, batch)`, kept or replaced (distillation);
   after `prepare`. `figures(steps_run)`, called on every rank at the end, adds to summary.json.
@@ -29,6 +36,7 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +46,32 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from training.strategy import Strategy
+
+
+class ModelRunner(ABC):
+    """A model that a part wraps and runs itself (pipeline stages: each process holds some layers). The core
+    hands it the steps it would take with a plain model, and never asks which part made it."""
+
+    @abstractmethod
+    def prepare(self, accelerator: Accelerator, task, seed: int, optimizer, train_loader, eval_loader,
+                scheduler) -> tuple:
+        """What `accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)` returns."""
+
+    @abstractmethod
+    def forward_backward(self, accelerator: Accelerator, batch: dict, window_targets: torch.Tensor) -> torch.Tensor:
+        """One micro-step (training/loss.py `forward_backward`'s contract)."""
+
+    @abstractmethod
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the whole model's gradient norm; return the norm before clipping."""
+
+    @abstractmethod
+    def evaluate(self, dataloader, accelerator: Accelerator, task) -> dict[str, float]:
+        """training/evaluation.py `evaluate`'s figures."""
+
+    @abstractmethod
+    def export(self, accelerator: Accelerator, processor, final_dir) -> object:
+        """The whole model in `final_dir`, as training/checkpoint.py `export_final` writes it."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +84,13 @@ class Part:
     run_inputs: tuple[str, ...] = ()  # its flags that name files or directories the run reads
     check_flags: Callable[[Any, Any, Any], None] | None = None
     check_launch: Callable[[Any, Strategy, int, bool], None] | None = None
+    model_split: Callable[[Any, Any], str | None] | None = None
+    processes_per_replica: Callable[[Any], int] | None = None
     ddp_settings: Callable[[Any, bool], dict] | None = None
     convert_model: Callable[[torch.nn.Module, Accelerator, Any], torch.nn.Module] | None = None
+    wrap_model: Callable[[Accelerator, torch.nn.Module, Any], torch.nn.Module] | None = None
+    checkpoint_layout: Callable[[Any], dict[str, int]] | None = None
+    held_parameters: Callable[[torch.nn.Module, Any], int | None] | None = None
     training_objective: Callable[..., tuple[Callable, Callable[[int], dict] | None]] | None = None
     after_prepare: Callable[[Accelerator, torch.nn.Module, Any], Callable[[int], dict] | None] | None = None
     dry_run_lines: Callable[..., list[str]] | None = None
@@ -96,6 +135,19 @@ def check_launch(args, strategy: Strategy, processes: int, on_cpu: bool) -> None
         hook(args, strategy, processes, on_cpu)
 
 
+def model_split(model_args, args) -> str | None:
+    """The first part's flag that splits one model over a replica's processes, if any."""
+    return next((split for hook in filled("model_split") if (split := hook(model_args, args))), None)
+
+
+def processes_per_replica(args) -> int:
+    """Processes that read the same batches, as the parts lay a replica out (1: every process reads its own)."""
+    processes = 1
+    for hook in filled("processes_per_replica"):
+        processes *= hook(args)
+    return processes
+
+
 def ddp_settings(args, on_cpu: bool) -> dict:
     """The parts' DDP settings, merged (a later part's value for the same field wins)."""
     settings = {}
@@ -109,6 +161,26 @@ def convert_model(model: torch.nn.Module, accelerator: Accelerator, args) -> tor
     for hook in filled("convert_model"):
         model = hook(model, accelerator, args)
     return model
+
+
+def wrap_model(accelerator: Accelerator, model: torch.nn.Module, args) -> torch.nn.Module:
+    """Each part's `wrap_model` hook in turn."""
+    for hook in filled("wrap_model"):
+        model = hook(accelerator, model, args)
+    return model
+
+
+def checkpoint_layout(args) -> dict[str, int]:
+    """How the parts cut the model, merged: what a checkpoint records and a resume must match."""
+    layout = {}
+    for hook in filled("checkpoint_layout"):
+        layout |= hook(args)
+    return layout
+
+
+def held_parameters(model: torch.nn.Module, args) -> int | None:
+    """The most parameters one process holds, where a part cuts the model (None: each holds all of them)."""
+    return next((held for hook in filled("held_parameters") if (held := hook(model, args)) is not None), None)
 
 
 def training_objective(objective: Callable, accelerator: Accelerator, task, strategy: Strategy,

@@ -35,12 +35,11 @@ from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.layer_split import split_layers
 from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
-from training.parts import after_prepare, convert_model, training_objective
+from training.parts import (ModelRunner, after_prepare, checkpoint_layout, convert_model, processes_per_replica,
+                            training_objective, wrap_model)
 from training.performance import SpeedMeter, compute_dtype, model_state_probe, parameter_count, peak_flops
 from training.loss import forward_backward as data_parallel_forward_backward
 from training.loss import label_loss_sums
-from training.pipeline import StageModules, prepare_pipeline
-from training.pipeline_layout import check_pipeline_launch, pipelined, stage_count
 from training.preemption import StopRequests, end_loader_workers_at_exit, leave_stop_signals_to_the_rank
 from training.strategy import Strategy, master_weight_dtypes, verify_prepared, verify_strategy
 from training.stream_loader import StreamLoader, keep_stream_position_in_checkpoints
@@ -112,10 +111,9 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         raw = task.load_raw_datasets(args.seed)
     model = build_model(accelerator, task, raw, model_args, args)
     num_parameters = parameter_count(model)
-    if pipelined(args):  # this process keeps its stages of the model (training/pipeline.py)
-        model = StageModules(accelerator, model, args)
+    model = wrap_model(accelerator, model, args)  # a part may run the model itself (pipeline stages: a ModelRunner)
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
-    replicas = data_parallel_size(accelerator) // args.pipeline_parallel_size  # processes that read different batches
+    replicas = data_parallel_size(accelerator) // processes_per_replica(args)  # processes that read different batches
     global_batch = global_batch_size(args, replicas)
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking in start_accelerator).
     workers = loader_workers(args.dataloader_num_workers, accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -140,7 +138,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
             accelerator, task, objective, train_set, args, prepare_training,
             partial(training_loader, train_set, seed=args.seed, **loading),
             (model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer))
-    forward_backward = (partial(model.forward_backward, accelerator) if pipelined(args) else
+    forward_backward = (partial(model.forward_backward, accelerator) if isinstance(model, ModelRunner) else
                         partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
     part_figures += after_prepare(accelerator, model, args)  # the parts' hooks (training/parts.py)
     model_state = model_state_probe(model, torch_optimizer, lambda: held_gradients(model))  # bytes per rank, at step 2
@@ -154,9 +152,9 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     )
 
     state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes,
-                         pipeline_stages=stage_count(args))
+                         layout=checkpoint_layout(args))
     if resume_path:
-        state = load_checkpoint(accelerator, resume_path, global_batch, max_steps, stage_count(args))
+        state = load_checkpoint(accelerator, resume_path, global_batch, max_steps, checkpoint_layout(args))
         state.num_processes = accelerator.num_processes
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
     state.per_device_train_batch_size, state.gradient_accumulation_steps = (args.per_device_train_batch_size,
@@ -184,7 +182,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     peak = device_peak_flops(accelerator, tf32)
     model_devices = sorted({p.device for p in model.parameters()}, key=str) if model_args.device_map else None
     speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit,
-                       tensor_parallel_size(accelerator) * args.pipeline_parallel_size,  # ranks that read each batch
+                       tensor_parallel_size(accelerator) * processes_per_replica(args),  # ranks that read each batch
                        memory_devices=model_devices)
     model_name = model_args.model_name_or_path or model_args.model_config
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
@@ -204,8 +202,10 @@ def prepared_for_training(accelerator: Accelerator, task: Task, train_data, eval
     align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
     torch_optimizer = build_optimizer(model, args, offloaded=optimizer_offload_device(accelerator) != "none")
     scheduler = build_scheduler(torch_optimizer, args, max_steps)
-    prepare = partial(prepare_pipeline, accelerator, task, args.seed) if pipelined(args) else accelerator.prepare
-    return *prepare(model, torch_optimizer, train_loader, eval_loader, scheduler), torch_optimizer
+    objects = (torch_optimizer, train_loader, eval_loader, scheduler)
+    if isinstance(model, ModelRunner):  # a part's model prepares itself (pipeline stages)
+        return *model.prepare(accelerator, task, args.seed, *objects), torch_optimizer
+    return *accelerator.prepare(model, *objects), torch_optimizer
 
 
 def training_loader(dataset, batch_size: int, seed: int, **loading) -> DataLoader:
@@ -238,7 +238,6 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
         dynamo_plugin=dynamo_plugin(args),
     )
     strategy = verify_strategy(accelerator)
-    check_pipeline_launch(args, strategy, accelerator.num_processes)
     one_voice(accelerator.is_main_process)  # the other ranks report errors only
     tf32 = use_tf32(args.tf32, accelerator.device, accelerator.mixed_precision)
     run_description = f"{describe(accelerator, strategy)} tf32={'on' if tf32 else 'off'}"

@@ -109,7 +109,7 @@ def wrapped_strategy(model: torch.nn.Module) -> Strategy:
     if isinstance(model, (FSDPModule, FullyShardedDataParallel)):
         return Strategy.FSDP
     if isinstance(model, DistributedDataParallel) or hasattr(model, "replica_group"):
-        return Strategy.DDP  # (pipeline stages: their replicas average gradients as DDP does, training/pipeline.py)
+        return Strategy.DDP  # (pipeline stages: their replicas average gradients as DDP does, parts/pipeline)
     return Strategy.SINGLE
 
 EXPECTED_TYPES = {

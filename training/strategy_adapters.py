@@ -19,7 +19,7 @@ from accelerate.utils import DistributedType
 from training.batchnorm import batch_norm_layers, running_statistics
 from training.errors import StrategyError
 from training.performance import compute_dtype
-from training.pipeline import StageModules
+from training.parts import ModelRunner
 from training.strategy import Strategy, wrapped_strategy
 
 
@@ -207,7 +207,7 @@ def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
     step: the engine's value is taken as it is instead."""
     if wrapped_strategy(model) is Strategy.DEEPSPEED:
         return model.get_global_grad_norm()
-    if isinstance(model, StageModules):  # the norm over every stage, each on its own process
+    if isinstance(model, ModelRunner):  # a part's model that clips itself (pipeline stages: the norm over every stage)
         return model.clip_grad_norm_(max_norm)
     return accelerator.clip_grad_norm_(model.parameters(), max_norm)
 

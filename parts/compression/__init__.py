@@ -31,10 +31,12 @@ class CompressionFlags:
 
 def check_flags(model_args, data_args, args) -> None:
     """--power_sgd_* set PowerSGD, and PowerSGD needs two plain steps first (torch's rule with error feedback);
-    pipeline stages have no DDP buckets to hook."""
-    if args.ddp_comm_hook and args.pipeline_parallel_size > 1:
-        raise ArgumentError("--ddp_comm_hook with --pipeline_parallel_size is not supported (stages exchange "
-                            "activations, not DDP's gradient buckets); drop it, or train without pipeline stages")
+    a model split over processes (pipeline stages) has no DDP buckets to hook."""
+    from training.arguments import split_model
+
+    if args.ddp_comm_hook and (split := split_model(model_args, args)):
+        raise ArgumentError(f"--ddp_comm_hook with {split} is not supported (DDP's gradient buckets are hooked "
+                            "where every process holds the whole model); drop it, or train without the split")
     if "power_sgd" not in (args.ddp_comm_hook or ""):
         defaults = CompressionFlags()
         for flag in ("power_sgd_rank", "power_sgd_start_step"):

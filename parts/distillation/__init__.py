@@ -3,7 +3,6 @@ logits as well as from the labels, under every data-parallel config (parts/disti
 objective, the teacher's checks, placement and memory plan). See docs/distillation.md.
 """
 
-import os
 from dataclasses import dataclass, field
 
 from training.errors import ArgumentError
@@ -46,10 +45,9 @@ def check_flags(model_args, data_args, args) -> None:
                             f"got {args.distillation_alpha}")
     if args.distillation_temperature <= 0:
         raise ArgumentError(f"--distillation_temperature must be > 0, got {args.distillation_temperature}")
-    split = ("--device_map" if model_args.device_map else "--pipeline_parallel_size" if args.pipeline_parallel_size > 1
-             else "tensor parallelism (fsdp_tp.yaml)" if int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1
-             else None)
-    if split:
+    from training.arguments import split_model
+
+    if split := split_model(model_args, args):
         raise ArgumentError(f"--teacher_model_name_or_path with {split} is not supported; distil under a data-parallel "
                             "config (ddp.yaml, fsdp.yaml or a ZeRO config), which places the teacher as it places the student")
 

@@ -2,14 +2,14 @@
 
 `--pipeline_parallel_size` stages (two per process with Interleaved1F1B), `--pipeline_schedule`,
 `--pipeline_microbatches`; checked before any process group (flags) and against the launch
-(strategy, process count). training/pipeline.py runs the stages.
+(strategy, process count). parts/pipeline/schedule.py runs the stages.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from models.stages import split_into_stages
+from parts.pipeline.stages import split_into_stages
 from training.errors import ArgumentError, StrategyError
 from training.strategy import Strategy
 
@@ -28,6 +28,9 @@ def stage_count(args) -> int:
 
 def check_pipeline_flags(model_args, data_args, args) -> None:
     """Flag combinations a pipeline cannot run, refused before any process group (ArgumentError)."""
+    for name in ("pipeline_parallel_size", "pipeline_microbatches"):
+        if getattr(args, name) < 1:
+            raise ArgumentError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if not pipelined(args):
         return
     size, micro = args.pipeline_parallel_size, args.pipeline_microbatches

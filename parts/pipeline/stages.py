@@ -116,4 +116,4 @@ def split_into_stages(model: nn.Module, stages: int) -> list[nn.Module]:
         return [ResNetStage(model, blocks, index == 0, index == stages - 1)
                 for index, blocks in enumerate(balanced(count, stages))]
     raise StageError(f"pipeline stages are defined for {SUPPORTED}, not {type(model).__name__}; "
-                     "train it with a data-parallel config, or add a stage split for it in models/stages.py")
+                     "train it with a data-parallel config, or add a stage split for it in parts/pipeline/stages.py")

@@ -1,6 +1,6 @@
 """Owns pipeline parallelism: the model's stages on processes, run by torch's schedules over micro-batches.
 
-`--pipeline_parallel_size P` cuts the model into P consecutive stages (models/stages.py), one
+`--pipeline_parallel_size P` cuts the model into P consecutive stages (parts/pipeline/stages.py), one
 per process (Interleaved1F1B: two per process, 2P in all, stage s on process s mod P), and the
 N launched processes into N/P replicas of that pipeline: processes r*P .. r*P+P-1 form replica
 r, so one replica's stages sit on neighbouring ranks (one node, where they fit). accelerate has
@@ -35,9 +35,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import DataLoader
 
-from models.stages import split_into_stages
+from parts.pipeline.layout import SCHEDULES, stage_count
+from parts.pipeline.stages import split_into_stages
 from training.loss import IGNORE_INDEX
-from training.pipeline_layout import SCHEDULES, stage_count
+from training.parts import ModelRunner
 
 logger = get_logger(__name__)
 
@@ -45,7 +46,7 @@ STAGE_WEIGHTS = "pipeline_stage{index}.safetensors"
 STAGE_OPTIMIZER = "pipeline_optimizer_rank{rank}.pt"
 
 
-class StageModules(nn.ModuleList):
+class StageModules(nn.ModuleList, ModelRunner):
     """This process's pipeline stages: what train.py trains in place of the model (see the module docstring)."""
 
     def __init__(self, accelerator: Accelerator, model: nn.Module, args) -> None:
@@ -260,11 +261,6 @@ class StageModules(nn.ModuleList):
             processor.save_pretrained(final_dir)
         accelerator.wait_for_everyone()
         return final_dir
-
-
-def prepare_pipeline(accelerator: Accelerator, task, seed: int, model: StageModules, *objects):
-    """`accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)` for pipeline stages."""
-    return model.prepare(accelerator, task, seed, *objects)
 
 
 def padded(batch: dict, rows: int) -> dict:

@@ -1,0 +1,86 @@
+"""Pipeline stages (`--pipeline_parallel_size`): the model cut layer-wise over processes, run by torch's schedules
+(parts/pipeline/schedule.py), on the layouts parts/pipeline/layout.py accepts, for the model families
+parts/pipeline/stages.py can cut. The stages replace the model as a `ModelRunner` (training/parts.py): they run
+their own micro-steps, clipping, evaluation and export. See docs/model-parallelism.md.
+"""
+
+from dataclasses import dataclass, field
+
+from training.parts import Part
+
+
+@dataclass
+class PipelineFlags:
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Pipeline stages: the model cut layer-wise over this many processes (ddp config; launch a "
+                          "multiple of it: the rest are replicas). See parts/pipeline."},
+    )
+    pipeline_schedule: str = field(default="1F1B", metadata={
+        "help": "Pipeline: torch's schedule.", "choices": ["GPipe", "1F1B", "Interleaved1F1B"]})
+    pipeline_microbatches: int = field(default=4, metadata={
+        "help": "Pipeline: equal micro-batches each per-device batch is cut into."})
+    pipeline_timeline: bool = field(
+        default=False,
+        metadata={"help": "Pipeline: record when each stage computes each micro-batch (wall clock) into "
+                          "output_dir/pipeline_timeline.json, for scripts/benchmark.py --pipeline."},
+    )
+
+
+def check_flags(model_args, data_args, args) -> None:
+    from parts.pipeline.layout import check_pipeline_flags
+
+    check_pipeline_flags(model_args, data_args, args)
+
+
+def check_launch(args, strategy, processes: int, on_cpu: bool) -> None:
+    from parts.pipeline.layout import check_pipeline_launch
+
+    check_pipeline_launch(args, strategy, processes)
+
+
+def model_split(model_args, args) -> str | None:
+    return "--pipeline_parallel_size" if args.pipeline_parallel_size > 1 else None
+
+
+def processes_per_replica(args) -> int:
+    """A pipeline's processes read the same batches: one replica is `--pipeline_parallel_size` processes."""
+    return args.pipeline_parallel_size
+
+
+def wrap_model(accelerator, model, args):
+    """This process's stages of the model, in its place, when pipelined."""
+    if args.pipeline_parallel_size == 1:
+        return model
+    from parts.pipeline.schedule import StageModules
+
+    return StageModules(accelerator, model, args)
+
+
+def checkpoint_layout(args) -> dict[str, int]:
+    from parts.pipeline.layout import stage_count
+
+    return {"pipeline_stages": stage_count(args)} if args.pipeline_parallel_size > 1 else {}
+
+
+def held_parameters(model, args) -> int | None:
+    if args.pipeline_parallel_size == 1:
+        return None
+    from parts.pipeline.layout import parameters_per_process
+
+    return parameters_per_process(model, args)
+
+
+def dry_run_lines(task, args, strategy, processes: int, compute_bytes: int) -> list[str]:
+    if args.pipeline_parallel_size == 1:
+        return []
+    from parts.pipeline.layout import stage_count
+
+    return [f"pipeline:        {stage_count(args)} pipeline stages ({args.pipeline_schedule}, "
+            f"{args.pipeline_microbatches} micro-batches) over {args.pipeline_parallel_size} processes per replica"]
+
+
+PART = Part("pipeline", "Pipeline stages run by torch's schedules (--pipeline_parallel_size)", PipelineFlags,
+            check_flags=check_flags, check_launch=check_launch, model_split=model_split,
+            processes_per_replica=processes_per_replica, wrap_model=wrap_model, checkpoint_layout=checkpoint_layout,
+            held_parameters=held_parameters, dry_run_lines=dry_run_lines)
