@@ -104,6 +104,16 @@ def test_a_pipeline_resumes_exactly_and_refuses_another_layout(pipeline_run, fou
         load_checkpoint(None, run / "checkpoints" / f"step_{SAVED}", global_batch=8, max_steps=STEPS, layout={})
 
 
+@pytest.mark.quick
+def test_a_checkpoint_of_an_earlier_version_keeps_its_pipeline_layout(tmp_path) -> None:
+    """trainer_state.json before parts: `pipeline_stages` beside the step counts, read as the pipeline part's layout."""
+    earlier = {"completed_steps": 4, "epoch": 0, "steps_in_epoch": 4, "global_batch": 8, "num_processes": 2,
+               "pipeline_stages": 4, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(earlier))
+    with pytest.raises(ResumeError, match="laid out as pipeline_stages 4 and this run lays it out as pipeline_stages 2;"):
+        load_checkpoint(None, tmp_path, global_batch=8, max_steps=STEPS, layout={"pipeline_stages": 2})
+
+
 def test_a_resnet_pipeline_trains_what_one_process_trains(tmp_path) -> None:
     """BatchNorm in the stages: its running statistics (evaluation) and small-batch gradients (clipping) agree."""
     flags = ("--task", "image-classification", "--model_config", "resnet-tiny", "--max_steps", "6", "--logging_steps", "1",
