@@ -12,7 +12,7 @@ from models.vision import build_image_model
 from tests.conftest import TINY_RUN, train
 from training.arguments import ArgumentError, parse_args
 from training.errors import StrategyError
-from training.layer_split import split_layers
+from parts.layer_split.split import split_layers
 
 
 def test_device_map_trains_in_one_process(tmp_path) -> None:

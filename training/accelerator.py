@@ -88,7 +88,7 @@ def describe(accelerator: Accelerator, strategy: Strategy) -> str:
 def idle_gpu_warning(accelerator: Accelerator, owns_every_gpu: bool) -> str | None:
     """A warning when this machine has more GPUs than processes on it (every config says
     `num_processes: 2`, which leaves 6 of an 8-GPU node idle unless the launch says otherwise).
-    `owns_every_gpu`: one process spreads the model over all of them (`--device_map`)."""
+    `owns_every_gpu`: one process spreads the model over all of them (parts/layer_split)."""
     if accelerator.device.type == "cpu" or owns_every_gpu:
         return None
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -29,7 +29,7 @@ from training.flags import (ALL_ARGUMENT_CLASSES, KNOWN_KEYS, ArgumentError, Dat
 from training.metrics import resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
 from training.parts import check_flags, run_inputs
-from training.parts import model_split as part_model_split
+from training.parts import model_splits as part_model_splits
 from training.task_registry import ADAPTER_FLAGS, TASKS
 
 
@@ -123,7 +123,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
         raise ArgumentError("--validation_file needs --train_file")
     check_task_flags(model_args, data_args)
     check_compile_flags(train_args)
-    check_adapter_flags(model_args)
+    check_adapter_flags(model_args, train_args)
     check_flags(model_args, data_args, train_args)  # the parts' (training/parts.py)
     split = split_model(model_args, train_args)
     check_auto_find_batch_size(train_args, split)
@@ -131,11 +131,6 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
         # absolute: an exported adapter names its base model by this path, to be found from anywhere
         model_args.model_name_or_path = str(Path(model_args.model_name_or_path).resolve())
-    if model_args.device_map and requested_strategy() is not Strategy.SINGLE:
-        raise ArgumentError(
-            f"--device_map splits one model over the GPUs of one process, but the launch asked for "
-            f"{requested_strategy().value}; use --config_file accelerate_configs/single.yaml (or FSDP2/ZeRO-3 to shard)"
-        )
     check_output_dir(train_args.output_dir, train_args.resume_from_checkpoint, train_args.overwrite_output_dir, {
         flag: getattr(model_args, flag, getattr(data_args, flag, getattr(train_args, flag, None))) for flag in RUN_INPUTS})
     report_to = train_args.report_to
@@ -208,20 +203,19 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
         raise ArgumentError("--config_overrides changes a --model_config trained from scratch: drop it or --model_name_or_path")
 
 
+def model_splits(model_args: ModelArguments, train_args: TrainArguments) -> list[str]:
+    """What splits one model over several processes or devices: the parts' flags (--device_map, pipeline stages),
+    then tensor parallelism; features that need whole models per process refuse to combine with them."""
+    tensor_parallel = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1
+    return [*part_model_splits(model_args, train_args), *(["tensor parallelism (fsdp_tp.yaml)"] if tensor_parallel else [])]
+
+
 def split_model(model_args: ModelArguments, train_args: TrainArguments) -> str | None:
-    """What splits one model over several processes of a replica, if anything: a part's flag (pipeline stages),
-    --device_map or tensor parallelism."""
-    return part_model_split(model_args, train_args) or model_split(model_args)
+    """The first of `model_splits`, if any."""
+    return next(iter(model_splits(model_args, train_args)), None)
 
 
-def model_split(model_args: ModelArguments) -> str | None:
-    """What splits one model within a data-parallel replica, if anything: --device_map or tensor parallelism."""
-    if model_args.device_map:
-        return "--device_map"
-    return "tensor parallelism (fsdp_tp.yaml)" if int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1 else None
-
-
-def check_adapter_flags(model_args: ModelArguments) -> None:
+def check_adapter_flags(model_args: ModelArguments, train_args: TrainArguments) -> None:
     """LoRA adapts a pretrained model, in one process per device group; its flags need --use_peft."""
     if not model_args.use_peft:
         for flag in ADAPTER_FLAGS:
@@ -231,7 +225,7 @@ def check_adapter_flags(model_args: ModelArguments) -> None:
     if not model_args.model_name_or_path:
         raise ArgumentError("--use_peft trains an adapter on a pretrained model's frozen weights: give "
                             "--model_name_or_path (a Hub id or a directory), or drop --use_peft to train every weight")
-    if split := model_split(model_args):
+    if split := split_model(model_args, train_args):
         raise ArgumentError(f"--use_peft with {split} is not supported; train the adapter with a data-parallel "
                             "config instead (ddp.yaml, fsdp.yaml or a ZeRO config)")
     if model_args.lora_r < 1 or model_args.lora_alpha <= 0 or not 0 <= model_args.lora_dropout < 1:

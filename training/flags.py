@@ -24,7 +24,6 @@ class FlagParser(HfArgumentParser):
         raise ArgumentError(f"{message}; see train.py --help")
 
 
-DEVICE_MAPS = ["auto", "balanced", "balanced_low_0", "sequential"]  # "auto" is "balanced", as in transformers
 INTERVALS = ["steps", "epoch", "no"]
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]  # torch.compile(mode=...)
 
@@ -48,11 +47,6 @@ class ModelArguments:
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations to save memory."})
     ignore_mismatched_sizes: bool = field(default=False, metadata={
         "help": "Images: replace a pretrained classification head made for other labels."})
-    device_map: str | None = field(
-        default=None,
-        metadata={"help": "Split the layers over this process's GPUs (single.yaml; see training/layer_split.py).",
-                  "choices": DEVICE_MAPS},
-    )
     use_peft: bool = field(default=False, metadata={
         "help": "Train a LoRA adapter (peft) on the frozen --model_name_or_path instead of every weight."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})

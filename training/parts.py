@@ -13,7 +13,7 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
 - `check_launch(args, strategy, processes, on_cpu)`: before the process group (and in the dry run);
   raises StrategyError for a launch the part cannot run in.
 - `model_split(model_args, args) -> str | None`: the flag that splits one model over several processes
-  of a replica, if this part's does (other features refuse to combine with a split model).
+  or devices, if this part's does (other features refuse to combine with a split model).
 - `processes_per_replica(args) -> int`: processes that read the same batches (a pipeline's stages).
 - `ddp_settings(args, on_cpu) -> dict`: DDP's settings (`DistributedDataParallelKwargs` fields).
 - `convert_model(model, accelerator, args) -> model`: the model as the task built it, before
@@ -135,9 +135,9 @@ def check_launch(args, strategy: Strategy, processes: int, on_cpu: bool) -> None
         hook(args, strategy, processes, on_cpu)
 
 
-def model_split(model_args, args) -> str | None:
-    """The first part's flag that splits one model over a replica's processes, if any."""
-    return next((split for hook in filled("model_split") if (split := hook(model_args, args))), None)
+def model_splits(model_args, args) -> list[str]:
+    """The parts' flags that split one model over several processes or devices, as set."""
+    return [split for hook in filled("model_split") if (split := hook(model_args, args))]
 
 
 def processes_per_replica(args) -> int:

@@ -177,7 +177,7 @@ class SpeedMeter:
         unit: str = "tokens", ranks_per_batch: int = 1, memory_devices: list[torch.device] | None = None,
     ) -> None:
         self.device, self.flops_per_unit, self.peak, self.unit = device, flops_per_unit, peak_flops_per_device, unit
-        # --device_map: one process holds layers on several GPUs, each with its own peak
+        # one process holding layers on several GPUs (parts/layer_split): each with its own peak
         self.memory_devices = memory_devices or [device]
         self.ranks_per_batch = ranks_per_batch  # tensor parallelism: a group of ranks works on one batch
         self.units = self.steps = self.total_units = self.total_steps = 0

@@ -32,7 +32,6 @@ from training.console import one_voice
 from training.cpu_accommodations import use_share_of_cores
 from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.flags import DataArguments, ModelArguments, TrainArguments
-from training.layer_split import split_layers
 from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
 from training.parts import (ModelRunner, after_prepare, checkpoint_layout, convert_model, processes_per_replica,
@@ -111,7 +110,10 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         raw = task.load_raw_datasets(args.seed)
     model = build_model(accelerator, task, raw, model_args, args)
     num_parameters = parameter_count(model)
-    model = wrap_model(accelerator, model, args)  # a part may run the model itself (pipeline stages: a ModelRunner)
+    model = wrap_model(accelerator, model, args)  # a part may lay the model out (layers over GPUs) or run it itself
+    # (pipeline stages: a ModelRunner); one process whose model spans several GPUs leaves none idle
+    if warning := idle_gpu_warning(accelerator, owns_every_gpu=len({p.device for p in model.parameters()}) > 1):
+        logger.warning(warning, main_process_only=True)
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
     replicas = data_parallel_size(accelerator) // processes_per_replica(args)  # processes that read different batches
     global_batch = global_batch_size(args, replicas)
@@ -180,10 +182,10 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         main_process_only=True,
     )
     peak = device_peak_flops(accelerator, tf32)
-    model_devices = sorted({p.device for p in model.parameters()}, key=str) if model_args.device_map else None
+    devices = sorted({p.device for p in model.parameters()}, key=str)  # several: a part split the layers over them
     speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit,
                        tensor_parallel_size(accelerator) * processes_per_replica(args),  # ranks that read each batch
-                       memory_devices=model_devices)
+                       memory_devices=devices if len(devices) > 1 else None)
     model_name = model_args.model_name_or_path or model_args.model_config
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
@@ -245,8 +247,6 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
         run_description += f", {use_share_of_cores(int(os.environ.get('LOCAL_WORLD_SIZE', '1')))}"
     logger.info(run_description, main_process_only=True)
     logger.info(preflight(accelerator, args.ddp_timeout), main_process_only=True)
-    if warning := idle_gpu_warning(accelerator, owns_every_gpu=bool(model_args.device_map)):
-        logger.warning(warning, main_process_only=True)
     return accelerator, strategy, run_description, tf32
 
 
@@ -254,7 +254,7 @@ def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArgu
                 args: TrainArguments) -> torch.nn.Module:
     """The task's model, built without a whole copy per rank where the strategy allows, converted by the
     parts (training/parts.py: kernels, SyncBatchNorm), then laid out as the flags ask: an adapter,
-    tensor-parallel slices, layers over GPUs."""
+    tensor-parallel slices (a part may lay it out further: `wrap_model`)."""
     with model_construction(accelerator, bool(model_args.model_name_or_path), task.can_build_empty) as empty:
         model = task.build_model(raw, empty)
     model = convert_model(model, accelerator, args)
@@ -262,8 +262,4 @@ def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArgu
     if model_args.use_peft:  # after the seed: every rank draws the same adapter
         model = add_adapter(model, model_args)
         logger.info(trainable_summary(model), main_process_only=True)
-    model = apply_tensor_parallel(accelerator, model)  # with a parallelism_config tp_size in the accelerate config
-    if model_args.device_map:  # one process owning several GPUs: each holds some of the layers
-        model, note = split_layers(model, model_args.device_map)
-        logger.info(note, main_process_only=True)
-    return model
+    return apply_tensor_parallel(accelerator, model)  # with a parallelism_config tp_size in the accelerate config

@@ -44,7 +44,10 @@ def check_pipeline_flags(model_args, data_args, args) -> None:
     if args.pipeline_schedule == "Interleaved1F1B" and micro % size:
         raise ArgumentError(f"Interleaved1F1B runs micro-batches in rounds of --pipeline_parallel_size {size}: make "
                             f"--pipeline_microbatches ({micro}) a multiple of it")
-    unsupported = {"--device_map": model_args.device_map, "--use_peft": model_args.use_peft,
+    from training.arguments import model_splits
+
+    other_splits = {split: True for split in model_splits(model_args, args) if split != "--pipeline_parallel_size"}
+    unsupported = {**other_splits, "--use_peft": model_args.use_peft,
                    "--task sft": model_args.task == "sft", "--packing false": not data_args.packing,
                    "--torch_compile": args.torch_compile,
                    "--gradient_checkpointing": model_args.gradient_checkpointing}

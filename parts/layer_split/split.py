@@ -1,4 +1,5 @@
-"""`--device_map`: one process splits the model's layers over the GPUs it owns (pipeline-free model parallelism).
+"""Owns `--device_map`'s placement: one process splits the model's layers over the GPUs it owns (pipeline-free
+model parallelism).
 
 The first layers sit on GPU 0, the next on GPU 1, and so on; accelerate's hooks move the
 activations from one GPU to the next, and the outputs back to GPU 0. It trains a model too

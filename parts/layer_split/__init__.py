@@ -1,0 +1,51 @@
+"""Layer split (`--device_map`): one process spreads its model's layers over the GPUs it owns, with single.yaml
+(parts/layer_split/split.py: accelerate's placement and its refusals). See docs/model-parallelism.md.
+"""
+
+from dataclasses import dataclass, field
+
+from training.errors import ArgumentError
+from training.parts import Part
+
+DEVICE_MAPS = ["auto", "balanced", "balanced_low_0", "sequential"]  # "auto" is "balanced", as in transformers
+
+
+@dataclass
+class LayerSplitFlags:
+    device_map: str | None = field(
+        default=None,
+        metadata={"help": "Split the layers over this process's GPUs (single.yaml; see parts/layer_split).",
+                  "choices": DEVICE_MAPS},
+    )
+
+
+def check_flags(model_args, data_args, args) -> None:
+    """One process owns the GPUs it splits the model over: the launch is single.yaml's."""
+    from training.strategy import Strategy, requested_strategy
+
+    if args.device_map and requested_strategy() is not Strategy.SINGLE:
+        raise ArgumentError(
+            f"--device_map splits one model over the GPUs of one process, but the launch asked for "
+            f"{requested_strategy().value}; use --config_file accelerate_configs/single.yaml (or FSDP2/ZeRO-3 to shard)"
+        )
+
+
+def model_split(model_args, args) -> str | None:
+    return "--device_map" if args.device_map else None
+
+
+def wrap_model(accelerator, model, args):
+    """The model's layers placed over this process's GPUs, under --device_map."""
+    if not args.device_map:
+        return model
+    from accelerate.logging import get_logger
+
+    from parts.layer_split.split import split_layers
+
+    model, note = split_layers(model, args.device_map)
+    get_logger(__name__).info(note, main_process_only=True)
+    return model
+
+
+PART = Part("layer_split", "One process's model split layer-wise over its GPUs (--device_map)", LayerSplitFlags,
+            check_flags=check_flags, model_split=model_split, wrap_model=wrap_model)
