@@ -20,7 +20,7 @@ from accelerate.utils import (
     set_seed,
 )
 from datasets import IterableDataset
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from models.adapters import add_adapter, trainable_summary
 from training.accelerator import build_accelerator, describe, idle_gpu_warning, model_construction
@@ -128,7 +128,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                                   args.seed, data_args.shuffle_buffer_size, args.ddp_timeout)
     else:
         steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
-        train_data = train_set = train_set.select(range(steps_per_epoch * global_batch))
+        # whole global batches only; Subset, not datasets' select: any map-style Dataset trains
+        train_data = train_set = Subset(train_set, range(steps_per_epoch * global_batch))
     prepare_training = partial(prepared_for_training, accelerator, task, train_data, eval_set, args, loading, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = prepare_training(model)
     keep_stream_position_in_checkpoints(accelerator, train_loader)

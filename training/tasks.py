@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset
+from torch.utils.data import Subset
 from transformers import (
     AutoImageProcessor,
     AutoModelForCausalLM,
@@ -105,8 +106,9 @@ class Task(ABC):
         return _first(train_set, self.data_args.max_train_samples), _first(eval_set, self.data_args.max_eval_samples)
 
 
-def _first(dataset: Dataset, count: int | None) -> Dataset:
-    return dataset if count is None or count >= len(dataset) else dataset.select(range(count))
+def _first(dataset: Dataset, count: int | None) -> Dataset | Subset:
+    """The first `count` examples (any map-style dataset: a torch Subset, not datasets' select)."""
+    return dataset if count is None or count >= len(dataset) else Subset(dataset, range(count))
 
 
 class CausalLM(Task):
