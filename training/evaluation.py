@@ -25,13 +25,12 @@ def evaluate(model: torch.nn.Module, dataloader: DataLoader, accelerator: Accele
     if isinstance(model, ModelRunner):  # a part's model that evaluates itself (pipeline stages)
         return model.evaluate(dataloader, accelerator, task)
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss sum, targets, right answers
+    totals = None  # the task's named sums (`Task.eval_sums`), as one float64 column each
     for batch in dataloader:
-        logits = task.forward(model, batch)
-        sums, counts = task.loss_sums(logits, batch)
-        per_example = torch.stack([sums.double(), counts.double(), task.correct(logits, batch).double()], dim=1)
-        totals += gather_once_per_batch(per_example, accelerator).sum(dim=0)
+        sums = task.eval_sums(task.forward(model, batch), batch)
+        per_example = torch.stack([value.double() for value in sums.values()], dim=1)
+        batch_totals = gather_once_per_batch(per_example, accelerator).sum(dim=0)
+        totals = batch_totals if totals is None else totals + batch_totals
     generated = task.generation_metrics(model, accelerator)
     model.train()
-    loss_sum, targets, right = totals.tolist()
-    return task.eval_metrics(loss_sum / targets, right / targets) | generated
+    return task.eval_metrics(dict(zip(sums, totals.tolist()))) | generated

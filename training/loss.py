@@ -120,8 +120,9 @@ class NonFiniteGuard:
 
 
 def label_loss_sums(task, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """The task's own objective: per-example sums of its label loss (a part may replace it: training/parts.py)."""
-    return task.loss_sums(task.forward(model, batch), batch)[0]
+    """The task's own objective (`Task.objective_sums`: its label loss unless it trains on another), per example
+    (a part may replace it: training/parts.py)."""
+    return task.objective_sums(task.forward(model, batch), batch)
 
 
 def forward_backward(accelerator, objective: Callable[[torch.nn.Module, dict], torch.Tensor], model: torch.nn.Module,

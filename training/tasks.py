@@ -76,7 +76,14 @@ class Task(ABC):
     def forward(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor: ...
 
     @abstractmethod
-    def loss_sums(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def loss_sums(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-example sums of the label loss over the targets, and the targets counted: `eval_loss`."""
+
+    def objective_sums(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Per-example sums of what training minimises (divided by the global batch's target count). The label
+        loss by default; a task that trains on another objective (label smoothing, a z-loss) overrides this one,
+        and `eval_loss` stays the label loss."""
+        return self.loss_sums(logits, batch)[0]
 
     @abstractmethod
     def correct(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor: ...
@@ -93,8 +100,15 @@ class Task(ABC):
     @abstractmethod
     def sample(self, final_dir: Path) -> str: ...
 
-    def eval_metrics(self, eval_loss: float, accuracy: float) -> dict[str, float]:
-        return {"eval_loss": eval_loss, "eval_accuracy": accuracy}
+    def eval_sums(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        """Named per-example sums that evaluation adds up over the whole validation set, on every rank; a task
+        adds its own (a top-5 count) and turns them into metrics in `eval_metrics`."""
+        loss, targets = self.loss_sums(logits, batch)
+        return {"loss": loss, "targets": targets, "correct": self.correct(logits, batch)}
+
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """The metrics (named eval_*) from `eval_sums`' totals over the validation set."""
+        return {"eval_loss": totals["loss"] / totals["targets"], "eval_accuracy": totals["correct"] / totals["targets"]}
 
     def generation_metrics(self, model: torch.nn.Module, accelerator) -> dict[str, float]:
         """Metrics of what the model generates, run on every rank in evaluation; none by default."""
@@ -166,8 +180,9 @@ class CausalLM(Task):
     def count_units(self, batch: Batch) -> int:
         return batch["input_ids"].numel()
 
-    def eval_metrics(self, eval_loss: float, accuracy: float) -> dict[str, float]:
-        return super().eval_metrics(eval_loss, accuracy) | {"perplexity": math.exp(eval_loss) if eval_loss < 700 else math.inf}
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        metrics = super().eval_metrics(totals)
+        return metrics | {"perplexity": math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else math.inf}
 
     def describe_data(self, train_set: Dataset | IterableDataset) -> str:
         if isinstance(train_set, IterableDataset):

@@ -146,7 +146,7 @@ class Distillation:
         # teacher, never prepared by accelerate, runs inside the same context.
         with torch.no_grad(), self.accelerator.autocast():
             teacher_logits = self.task.forward(self.teacher, batch)
-        label_sums = self.task.loss_sums(logits, batch)[0]
+        label_sums = self.task.objective_sums(logits, batch)
         teacher_sums = divergence_sums(self.task, logits, teacher_logits, batch, self.divergence)
         return (1 - self.alpha) * label_sums + self.alpha * teacher_sums
 

@@ -164,14 +164,13 @@ class StageModules(nn.ModuleList, ModelRunner):
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss on the last stage: its share of the window's token mean (training), or
-        nothing but the sums it adds to the evaluation's totals."""
+        nothing but the task's named sums it adds to the evaluation's totals (`Task.eval_sums`)."""
         batch = {"labels": labels}
-        sums, counts = self.task.loss_sums(logits, batch)
         if self.metrics is not None:
-            self.metrics += torch.stack([sums.sum().double(), counts.sum().double(),
-                                         self.task.correct(logits, batch).sum().double()])
-            return sums.sum()
-        return sums.sum() * self.loss_scale
+            for name, sums in self.task.eval_sums(logits, batch).items():
+                self.metrics[name] = self.metrics.get(name, 0.0) + sums.double().sum()
+            return torch.zeros((), device=logits.device)
+        return self.task.objective_sums(logits, batch).sum() * self.loss_scale
 
     def run_schedule(self, accelerator: Accelerator, batch: dict, train: bool, losses: list | None = None) -> None:
         inputs = (batch[self.task.model_input],) if self.has_first else ()
@@ -214,16 +213,16 @@ class StageModules(nn.ModuleList, ModelRunner):
 
     @torch.no_grad()
     def evaluate(self, dataloader: DataLoader, accelerator: Accelerator, task) -> dict[str, float]:
-        """The validation loss and accuracy over every example: the schedule forward only, summed on the last stage."""
+        """The task's metrics over every example: the schedule forward only, its sums added on the last stage."""
         self.eval()
-        self.metrics = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+        self.metrics = {}
         for batch in dataloader:
             self.run_schedule(accelerator, padded(batch, self.args.per_device_train_batch_size), train=False)
-        totals, self.metrics = self.metrics, None
-        dist.all_reduce(totals)  # the last stage's sums, from every replica
+        local, self.metrics = {name: float(total) for name, total in self.metrics.items()}, None
+        every = [None] * accelerator.num_processes
+        dist.all_gather_object(every, local)  # the last stages' sums, one per replica (other stages: none)
         self.train()
-        loss_sum, targets, right = totals.tolist()
-        return task.eval_metrics(loss_sum / targets, right / targets)
+        return task.eval_metrics({name: sum(sums[name] for sums in every if sums) for name in next(filter(None, every))})
 
     # ------------------------------------------------------------ checkpoints and export
 
