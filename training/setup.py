@@ -111,8 +111,9 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     model = build_model(accelerator, task, raw, model_args, args)
     num_parameters = parameter_count(model)
     model = wrap_model(accelerator, model, args)  # a part may lay the model out (layers over GPUs) or run it itself
-    # (pipeline stages: a ModelRunner); one process whose model spans several GPUs leaves none idle
-    if warning := idle_gpu_warning(accelerator, owns_every_gpu=len({p.device for p in model.parameters()}) > 1):
+    # (pipeline stages: a ModelRunner). Several devices: a part split the layers over this process's GPUs
+    devices = sorted({p.device for p in model.parameters() if p.device.type == accelerator.device.type}, key=str)
+    if warning := idle_gpu_warning(accelerator, owns_every_gpu=len(devices) > 1):  # then none of them is idle
         logger.warning(warning, main_process_only=True)
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
     replicas = data_parallel_size(accelerator) // processes_per_replica(args)  # processes that read different batches
@@ -183,7 +184,6 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         main_process_only=True,
     )
     peak = device_peak_flops(accelerator, tf32)
-    devices = sorted({p.device for p in model.parameters()}, key=str)  # several: a part split the layers over them
     speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit,
                        tensor_parallel_size(accelerator) * processes_per_replica(args),  # ranks that read each batch
                        memory_devices=devices if len(devices) > 1 else None)
