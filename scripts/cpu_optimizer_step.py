@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from training.optim import prepare_cpu_adam  # noqa: E402
 
 # llama-125m with the shipped tokenizer: 12 layers of 4 attention and 3 MLP matrices, embeddings and output.
 LLAMA_125M = [768 * 768] * 48 + [768 * 2048] * 36 + [917 * 768] * 2
@@ -37,6 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
+    prepare_cpu_adam()  # as train.py loads it: the same build
     params = [torch.nn.Parameter(torch.randn(n)) for n in LLAMA_125M]
     for param in params:
         param.grad = torch.randn_like(param)
