@@ -34,10 +34,11 @@ class DistillationFlags:
 def check_flags(model_args, data_args, args) -> None:
     """The distillation settings need a teacher, and the teacher a data-parallel layout, which places it as it
     places the student."""
+    from training.arguments import FIELD_DEFAULTS, split_model
+
     if not args.teacher_model_name_or_path:
-        defaults = DistillationFlags()
         for flag in ("distillation_alpha", "distillation_temperature", "distillation_loss"):
-            if getattr(args, flag) != getattr(defaults, flag):
+            if getattr(args, flag) != FIELD_DEFAULTS[flag]:
                 raise ArgumentError(f"--{flag} is for distillation: add --teacher_model_name_or_path, or drop it")
         return
     if not 0 <= args.distillation_alpha <= 1:
@@ -45,8 +46,6 @@ def check_flags(model_args, data_args, args) -> None:
                             f"got {args.distillation_alpha}")
     if args.distillation_temperature <= 0:
         raise ArgumentError(f"--distillation_temperature must be > 0, got {args.distillation_temperature}")
-    from training.arguments import split_model
-
     if split := split_model(model_args, args):
         raise ArgumentError(f"--teacher_model_name_or_path with {split} is not supported; distil under a data-parallel "
                             "config (ddp.yaml, fsdp.yaml or a ZeRO config), which places the teacher as it places the student")

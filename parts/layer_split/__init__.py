@@ -1,5 +1,5 @@
 """Layer split (`--device_map`): one process spreads its model's layers over the GPUs it owns, with single.yaml
-(parts/layer_split/split.py: accelerate's placement and its refusals). See docs/model-parallelism.md.
+(parts/layer_split/split.py: accelerate's placement and its refusals). See docs/layer_split.md.
 """
 
 from dataclasses import dataclass, field

@@ -1,7 +1,7 @@
 """Pipeline stages (`--pipeline_parallel_size`): the model cut layer-wise over processes, run by torch's schedules
 (parts/pipeline/schedule.py), on the layouts parts/pipeline/layout.py accepts, for the model families
 parts/pipeline/stages.py can cut. The stages replace the model as a `ModelRunner` (training/parts.py): they run
-their own micro-steps, clipping, evaluation and export. See docs/model-parallelism.md.
+their own micro-steps, clipping, evaluation and export. See docs/pipeline.md.
 """
 
 from dataclasses import dataclass, field
@@ -27,6 +27,11 @@ class PipelineFlags:
     )
 
 
+def pipelined(args) -> bool:
+    """Whether the model is cut into stages (here, not in layout.py: the hooks below must not load torch)."""
+    return args.pipeline_parallel_size > 1
+
+
 def check_flags(model_args, data_args, args) -> None:
     from parts.pipeline.layout import check_pipeline_flags
 
@@ -40,7 +45,7 @@ def check_launch(args, strategy, processes: int, on_cpu: bool) -> None:
 
 
 def model_split(model_args, args) -> str | None:
-    return "--pipeline_parallel_size" if args.pipeline_parallel_size > 1 else None
+    return "--pipeline_parallel_size" if pipelined(args) else None
 
 
 def processes_per_replica(args) -> int:
@@ -50,7 +55,7 @@ def processes_per_replica(args) -> int:
 
 def wrap_model(accelerator, model, args):
     """This process's stages of the model, in its place, when pipelined."""
-    if args.pipeline_parallel_size == 1:
+    if not pipelined(args):
         return model
     from parts.pipeline.schedule import StageModules
 
@@ -60,11 +65,11 @@ def wrap_model(accelerator, model, args):
 def checkpoint_layout(args) -> dict[str, int]:
     from parts.pipeline.layout import stage_count
 
-    return {"pipeline_stages": stage_count(args)} if args.pipeline_parallel_size > 1 else {}
+    return {"pipeline_stages": stage_count(args)} if pipelined(args) else {}
 
 
 def held_parameters(model, args) -> int | None:
-    if args.pipeline_parallel_size == 1:
+    if not pipelined(args):
         return None
     from parts.pipeline.layout import parameters_per_process
 
@@ -72,7 +77,7 @@ def held_parameters(model, args) -> int | None:
 
 
 def dry_run_lines(task, args, strategy, processes: int, compute_bytes: int) -> list[str]:
-    if args.pipeline_parallel_size == 1:
+    if not pipelined(args):
         return []
     from parts.pipeline.layout import stage_count
 

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from parts.pipeline import pipelined
 from parts.pipeline.stages import split_into_stages
 from training.errors import ArgumentError, StrategyError
 from training.strategy import Strategy
 
 SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
 STAGES_PER_PROCESS = {"Interleaved1F1B": 2}  # virtual stages: a process computes two non-neighbouring stages
-
-
-def pipelined(args) -> bool:
-    return args.pipeline_parallel_size > 1
 
 
 def stage_count(args) -> int:
@@ -46,12 +43,12 @@ def check_pipeline_flags(model_args, data_args, args) -> None:
                             f"--pipeline_microbatches ({micro}) a multiple of it")
     from training.arguments import model_splits
 
-    other_splits = {split: True for split in model_splits(model_args, args) if split != "--pipeline_parallel_size"}
-    unsupported = {**other_splits, "--use_peft": model_args.use_peft,
+    unsupported = {"--use_peft": model_args.use_peft,
                    "--task sft": model_args.task == "sft", "--packing false": not data_args.packing,
                    "--torch_compile": args.torch_compile,
                    "--gradient_checkpointing": model_args.gradient_checkpointing}
-    if found := [flag for flag, used in unsupported.items() if used]:
+    found = [split for split in model_splits(model_args, args) if split != "--pipeline_parallel_size"]
+    if found := found + [flag for flag, used in unsupported.items() if used]:
         raise ArgumentError(f"{', '.join(found)} with --pipeline_parallel_size is not supported (stages exchange "
                             "fixed-shape activations of whole models); drop it, or train without pipeline stages")
 
