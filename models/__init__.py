@@ -4,7 +4,6 @@
   loads any `AutoModelForCausalLM` (a Hub id or a local directory); `--model_config NAME`
   trains a named config from scratch with the tokenizer shipped in `models/tokenizer/`
   (the default job).
-- `models/vision.py`: image classifiers, the same two ways.
 - `models/configs.py`: the named configs. It imports nothing heavy, so that
   `train.py --help` can list them at once.
 

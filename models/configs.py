@@ -1,9 +1,8 @@
 """Named model configs for training from scratch (`--model_config NAME`).
 
-`NAMED_CONFIGS` are Llama-style decoders for `--task causal-lm`, `IMAGE_CONFIGS` are
-ResNets for `--task image-classification`, each sized for one job. To add your own, add
-an entry that returns any `transformers.PretrainedConfig` whose model type
-`AutoModelForCausalLM` (or `AutoModelForImageClassification`) knows; `conv-lm` shows how a
+`NAMED_CONFIGS` are Llama-style decoders for `--task causal-lm`, each sized for one job (a part
+adds its own task's: parts/images/configs.py). To add your own, add an entry that returns any
+`transformers.PretrainedConfig` whose model type `AutoModelForCausalLM` knows; `conv-lm` shows how a
 model that is not a `transformers` architecture becomes one (models/conv_lm.py).
 
 The config classes are imported when a config is made, not with this module: `train.py
@@ -12,10 +11,10 @@ The config classes are imported when a config is made, not with this module: `tr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase, ResNetConfig
+    from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 
 def _llama(hidden: int, layers: int, heads: int, intermediate: int, positions: int) -> Callable[[int, int], LlamaConfig]:
@@ -74,36 +73,3 @@ def build_named_config(name: str, tokenizer: PreTrainedTokenizerBase, overrides:
         except ValueError as error:
             raise ValueError(f"--config_overrides {overrides!r}: {error}") from None
     return config
-
-
-def label_maps(labels: list[str]) -> dict[str, dict]:
-    """`id2label` and `label2id` for a classification config: the class names go into the export."""
-    return {"id2label": dict(enumerate(labels)), "label2id": {label: index for index, label in enumerate(labels)}}
-
-
-class ImageConfig(NamedTuple):
-    make: Callable[[list[str]], ResNetConfig]  # class names -> config
-    image_size: int  # the side in pixels the image processor resizes to
-
-
-def _resnet(embedding: int, widths: list[int], depths: list[int]) -> Callable[[list[str]], ResNetConfig]:
-    def make(labels: list[str]) -> ResNetConfig:
-        from transformers import ResNetConfig
-
-        return ResNetConfig(embedding_size=embedding, hidden_sizes=widths, depths=depths, layer_type="basic",
-                            num_labels=len(labels), **label_maps(labels))
-
-    return make
-
-
-IMAGE_CONFIGS: dict[str, ImageConfig] = {
-    "resnet-tiny": ImageConfig(_resnet(16, [16, 32, 64, 128], [1, 1, 1, 1]), 32),  # 0.3M: tests, the default image job
-    "resnet-18": ImageConfig(_resnet(64, [64, 128, 256, 512], [2, 2, 2, 2]), 224),  # ResNet-18's shape (11M)
-}
-
-
-def build_image_config(name: str, labels: list[str]) -> ResNetConfig:
-    """The image config called `name`, with a classification head for `labels`."""
-    if name not in IMAGE_CONFIGS:
-        raise ValueError(f"unknown --model_config {name!r} for images; choose one of {sorted(IMAGE_CONFIGS)}")
-    return IMAGE_CONFIGS[name].make(labels)

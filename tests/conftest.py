@@ -212,6 +212,14 @@ def assert_continues_exactly(uninterrupted: Path, resumed: Path, from_step: int,
     assert_same_final_weights(uninterrupted, resumed, atol=0 if bit_exact else 1e-6, weights=weights)
 
 
+def tiny_resnet() -> torch.nn.Module:
+    """A small transformers ResNet (convolutions, BatchNorm, no tensor-parallel plan), built without the images part."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    return ResNetForImageClassification(ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                                                     layer_type="basic", num_labels=2))
+
+
 def assert_same_final_weights(expected: Path, actual: Path, atol: float, weights: str = "model.safetensors") -> None:
     """Both runs exported the same tensors to final/`weights`, to within `atol`."""
     want, got = (load_file(run / "final" / weights) for run in (expected, actual))

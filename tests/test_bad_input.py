@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from models.configs import build_named_config
 from models.language import SHIPPED_TOKENIZER
 from tests.conftest import (CONFIGS, REPO, SPLIT_OF, TINY_RUN, bad_input_errors, end_launch, launch, launch_command,
-                            rank_processes, split_args, split_run_args, wait_for)
+                            rank_processes, split_args, split_run_args, tiny_resnet, wait_for)
 from training.arguments import ArgumentError, parse_args
 from training.strategy import check_launch_config, requested_strategy
 from training.tensor_parallel import tensor_parallel_plan
@@ -316,10 +316,9 @@ def test_an_enum_pickled_through_getattr_loads_and_no_other_getattr_does(tmp_pat
 
 @pytest.mark.quick
 def test_a_model_without_a_tensor_parallel_plan_is_refused() -> None:
-    from models.vision import build_image_model
-
+    
     with pytest.raises(StrategyError, match="ResNetForImageClassification has no tensor-parallel plan"):
-        tensor_parallel_plan(build_image_model(None, "resnet-tiny", ["a", "b"]), 2)
+        tensor_parallel_plan(tiny_resnet(), 2)
 
 
 @pytest.mark.quick

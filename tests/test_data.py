@@ -1,22 +1,17 @@
-"""Packing, the local file formats, the embedded default corpus and images, and image folders."""
+"""Packing, the local file formats and the embedded default corpus (images: tests/test_images.py)."""
 
 from __future__ import annotations
 
 import json
-import random
 import re
-from collections import Counter
 
 import pandas as pd
 import pytest
 
 from data import DataError, build_lm_datasets, load_raw_datasets
 from data.default_corpus import default_splits, generate_documents
-from data.default_shapes import SHAPES, SPLIT_SIZES, default_shape_splits, draw_shape
-from data.images import build_image_datasets, load_raw_image_datasets
 from data.packing import pack_sequences, tokenize_and_pack
 from models.language import build_tokenizer
-from models.vision import build_image_processor
 
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
@@ -123,43 +118,6 @@ def test_default_corpus_is_deterministic_and_held_out() -> None:
     assert generate_documents(50, seed=3) == generate_documents(50, seed=3)
     splits = default_splits(num_train=2000, num_validation=100)
     assert not set(splits["validation"]) & set(splits["train"])
-
-
-def test_default_shapes_are_balanced_drawn_the_same_everywhere_and_ready_for_the_model() -> None:
-    assert draw_shape(random.Random(7), 3).tobytes() == draw_shape(random.Random(7), 3).tobytes()
-    splits = default_shape_splits()
-    assert {name: len(split) for name, split in splits.items()} == SPLIT_SIZES
-    assert splits["train"].features["label"].names == SHAPES
-    assert Counter(splits["validation"]["label"]) == {label: 80 for label in range(len(SHAPES))}
-    processor = build_image_processor(None, "resnet-tiny", None)
-    train_set, _ = build_image_datasets(splits, processor, "image", "label")
-    example = train_set[0]
-    assert example["pixel_values"].shape == (3, 32, 32) and int(example["labels"]) == 0
-
-
-def test_image_folders_hold_one_class_per_folder_and_missing_ones_are_named(tmp_path) -> None:
-    for split, count in (("train", 10), ("validation", 5)):
-        for index in range(count):
-            folder = tmp_path / split / SHAPES[index % 2]
-            folder.mkdir(parents=True, exist_ok=True)
-            draw_shape(random.Random(index), index % 2).save(folder / f"{index}.png")
-    raw = load_raw_image_datasets(None, None, str(tmp_path / "train"), str(tmp_path / "validation"), 10, seed=0)
-    assert raw["train"].features["label"].names == ["circle", "square"] and len(raw["validation"]) == 5
-    with pytest.raises(DataError, match="is not a directory"):
-        load_raw_image_datasets(None, None, str(tmp_path / "nowhere"), None, 10, seed=0)
-    with pytest.raises(DataError, match="column 'class' not found"):
-        load_raw_image_datasets(None, None, str(tmp_path / "train"), None, 20, seed=0, label_column="class")
-
-
-def test_an_image_dataset_directory_loads_like_a_hub_dataset(tmp_path) -> None:
-    """--dataset_name takes a Hub id or a local dataset directory, through the same `load_dataset`."""
-    shapes = default_shape_splits()["validation"]
-    for split, rows in (("train", range(0, 300)), ("test", range(300, 400))):
-        shapes.select(rows).to_parquet(tmp_path / f"{split}-00000-of-00001.parquet")
-    raw = load_raw_image_datasets(str(tmp_path), None, None, None, 10, seed=0)
-    assert raw["train"].features["label"].names == SHAPES  # the ClassLabel survives the round trip
-    assert len(raw["validation"]) == 30 and len(raw["train"]) == 270  # no validation split: 10% held out per class
-    assert Counter(raw["validation"]["label"]) == {label: 6 for label in range(len(SHAPES))}
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import train
 
 # single.yaml runs DDP's code path on one process (the same autocast and torch AdamW). fsdp and
-# deepspeed_zero2 run bf16 on the image task (tests/test_image_task.py: BatchNorm), with the same checks.
+# deepspeed_zero2 run bf16 on the image task (tests/test_images.py: BatchNorm), with the same checks.
 CONFIGS = ["ddp", "deepspeed_zero1", "deepspeed_zero3", "deepspeed_zero3_offload"]
 BF16 = ("--gradient_accumulation_steps", "2")  # and 4 per device: DeepSpeed's batch settings are (4, 2, 16)
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.vision import build_image_model
-from tests.conftest import TINY_RUN, train
+from tests.conftest import TINY_RUN, tiny_resnet, train
 from training.arguments import ArgumentError, parse_args
 from training.errors import StrategyError
 from parts.layer_split.split import split_layers
@@ -32,6 +31,6 @@ def test_device_map_is_refused_with_any_other_strategy(launched, tmp_path, monke
 
 @pytest.mark.quick
 def test_layers_that_would_be_offloaded_and_never_train_are_refused() -> None:
-    model = build_image_model(None, "resnet-tiny", ["a", "b"])
+    model = tiny_resnet()
     with pytest.raises(StrategyError, match=r"would be offloaded, where they do not train"):
         split_layers(model, "sequential", max_memory={"cpu": 100_000})  # the rest would go to disk

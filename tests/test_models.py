@@ -10,7 +10,6 @@ import torch
 
 from models.configs import NAMED_CONFIGS
 from models.language import SHIPPED_TOKENIZER, ModelError, build_model, build_tokenizer
-from models.vision import build_image_model
 from tests.conftest import REPO
 
 
@@ -68,20 +67,3 @@ def test_the_shipped_tokenizer_is_what_the_build_script_makes(tmp_path) -> None:
 def test_the_shipped_tokenizer_round_trips_text(tokenizer) -> None:
     text = "Once upon a time, 12 + 7 = 19. Unicode too: café ✓"
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
-
-
-def test_image_models_come_from_a_named_config_or_a_local_directory(tmp_path) -> None:
-    model = build_image_model(None, "resnet-tiny", ["a", "b", "c"])
-    assert model.config.model_type == "resnet" and model.config.id2label == {0: "a", 1: "b", 2: "c"}
-    model.save_pretrained(tmp_path)
-    loaded = build_image_model(str(tmp_path), "ignored-when-a-path-is-given", ["a", "b", "c"])
-    for (name, expected), (_, actual) in zip(model.state_dict().items(), loaded.state_dict().items()):
-        assert torch.equal(expected, actual), name
-    with pytest.raises(ModelError, match="has a classification head for other labels than your 2; pass --ignore"):
-        build_image_model(str(tmp_path), "ignored", ["a", "b"])
-    assert build_image_model(str(tmp_path), "ignored", ["a", "b"], ignore_mismatched_sizes=True).config.num_labels == 2
-
-
-def test_a_model_without_gradient_checkpointing_says_so() -> None:
-    with pytest.raises(ModelError, match="ResNetForImageClassification does not support --gradient_checkpointing"):
-        build_image_model(None, "resnet-tiny", ["a", "b"], gradient_checkpointing=True)

@@ -35,7 +35,7 @@ from training.task_registry import ADAPTER_FLAGS, TASKS
 
 # Flags naming files or directories the run reads: --overwrite_output_dir must not delete them (a part marks its own)
 RUN_INPUTS = ("model_name_or_path", "tokenizer_name", "dataset_name", "train_file", "validation_file", "dataset_path",
-              "train_dir", "validation_dir", "chat_template", *run_inputs())
+              "chat_template", *run_inputs())
 
 
 # TrainingArguments flags that the launcher owns here: the accelerate config or `accelerate launch` sets them.
@@ -190,15 +190,10 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
         if getattr(model_args, flag, getattr(data_args, flag, None)) != FIELD_DEFAULTS[flag]:
             owners = [name for name, entry in TASKS.items() if flag in entry.own_flags]
             raise ArgumentError(f"--{flag} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")
-    if data_args.dataset_name and (data_args.train_dir or data_args.train_file):
-        raise ArgumentError("--dataset_name and local files (--train_file/--train_dir) exclude each other; give one")
+    if data_args.dataset_name and data_args.train_file:
+        raise ArgumentError("--dataset_name and --train_file exclude each other; give one")
     if data_args.dataset_path and (data_args.dataset_name or data_args.train_file):
         raise ArgumentError("--dataset_path trains on shards already tokenised: drop --dataset_name/--train_file")
-    if data_args.image_size is not None and (data_args.image_size < 8 or model_args.model_name_or_path):
-        raise ArgumentError(f"--image_size {data_args.image_size}: at least 8 pixels, and only for --model_config models "
-                            "(a pretrained model's processor keeps the size it was trained at)")
-    if data_args.validation_dir and not data_args.train_dir:
-        raise ArgumentError("--validation_dir needs --train_dir")
     if model_args.config_overrides and model_args.model_name_or_path:
         raise ArgumentError("--config_overrides changes a --model_config trained from scratch: drop it or --model_name_or_path")
 

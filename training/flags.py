@@ -14,7 +14,7 @@ from transformers.hf_argparser import HfArgumentParser
 from training.task_registry import TASKS
 from training.errors import ArgumentError
 from training.optim import OPTIMIZERS
-from training.parts import part_flags
+from training.parts import part_data_flags, part_flags
 
 class FlagParser(HfArgumentParser):
     """`HfArgumentParser` whose own errors (an unknown choice, a missing value) are ArgumentErrors:
@@ -45,8 +45,6 @@ class ModelArguments:
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model/tokenizer code from the Hub."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations to save memory."})
-    ignore_mismatched_sizes: bool = field(default=False, metadata={
-        "help": "Images: replace a pretrained classification head made for other labels."})
     use_peft: bool = field(default=False, metadata={
         "help": "Train a LoRA adapter (peft) on the frozen --model_name_or_path instead of every weight."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -68,7 +66,7 @@ class ModelArguments:
 
 
 @dataclass
-class DataArguments:
+class CoreDataArguments:
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset id or local dataset directory."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
     train_file: str | None = field(default=None, metadata={"help": "Local txt, json/jsonl, csv or parquet file."})
@@ -76,12 +74,6 @@ class DataArguments:
     text_column: str = field(default="text", metadata={"help": "Column that holds the documents."})
     sample_prompt: str = field(default="Once upon a time", metadata={
         "help": "Text the exported model continues at the end of the run."})
-    train_dir: str | None = field(default=None, metadata={"help": "Images: a folder with one sub-folder per class."})
-    validation_dir: str | None = field(default=None, metadata={"help": "Images: same layout as --train_dir."})
-    image_column: str = field(default="image", metadata={"help": "Images: the column that holds the images."})
-    label_column: str = field(default="label", metadata={"help": "Images: the column that holds the labels."})
-    image_size: int | None = field(default=None, metadata={
-        "help": "Images: side in pixels the images are resized to. Default: the model's."})
     validation_split_percentage: int = field(default=5, metadata={
         "help": "Percent of train held out when there is no validation split."})
     packing: bool = field(default=True, metadata={
@@ -215,6 +207,11 @@ class CoreTrainArguments:
     )
     run_name: str | None = field(default=None, metadata={
         "help": "The run's name in the trackers (wandb project, ...). Default: output_dir's name."})
+
+
+@dataclass
+class DataArguments(*part_data_flags(), CoreDataArguments):
+    """The core's data flags, then every installed part's."""
 
 
 @dataclass

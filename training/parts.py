@@ -1,7 +1,8 @@
 """Owns how optional features (parts/) join the core: the hook points, and finding the parts installed.
 
 A part is a package `parts/<name>/` whose `__init__.py` defines `PART = Part(...)`: its flags (a
-dataclass, mixed into TrainArguments) and the hooks it fills. The core calls each hook point for
+dataclass, mixed into TrainArguments; `data_flags` into DataArguments), the tasks it adds to `--task`
+(`TaskEntry`), and the hooks it fills. The core calls each hook point for
 every part installed, in name order, and never branches on a part by name; a fork leaves a part
 out by deleting its folder. As torchtitan's model converters and transformers' callbacks, a hook is
 a named point of the fixed run, not a second loop.
@@ -37,7 +38,7 @@ import functools
 import importlib
 import pkgutil
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,21 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from training.strategy import Strategy
+    from training.tasks import Task
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    """One `--task`: its implementation, named configs, default config and own flags (training/task_registry.py)."""
+
+    implementation: str  # "module:Class" of a training.tasks.Task subclass, imported when the task is built
+    configs: Mapping[str, object]  # what --model_config may name for this task (e.g. models/configs.py)
+    default_config: str
+    own_flags: tuple[str, ...] = ()  # only this task (and others listing them) reads these; set for another, they are refused
+
+    def load(self) -> type[Task]:
+        module, name = self.implementation.split(":")
+        return getattr(importlib.import_module(module), name)
 
 
 class ModelRunner(ABC):
@@ -81,6 +97,8 @@ class Part:
     name: str
     description: str  # one line
     flags: type | None = None  # a dataclass whose fields (all with defaults) become train.py flags
+    data_flags: type | None = None  # the same, for the data flags (DataArguments)
+    tasks: Mapping[str, TaskEntry] | None = None  # --task names it adds
     run_inputs: tuple[str, ...] = ()  # its flags that name files or directories the run reads
     check_flags: Callable[[Any, Any, Any], None] | None = None
     check_launch: Callable[[Any, Strategy, int, bool], None] | None = None
@@ -111,6 +129,16 @@ def installed_parts() -> tuple[Part, ...]:
 def part_flags() -> tuple[type, ...]:
     """The parts' flag dataclasses, mixed into TrainArguments (training/flags.py)."""
     return tuple(part.flags for part in installed_parts() if part.flags is not None)
+
+
+def part_data_flags() -> tuple[type, ...]:
+    """The parts' data-flag dataclasses, mixed into DataArguments (training/flags.py)."""
+    return tuple(part.data_flags for part in installed_parts() if part.data_flags is not None)
+
+
+def part_tasks() -> dict[str, TaskEntry]:
+    """The tasks the parts add to `--task`."""
+    return {name: entry for part in installed_parts() for name, entry in (part.tasks or {}).items()}
 
 
 def run_inputs() -> tuple[str, ...]:

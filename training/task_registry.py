@@ -1,33 +1,19 @@
 """Owns the one registry of tasks (`--task`): implementation, named configs, default config, own flags.
 
-Adding a task is one entry in `TASKS` (and its `Task` subclass, see training/tasks.py). The
-classes are imported when a task is built, not with this module: `train.py --help` lists the
-tasks and their configs before torch loads.
+Adding a task is one entry in `TASKS` (and its `Task` subclass, see training/tasks.py), or a part's
+`tasks` (training/parts.py). The classes are imported when a task is built, not with this module:
+`train.py --help` lists the tasks and their configs before torch loads.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from models.configs import IMAGE_CONFIGS, NAMED_CONFIGS
+from models.configs import NAMED_CONFIGS
+from training.parts import TaskEntry, part_tasks
 
 if TYPE_CHECKING:
     from training.tasks import Task
-
-
-@dataclass(frozen=True)
-class TaskEntry:
-    implementation: str  # "module:Class" of a training.tasks.Task subclass
-    configs: Mapping[str, object]  # what --model_config may name for this task (models/configs.py)
-    default_config: str
-    own_flags: tuple[str, ...] = ()  # only this task (and others listing them) reads these; set for another, they are refused
-
-    def load(self) -> type[Task]:
-        module, name = self.implementation.split(":")
-        return getattr(importlib.import_module(module), name)
 
 
 # --use_peft's settings: refused without it (training/arguments.py)
@@ -45,10 +31,7 @@ TASKS: dict[str, TaskEntry] = {
         (*TEXT_FLAGS, "chat_template", "assistant_only_loss", "completion_only_loss", "max_length", "truncation_mode",
          "eval_generation_samples"),
     ),
-    "image-classification": TaskEntry(
-        "training.tasks:ImageClassification", IMAGE_CONFIGS, "resnet-tiny",
-        ("train_dir", "validation_dir", "image_column", "label_column", "image_size", "ignore_mismatched_sizes"),
-    ),
+    **part_tasks(),
 }
 
 

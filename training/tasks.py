@@ -10,7 +10,8 @@ A task
   counted in (tokens, or samples);
 - shows what the exported model does, loaded with plain `transformers`, at the end.
 
-Adding a task: subclass `Task` and add an entry for it to `TASKS` in training/task_registry.py.
+Adding a task: subclass `Task` and add an entry for it to `TASKS` in training/task_registry.py, or register it
+from a part (`Part.tasks`: parts/images/ adds `--task image-classification`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ import torch
 from datasets import Dataset, DatasetDict, IterableDataset
 from torch.utils.data import Subset
 from transformers import (
-    AutoImageProcessor,
     AutoModelForCausalLM,
-    AutoModelForImageClassification,
     AutoTokenizer,
     PreTrainedModel,
     default_data_collator,
@@ -35,12 +34,9 @@ from transformers import (
 from data import build_lm_datasets, load_raw_datasets, make_collator
 from data.pretokenized import load_shards, read_manifest
 from data.streaming import document_streams, stream_datasets
-from data.images import build_image_datasets, class_names, load_raw_image_datasets, pixel_values
 from models.language import build_model, build_tokenizer, resolve_block_size
-from models.vision import build_image_model, build_image_processor
-from training.strategy_adapters import floating_input_dtype
-from training.loss import class_loss_sums, correct_next_tokens, count_target_tokens, token_loss_sums
-from training.performance import counted_flops_per_example, flops_per_token
+from training.loss import correct_next_tokens, count_target_tokens, token_loss_sums
+from training.performance import flops_per_token
 
 Batch = dict[str, torch.Tensor]
 
@@ -195,71 +191,3 @@ class CausalLM(Task):
         inputs = tokenizer(self.data_args.sample_prompt, return_tensors="pt")
         output = model.generate(**inputs, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         return repr(tokenizer.decode(output[0], skip_special_tokens=True))
-
-
-class ImageClassification(Task):
-    """One label per image; targets are images."""
-
-    unit = "samples"
-    auto_model = AutoModelForImageClassification
-    model_input = "pixel_values"
-    fixed_input_shapes = True
-    # Small models; and accelerate broadcasts parameters only, not BatchNorm's statistics.
-    can_build_empty = False
-    SAMPLE_IMAGES = 8
-
-    def __init__(self, model_args, data_args) -> None:
-        super().__init__(model_args, data_args)
-        self.processor = build_image_processor(model_args.model_name_or_path, model_args.model_config, data_args.image_size)
-        self.labels: list[str] = []  # the class names; set by build_model
-        self.raw_validation: Dataset | None = None  # for the sample at the end; set by build_model
-
-    def load_raw_datasets(self, seed: int) -> DatasetDict:
-        d = self.data_args
-        return load_raw_image_datasets(d.dataset_name, d.dataset_config_name, d.train_dir, d.validation_dir,
-                                       d.validation_split_percentage, seed, d.image_column, d.label_column)
-
-    def build_model(self, raw: DatasetDict, empty: bool = False) -> PreTrainedModel:
-        m, d = self.model_args, self.data_args
-        self.labels, self.raw_validation = class_names(raw, d.label_column), raw["validation"]
-        model = build_image_model(m.model_name_or_path, m.model_config, self.labels, m.trust_remote_code,
-                                  m.gradient_checkpointing, m.ignore_mismatched_sizes)
-        example = pixel_values(self.processor, [raw["train"][0][d.image_column]])[0]
-        self.flops_per_unit = counted_flops_per_example(model, example, "pixel_values")
-        self.settings = {"image_size": example.shape[-1], "num_labels": len(self.labels)}
-        return model
-
-    def build_datasets(self, raw: DatasetDict, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]:
-        return build_image_datasets(raw, self.processor, self.data_args.image_column, self.data_args.label_column)
-
-    def forward(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        return model(pixel_values=batch["pixel_values"].to(floating_input_dtype(model))).logits
-
-    def loss_sums(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return class_loss_sums(logits, batch["labels"])
-
-    def correct(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-        return (logits.argmax(dim=-1) == batch["labels"]).long()
-
-    def count_targets(self, batch: Batch) -> torch.Tensor:
-        # a fill on the device, not a copy from the host per micro-batch
-        return torch.full((), batch["labels"].numel(), device=batch["labels"].device)
-
-    def count_units(self, batch: Batch) -> int:
-        return batch["labels"].numel()
-
-    def describe_data(self, train_set: Dataset) -> str:
-        return f"{len(train_set)} images of {len(self.labels)} classes at {self.settings['image_size']} px"
-
-    def sample(self, final_dir: Path) -> str:
-        model = AutoModelForImageClassification.from_pretrained(final_dir).eval()
-        processor = AutoImageProcessor.from_pretrained(final_dir, backend="pil")
-        examples = self.raw_validation.select(range(min(self.SAMPLE_IMAGES, len(self.raw_validation))))
-        with torch.no_grad():
-            inputs = pixel_values(processor, examples[self.data_args.image_column]).to(model.dtype)  # bf16 under DeepSpeed
-            predicted = model(pixel_values=inputs).logits
-        pairs = [(model.config.id2label[p], self.labels[t])
-                 for p, t in zip(predicted.argmax(dim=-1).tolist(), examples[self.data_args.label_column])]
-        right = sum(p == t for p, t in pairs)
-        return f"{right}/{len(pairs)} validation images right: " + ", ".join(f"{p} ({t})" if p != t else p for p, t in pairs)
-

@@ -4,7 +4,7 @@ Two ways in, as for language models:
 - `--model_name_or_path`: a Hub id or local directory holding any
   `AutoModelForImageClassification` (fine-tuning; `--ignore_mismatched_sizes` replaces a
   classification head trained for other labels);
-- `--model_config NAME`: a named ResNet from `models/configs.py`, trained from scratch.
+- `--model_config NAME`: a named ResNet from `configs.py`, trained from scratch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from transformers.image_processing_utils import BaseImageProcessor
 from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
 
-from models.configs import IMAGE_CONFIGS, build_image_config, label_maps
+from parts.images.configs import IMAGE_CONFIGS, build_image_config, label_maps
 from models.language import ModelError, enable_gradient_checkpointing, loading
 
 

@@ -5,7 +5,7 @@ Sources, in order of precedence:
   or a local dataset directory that `datasets.load_dataset` understands;
 - `--train_dir` (+ `--validation_dir`): local folders in the `imagefolder` layout, one
   sub-folder per class (`train_dir/cat/001.jpg`, `train_dir/dog/002.png`, ...);
-- nothing: the embedded default shapes (`data/default_shapes.py`).
+- nothing: the embedded default shapes (`default_shapes.py`).
 
 Images are decoded and turned into `pixel_values` by the model's image processor when a
 batch is read (no augmentation: add it in `to_model_inputs` if your data needs it).
@@ -20,7 +20,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, load_dataset
 from transformers.image_processing_utils import BaseImageProcessor
 
 from data import DataError, hold_out
-from data.default_shapes import default_shape_splits
+from parts.images.default_shapes import default_shape_splits
 
 
 def load_raw_image_datasets(

@@ -1,6 +1,6 @@
-"""The image task (`--task image-classification`) through the same train.py: every strategy
+"""The images part (parts/images/, `--task image-classification`) through the same train.py: every strategy
 config trains a ResNet for real (2 CPU processes; 1 for single.yaml), and every
-2-process strategy matches DDP step for step.
+2-process strategy matches DDP step for step; then the part's pieces alone (models, data, default shapes).
 
 Not single.yaml: BatchNorm normalises each process's micro-batch by its own statistics,
 so 2 x 4 images train differently from 1 x 8 (the point of --sync_batchnorm, GPU-only).
@@ -9,6 +9,8 @@ so 2 x 4 images train differently from 1 x 8 (the point of --sync_batchnorm, GPU
 from __future__ import annotations
 
 import functools
+import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,12 @@ import torch
 from transformers import AutoImageProcessor, AutoModelForImageClassification
 from PIL import Image
 
-from data.default_shapes import SHAPES, default_shape_splits
+from data import DataError
+from models.language import ModelError
+from parts.images.data import build_image_datasets, load_raw_image_datasets
+from parts.images.default_shapes import SHAPES, default_shape_splits, draw_shape
+from parts.images.default_shapes import SPLIT_SIZES as DEFAULT_SPLIT_SIZES
+from parts.images.models import build_image_model, build_image_processor
 from tests.conftest import launch, read_metrics
 from tests.test_effective_config import BF16, assert_runs_bf16_as_asked
 from tests.test_strategies import STRATEGIES
@@ -134,7 +141,7 @@ def test_a_classifier_distils_from_a_teacher_with_the_same_labels(image_run, sha
 def test_the_image_task_learns_the_shapes(tmp_path) -> None:
     """A bound the task must reach: from chance (1 in 5) to twice that in 200 steps of 32 of the 4,000
     embedded images (measured 2026-11-26: 0.20 at step 0, 0.46 at 100, 0.48 at 200; 0.99 after 10 epochs,
-    docs/image-classification.md). The 6-step runs above stay near chance."""
+    docs/images.md). The 6-step runs above stay near chance."""
     result = launch("single", "train.py", "--task", "image-classification", "--model_config", "resnet-tiny",
                     "--max_steps", "200", "--per_device_train_batch_size", "32", "--learning_rate", "1e-3",
                     "--eval_steps", "100", "--logging_steps", "50", "--report_png", "false", "--output_dir", str(tmp_path))
@@ -142,3 +149,64 @@ def test_the_image_task_learns_the_shapes(tmp_path) -> None:
     accuracy = {m["step"]: m["eval_accuracy"] for m in read_metrics(tmp_path) if "eval_accuracy" in m}
     assert list(accuracy) == [0, 100, 200]
     assert accuracy[0] < 0.3 and accuracy[200] >= 0.4, accuracy
+
+
+# ---- the part's pieces, alone (the quick tier) ----
+
+@pytest.mark.quick
+def test_default_shapes_are_balanced_drawn_the_same_everywhere_and_ready_for_the_model() -> None:
+    assert draw_shape(random.Random(7), 3).tobytes() == draw_shape(random.Random(7), 3).tobytes()
+    splits = default_shape_splits()
+    assert {name: len(split) for name, split in splits.items()} == DEFAULT_SPLIT_SIZES
+    assert splits["train"].features["label"].names == SHAPES
+    assert Counter(splits["validation"]["label"]) == {label: 80 for label in range(len(SHAPES))}
+    processor = build_image_processor(None, "resnet-tiny", None)
+    train_set, _ = build_image_datasets(splits, processor, "image", "label")
+    example = train_set[0]
+    assert example["pixel_values"].shape == (3, 32, 32) and int(example["labels"]) == 0
+
+
+@pytest.mark.quick
+def test_image_folders_hold_one_class_per_folder_and_missing_ones_are_named(tmp_path) -> None:
+    for split, count in (("train", 10), ("validation", 5)):
+        for index in range(count):
+            folder = tmp_path / split / SHAPES[index % 2]
+            folder.mkdir(parents=True, exist_ok=True)
+            draw_shape(random.Random(index), index % 2).save(folder / f"{index}.png")
+    raw = load_raw_image_datasets(None, None, str(tmp_path / "train"), str(tmp_path / "validation"), 10, seed=0)
+    assert raw["train"].features["label"].names == ["circle", "square"] and len(raw["validation"]) == 5
+    with pytest.raises(DataError, match="is not a directory"):
+        load_raw_image_datasets(None, None, str(tmp_path / "nowhere"), None, 10, seed=0)
+    with pytest.raises(DataError, match="column 'class' not found"):
+        load_raw_image_datasets(None, None, str(tmp_path / "train"), None, 20, seed=0, label_column="class")
+
+
+@pytest.mark.quick
+def test_an_image_dataset_directory_loads_like_a_hub_dataset(tmp_path) -> None:
+    """--dataset_name takes a Hub id or a local dataset directory, through the same `load_dataset`."""
+    shapes = default_shape_splits()["validation"]
+    for split, rows in (("train", range(0, 300)), ("test", range(300, 400))):
+        shapes.select(rows).to_parquet(tmp_path / f"{split}-00000-of-00001.parquet")
+    raw = load_raw_image_datasets(str(tmp_path), None, None, None, 10, seed=0)
+    assert raw["train"].features["label"].names == SHAPES  # the ClassLabel survives the round trip
+    assert len(raw["validation"]) == 30 and len(raw["train"]) == 270  # no validation split: 10% held out per class
+    assert Counter(raw["validation"]["label"]) == {label: 6 for label in range(len(SHAPES))}
+
+
+@pytest.mark.quick
+def test_image_models_come_from_a_named_config_or_a_local_directory(tmp_path) -> None:
+    model = build_image_model(None, "resnet-tiny", ["a", "b", "c"])
+    assert model.config.model_type == "resnet" and model.config.id2label == {0: "a", 1: "b", 2: "c"}
+    model.save_pretrained(tmp_path)
+    loaded = build_image_model(str(tmp_path), "ignored-when-a-path-is-given", ["a", "b", "c"])
+    for (name, expected), (_, actual) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(expected, actual), name
+    with pytest.raises(ModelError, match="has a classification head for other labels than your 2; pass --ignore"):
+        build_image_model(str(tmp_path), "ignored", ["a", "b"])
+    assert build_image_model(str(tmp_path), "ignored", ["a", "b"], ignore_mismatched_sizes=True).config.num_labels == 2
+
+
+@pytest.mark.quick
+def test_a_model_without_gradient_checkpointing_says_so() -> None:
+    with pytest.raises(ModelError, match="ResNetForImageClassification does not support --gradient_checkpointing"):
+        build_image_model(None, "resnet-tiny", ["a", "b"], gradient_checkpointing=True)
