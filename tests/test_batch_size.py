@@ -1,4 +1,4 @@
-"""`--auto_find_batch_size` (training/batch_size.py): a real out-of-memory, under an address-space limit
+"""`--auto_find_batch_size` (parts/batch_size/): a real out-of-memory, under an address-space limit
 (on one rank, or on all), halves the micro-batch and doubles the accumulation on every rank; the run then
 trains what a launch with the found size trains, records the size in its checkpoints and resumes with it."""
 
@@ -18,7 +18,7 @@ from models.language import SHIPPED_TOKENIZER
 from scripts.compare_metrics import compare, worst_difference
 from tests import forked_launcher
 from tests.conftest import LAUNCHER, REPO, assert_continues_exactly, flag_refusal, launch_command, rank_processes, wait_for
-from training.batch_size import find_micro_batch
+from parts.batch_size.search import find_micro_batch
 from training.errors import StrategyError
 
 # Each process may map 3.7 GB. A rank maps about 2.5 GB before its first step (libraries, threads), and its
@@ -186,6 +186,7 @@ REFUSED = {  # flags, launcher environment -> what the one line says
     "with pipeline stages": (["--pipeline_parallel_size", "2"], {},
                              "--auto_find_batch_size with --pipeline_parallel_size is not supported"),
     "with --device_map": (["--device_map", "auto"], {}, "--auto_find_batch_size with --device_map is not supported"),
+    "with --streaming": (["--streaming", "--max_steps", "5"], {}, "--auto_find_batch_size with --streaming is not supported"),
 }
 
 

@@ -19,7 +19,6 @@ from transformers import SchedulerType  # not in training/flags.py: it loads tor
 
 from data import check_data_file
 from models.language import first_line
-from training.batch_size import check_auto_find_batch_size
 from training.checkpoint import check_output_dir
 from training.strategy import Strategy, requested_strategy
 from training.stream_loader import check_streaming_flags
@@ -126,7 +125,6 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     check_adapter_flags(model_args, train_args)
     check_flags(model_args, data_args, train_args)  # the parts' (training/parts.py)
     split = split_model(model_args, train_args)
-    check_auto_find_batch_size(train_args, split)
     check_streaming_flags(data_args, train_args, split)
     if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
         # absolute: an exported adapter names its base model by this path, to be found from anywhere

@@ -122,10 +122,6 @@ class CoreTrainArguments:
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-step."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per process per eval step."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
-    auto_find_batch_size: bool = field(
-        default=False, metadata={"help": "If a micro-step of --per_device_train_batch_size runs out of memory before "
-                                 "training, halve it and double --gradient_accumulation_steps until one fits (the global "
-                                 "batch, and so the results, stay the same); every rank agrees. DDP and FSDP2."})
     learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate."})
     weight_decay: float = field(default=0.1, metadata={"help": "Decoupled weight decay; never on biases and norms."})
     optim: str = field(

@@ -13,6 +13,8 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   refuses to delete them.)
 - `check_launch(args, strategy, processes, on_cpu)`: before the process group (and in the dry run);
   raises StrategyError for a launch the part cannot run in.
+- `resuming(accelerator, args, checkpoint)`: a run about to resume from `checkpoint` (a directory), before the
+  model is built: settings the checkpoint recorded (the micro-batch a search found).
 - `model_split(model_args, args) -> str | None`: the flag that splits one model over several processes
   or devices, if this part's does (other features refuse to combine with a split model).
 - `processes_per_replica(args) -> int`: processes that read the same batches (a pipeline's stages).
@@ -26,6 +28,10 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
 - `training_objective(objective, accelerator, task, strategy, args) -> (objective, figures or None)`:
   the micro-step's per-example loss sums `objective(model, batch)`, kept or replaced (distillation);
   after `prepare`. `figures(steps_run)`, called on every rank at the end, adds to summary.json.
+- `micro_batch(accelerator, task, objective, train_set, args, prepare_training, loader_for, prepared, resumed)
+  -> prepared`: the prepared (model, optimizer, train and eval loaders, scheduler, torch optimizer), kept or
+  prepared again for another micro-batch (`prepare_training(module)`, `loader_for(micro_batch)`; the search for
+  one that fits).
 - `after_prepare(accelerator, model, args) -> figures or None`: the prepared model, before the first
   step (hooks registered, state added to checkpoints).
 - `dry_run_lines(task, args, strategy, processes, compute_bytes) -> list[str]`: lines the dry run's
@@ -102,6 +108,7 @@ class Part:
     run_inputs: tuple[str, ...] = ()  # its flags that name files or directories the run reads
     check_flags: Callable[[Any, Any, Any], None] | None = None
     check_launch: Callable[[Any, Strategy, int, bool], None] | None = None
+    resuming: Callable[[Accelerator, Any, Any], None] | None = None
     model_split: Callable[[Any, Any], str | None] | None = None
     processes_per_replica: Callable[[Any], int] | None = None
     ddp_settings: Callable[[Any, bool], dict] | None = None
@@ -110,6 +117,7 @@ class Part:
     checkpoint_layout: Callable[[Any], dict[str, int]] | None = None
     held_parameters: Callable[[torch.nn.Module, Any], int | None] | None = None
     training_objective: Callable[..., tuple[Callable, Callable[[int], dict] | None]] | None = None
+    micro_batch: Callable[..., tuple] | None = None
     after_prepare: Callable[[Accelerator, torch.nn.Module, Any], Callable[[int], dict] | None] | None = None
     dry_run_lines: Callable[..., list[str]] | None = None
 
@@ -161,6 +169,12 @@ def check_launch(args, strategy: Strategy, processes: int, on_cpu: bool) -> None
     """Each part's `check_launch` hook: the configured strategy and process count, and whether on CPU."""
     for hook in filled("check_launch"):
         hook(args, strategy, processes, on_cpu)
+
+
+def resuming(accelerator: Accelerator, args, checkpoint) -> None:
+    """Each part's `resuming` hook, before a resumed run builds its model."""
+    for hook in filled("resuming"):
+        hook(accelerator, args, checkpoint)
 
 
 def model_splits(model_args, args) -> list[str]:
@@ -219,6 +233,14 @@ def training_objective(objective: Callable, accelerator: Accelerator, task, stra
         objective, figure = hook(objective, accelerator, task, strategy, args)
         figures += [figure] if figure is not None else []
     return objective, figures
+
+
+def micro_batch(accelerator: Accelerator, task, objective: Callable, train_set, args, prepare_training: Callable,
+                loader_for: Callable, prepared: tuple, resumed: bool) -> tuple:
+    """The prepared objects after each part's `micro_batch` hook."""
+    for hook in filled("micro_batch"):
+        prepared = hook(accelerator, task, objective, train_set, args, prepare_training, loader_for, prepared, resumed)
+    return prepared
 
 
 def after_prepare(accelerator: Accelerator, model: torch.nn.Module, args) -> list[Callable[[int], dict]]:

@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, Subset
 
 from models.adapters import add_adapter, trainable_summary
 from training.accelerator import build_accelerator, describe, idle_gpu_warning, model_construction
-from training.batch_size import fit_micro_batch, take_recorded_micro_batch
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
 from training.collectives import gather_scalars, preflight
 from training.compile import compiled_objective, dynamo_plugin
@@ -34,8 +33,8 @@ from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
-from training.parts import (ModelRunner, after_prepare, checkpoint_layout, convert_model, processes_per_replica,
-                            training_objective, wrap_model)
+from training.parts import (ModelRunner, after_prepare, checkpoint_layout, convert_model, micro_batch,
+                            processes_per_replica, resuming, training_objective, wrap_model)
 from training.performance import SpeedMeter, compute_dtype, model_state_probe, parameter_count, peak_flops
 from training.loss import forward_backward as data_parallel_forward_backward
 from training.loss import label_loss_sums
@@ -100,8 +99,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     accelerator, strategy, run_description, tf32 = start_accelerator(model_args, args)
     stop_requests.connect(accelerator, args.ddp_timeout)  # from now on ranks agree on a stop
     resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir, accelerator)
-    if args.auto_find_batch_size and resume_path:
-        take_recorded_micro_batch(accelerator, args, resume_path)  # found before: not searched again
+    if resume_path:
+        resuming(accelerator, args, resume_path)  # the parts' hook: settings the checkpoint recorded
     set_seed(args.seed)  # identical initial weights on every rank and strategy
 
     task = build_task(model_args, data_args)
@@ -132,16 +131,15 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         # whole global batches only; Subset, not datasets' select: any map-style Dataset trains
         train_data = train_set = Subset(train_set, range(steps_per_epoch * global_batch))
     prepare_training = partial(prepared_for_training, accelerator, task, train_data, eval_set, args, loading, max_steps)
-    model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = prepare_training(model)
-    keep_stream_position_in_checkpoints(accelerator, train_loader)
+    prepared = prepare_training(model)
+    keep_stream_position_in_checkpoints(accelerator, prepared[2])
     # per-example loss sums of a micro-batch; under --torch_compile one graph with the model; a part may replace it
     objective, part_figures = training_objective(compiled_objective(partial(label_loss_sums, task), args),
                                                  accelerator, task, strategy, args)
-    if args.auto_find_batch_size and not resume_path:
-        model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = fit_micro_batch(
-            accelerator, task, objective, train_set, args, prepare_training,
-            partial(training_loader, train_set, seed=args.seed, **loading),
-            (model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer))
+    # a part may prepare again for another micro-batch (the search for one that fits)
+    model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = micro_batch(
+        accelerator, task, objective, train_set, args, prepare_training,
+        partial(training_loader, train_set, seed=args.seed, **loading), prepared, bool(resume_path))
     forward_backward = (partial(model.forward_backward, accelerator) if isinstance(model, ModelRunner) else
                         partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
     part_figures += after_prepare(accelerator, model, args)  # the parts' hooks (training/parts.py)

@@ -49,51 +49,6 @@ def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_gr
         if half is not torch.float32:
             _batch_norm_statistics_in(model, half)
 
-@contextmanager
-def throwaway_micro_step(accelerator: Accelerator, model: torch.nn.Module) -> Iterator[None]:
-    """Around a micro-step whose gradients are then dropped (--auto_find_batch_size's probe: training/batch_size.py).
-    DDP skips its all-reduce, so nothing in the step waits for another rank. FSDP2 reduces as always: skipping
-    would leave the gradients in its own unsharded buffers, out of `zero_grad`'s reach, and they would join the
-    first real step's (measured: a 0.05 loss difference at step 2). DeepSpeed's engine runs its backward off the
-    accumulation boundary, so it does not step; what it reduced stays in its own buffers, which is why its
-    engine is built again after every probe (`engine_outlives_probes`)."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        with model.no_sync():
-            yield
-        return
-    sync = accelerator.sync_gradients
-    accelerator.sync_gradients = wrapped_strategy(model) is not Strategy.DEEPSPEED and sync
-    try:
-        yield
-    finally:
-        accelerator.sync_gradients = sync
-
-
-def engine_outlives_probes(model: torch.nn.Module) -> bool:
-    """Whether the prepared model can train after --auto_find_batch_size's probes as it is: not a DeepSpeed engine,
-    whose ZeRO-2/3 keep a probe's reduced gradients (and ZeRO-3 its gathered weights) in the engine's own state."""
-    return wrapped_strategy(model) is not Strategy.DEEPSPEED
-
-
-def release_engine(accelerator: Accelerator, engine: torch.nn.Module) -> torch.nn.Module:
-    """The module inside a DeepSpeed engine, the engine destroyed (its hooks removed) and accelerate's references
-    to everything prepared dropped (`free_memory`), so that `prepare` builds a new engine around it. Under ZeRO-3 a
-    probe that ran out of memory may have left weights gathered: they are partitioned again first."""
-    engine.empty_partition_cache()  # ZeRO-3: every weight back to its partition (other stages: nothing to do)
-    module = engine.module
-    accelerator.free_memory()
-    return module
-
-
-def resize_deepspeed_batch(accelerator: Accelerator, per_device: int, accumulation: int) -> None:
-    """Set the DeepSpeed config's batch to `per_device` x `accumulation` (x processes), before `prepare` builds an
-    engine from it."""
-    config = accelerator.state.deepspeed_plugin.deepspeed_config
-    config["train_micro_batch_size_per_gpu"] = per_device
-    config["gradient_accumulation_steps"] = accumulation
-    config["train_batch_size"] = per_device * accumulation * accelerator.num_processes
-
-
 def place_frozen_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
     """A model that runs beside the trained one and is never trained (a distillation teacher), placed as
     the strategy places the trained model, and not registered with accelerate: `save_state` saves what

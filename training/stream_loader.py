@@ -161,7 +161,6 @@ def check_streaming_flags(data_args: DataArguments, train_args: TrainArguments, 
     refusals = {
         "--dataset_path": data_args.dataset_path,  # shards already on disk are memory-mapped, not streamed
         "--max_train_samples (use --max_steps)": data_args.max_train_samples,
-        "--auto_find_batch_size": train_args.auto_find_batch_size,
         split: split,
     }
     if refused := [name for name, value in refusals.items() if value]:

@@ -16,7 +16,8 @@ the size its checkpoint recorded (`TrainerState`) instead of searching again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,22 +29,11 @@ from torch.utils.data import DataLoader
 
 from training.checkpoint import recorded_micro_batch
 from training.collectives import max_over_ranks
-from training.errors import ArgumentError, StrategyError
-from training.flags import TrainArguments
+from training.errors import StrategyError
 from training.loss import forward_backward as data_parallel_forward_backward
-from training.strategy_adapters import engine_outlives_probes, release_engine, resize_deepspeed_batch, throwaway_micro_step
+from training.strategy import Strategy, wrapped_strategy
 
 logger = get_logger(__name__)
-
-
-def check_auto_find_batch_size(train_args: TrainArguments, split: str | None) -> None:
-    """The search resizes the micro-batch of data-parallel training; `split`: what else cuts the model, if anything
-    (pipeline stages, --device_map, tensor parallelism)."""
-    if not train_args.auto_find_batch_size:
-        return
-    if split:
-        raise ArgumentError(f"--auto_find_batch_size with {split} is not supported; set --per_device_train_batch_size "
-                            "yourself")
 
 
 def micro_step_fits(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -102,7 +92,7 @@ def find_micro_batch(accelerator: Accelerator, prepared: Callable[[], Prepared],
             rebuild(per_device, accumulation)
 
 
-def fit_micro_batch(accelerator: Accelerator, task, objective: Callable, train_set, args: TrainArguments,
+def fit_micro_batch(accelerator: Accelerator, task, objective: Callable, train_set, args,
                     prepare_training: Callable[[torch.nn.Module], tuple], loader_for: Callable[[int], DataLoader],
                     prepared: tuple) -> tuple:
     """`args`' micro-batch and accumulation set to the size that fits, and `prepared` (model, optimizer, loaders,
@@ -144,10 +134,58 @@ def fit_micro_batch(accelerator: Accelerator, task, objective: Callable, train_s
     return tuple(current)
 
 
-def take_recorded_micro_batch(accelerator: Accelerator, args: TrainArguments, checkpoint: Path) -> None:
+def take_recorded_micro_batch(accelerator: Accelerator, args, checkpoint: Path) -> None:
     """Resuming: the (micro-batch, accumulation) the checkpoint's run found, when it recorded one for this global
     batch (another global batch: `load_checkpoint` refuses it)."""
     recorded = recorded_micro_batch(checkpoint)
     if recorded and recorded[0] * recorded[1] == args.per_device_train_batch_size * args.gradient_accumulation_steps:
         args.per_device_train_batch_size, args.gradient_accumulation_steps = recorded
         accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+
+
+# ---- where strategies differ for the search (this part's own: the core's are in training/strategy_adapters.py)
+
+
+@contextmanager
+def throwaway_micro_step(accelerator: Accelerator, model: torch.nn.Module) -> Iterator[None]:
+    """Around a micro-step whose gradients are then dropped (--auto_find_batch_size's probe).
+    DDP skips its all-reduce, so nothing in the step waits for another rank. FSDP2 reduces as always: skipping
+    would leave the gradients in its own unsharded buffers, out of `zero_grad`'s reach, and they would join the
+    first real step's (measured: a 0.05 loss difference at step 2). DeepSpeed's engine runs its backward off the
+    accumulation boundary, so it does not step; what it reduced stays in its own buffers, which is why its
+    engine is built again after every probe (`engine_outlives_probes`)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+        return
+    sync = accelerator.sync_gradients
+    accelerator.sync_gradients = wrapped_strategy(model) is not Strategy.DEEPSPEED and sync
+    try:
+        yield
+    finally:
+        accelerator.sync_gradients = sync
+
+
+def engine_outlives_probes(model: torch.nn.Module) -> bool:
+    """Whether the prepared model can train after --auto_find_batch_size's probes as it is: not a DeepSpeed engine,
+    whose ZeRO-2/3 keep a probe's reduced gradients (and ZeRO-3 its gathered weights) in the engine's own state."""
+    return wrapped_strategy(model) is not Strategy.DEEPSPEED
+
+
+def release_engine(accelerator: Accelerator, engine: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a DeepSpeed engine, the engine destroyed (its hooks removed) and accelerate's references
+    to everything prepared dropped (`free_memory`), so that `prepare` builds a new engine around it. Under ZeRO-3 a
+    probe that ran out of memory may have left weights gathered: they are partitioned again first."""
+    engine.empty_partition_cache()  # ZeRO-3: every weight back to its partition (other stages: nothing to do)
+    module = engine.module
+    accelerator.free_memory()
+    return module
+
+
+def resize_deepspeed_batch(accelerator: Accelerator, per_device: int, accumulation: int) -> None:
+    """Set the DeepSpeed config's batch to `per_device` x `accumulation` (x processes), before `prepare` builds an
+    engine from it."""
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = per_device
+    config["gradient_accumulation_steps"] = accumulation
+    config["train_batch_size"] = per_device * accumulation * accelerator.num_processes
