@@ -45,9 +45,8 @@ from training.preemption import install_stop_handlers
 from training.prelude import after_imports
 from training.process_exit import exit_process
 from training.report import write_report
-from training.setup import Run, set_up
+from training.setup import Run, epoch_batches, set_up
 from training.strategy_adapters import clip_gradients
-from training.stream_loader import epoch_batches
 
 logger = get_logger(__name__)
 

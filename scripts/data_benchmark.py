@@ -1,6 +1,6 @@
 """The data table of scripts/benchmark.py (`--data`): what each data path delivers against what training consumes.
 
-    python scripts/benchmark.py --data --corpus_mb 200     # the figures in docs/data.md
+    python scripts/benchmark.py --data --corpus_mb 200     # the figures in docs/streaming.md
 
 - **Delivered per rank**: sequences of the default job's shape (`--block_size`, `--per_device_train_batch_size`)
   read through train.py's own loaders with the model replaced by nothing, in this process (one core, as each
@@ -77,11 +77,11 @@ def delivered(corpus: Path, shards: Path, args: argparse.Namespace) -> tuple[dic
     from transformers import default_data_collator
 
     from data import build_lm_datasets, load_raw_datasets
-    from data.pretokenized import load_shards
-    from data.streaming import document_streams, stream_datasets
+    from parts.pretokenized.shards import load_shards
+    from parts.streaming.documents import document_streams, stream_datasets
     from models.language import build_tokenizer
     from training.setup import training_loader
-    from training.stream_loader import StreamLoader
+    from parts.streaming.loader import StreamLoader
 
     os.environ.update(ONE_CORE)
     tokenizer, batch, count = build_tokenizer(None, None), args.per_device_train_batch_size, args.data_batches

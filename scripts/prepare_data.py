@@ -6,7 +6,7 @@
 The same data flags as train.py (`--dataset_name`, `--train_file`, `--validation_file`, `--text_column`,
 `--packing`; no flags: the embedded corpus) and tokenizer (`--tokenizer_name`, else `--model_name_or_path`'s,
 else the shipped one). The format, `datasets`' Arrow shards plus `manifest.json` with the tokenizer's
-fingerprint and the block size, is described in data/pretokenized.py; train.py refuses shards made for
+fingerprint and the block size, is described in parts/pretokenized/shards.py; train.py refuses shards made for
 another tokenizer or block size. Prints the tokens written and the throughput; `--json` saves them.
 """
 
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from data import DataError, build_lm_datasets, load_raw_datasets  # noqa: E402
-from data.pretokenized import MANIFEST, write_shards  # noqa: E402
+from parts.pretokenized.shards import MANIFEST, write_shards  # noqa: E402
 from models.language import ModelError, build_tokenizer  # noqa: E402
 
 

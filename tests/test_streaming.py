@@ -1,5 +1,5 @@
-"""--streaming (data/streaming.py, training/stream_loader.py) and pre-tokenised shards (scripts/prepare_data.py,
---dataset_path): each rank's share, exact resume after SIGTERM under every sharding strategy, bad shards, refusals."""
+"""--streaming (parts/streaming/): each rank's share, exact resume after SIGTERM under every sharding strategy, bad
+shards, refusals (pre-tokenised shards: tests/test_pretokenized.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from transformers import default_data_collator
 
 from data import DataError, check_data_file
 from data.default_corpus import generate_documents
-from data.pretokenized import load_shards
-from data.streaming import split_files, stream_datasets
+from parts.streaming.documents import split_files, stream_datasets
 from models.language import build_tokenizer
 from scripts.compare_metrics import compare, worst_difference
 from scripts.data_benchmark import OneRank
@@ -25,13 +24,12 @@ from tests.conftest import (
     flag_refusal,
     launch,
     made_once,
-    shards_run_args,
     start,
     stop_after_step,
     train,
     TINY_RUN,
 )
-from training.stream_loader import StreamLoader
+from parts.streaming.loader import StreamLoader
 
 PROBE = REPO / "tests" / "probes" / "stream_probe.py"
 DOCUMENTS_PER_FILE = 12
@@ -150,8 +148,8 @@ REFUSED = {  # flags -> what the one line says
     "epochs": (["--streaming", "--max_steps", "5", "--save_strategy", "epoch"], "use steps with --streaming"),
     "unbounded eval": (["--streaming", "--max_steps", "5", "--max_eval_samples", None], "add --max_eval_samples N"),
     "buffer without stream": (["--shuffle_buffer_size", "8"], "--shuffle_buffer_size is for --streaming"),
-    "stream of shards": (["--streaming", "--max_steps", "5", "--dataset_path", "x"], "--streaming with --dataset_path"),
-    "shards and raw data": (["--dataset_path", "x", "--train_file", "y.jsonl"], "drop --dataset_name/--train_file"),
+    "stream of shards": (["--streaming", "--max_steps", "5", "--dataset_path", "x"],
+                         "--dataset_path with --streaming is not supported: give one source of training text"),
     "image task": (["--task", "image-classification", "--model_config", "resnet-tiny", "--streaming"],
                    "--streaming is for --task causal-lm"),
 }
@@ -190,20 +188,3 @@ def test_a_corrupt_shard_on_one_rank_stops_every_rank_with_its_name_or_is_skippe
     assert any("train-00002.jsonl: it cannot be read after 0 rows" in line for line in warnings), skipped.stderr[-3000:]
     assert any("train-00003.jsonl: it holds no rows" in line for line in warnings)
     assert json.loads((tmp_path / "skipped" / "summary.json").read_text())["steps"] == 4
-
-
-def test_prepared_shards_train_on_two_processes_and_refuse_another_tokenizer_or_block_size(prepared_shards,
-                                                                                          cached_run) -> None:
-    """Two processes train from the shards as prepared (two machines: tests/test_multinode.py)."""
-    manifest = json.loads((prepared_shards / "manifest.json").read_text())
-    assert manifest["block_size"] == 64 and manifest["splits"]["train"] > 100
-    log = (cached_run("ddp", *shards_run_args(prepared_shards)) / "launch.log").read_text()
-    assert f"{manifest['splits']['train'] // 8 * 8} sequences of up to 64 tokens" in log  # whole global batches
-    assert "Tokenizing" not in log  # read as prepared
-    tokenizer = build_tokenizer(None, None)
-    other = build_tokenizer(None, None)
-    other.add_tokens(["<an added token>"])  # the same vocabulary plus one: other ids
-    for kind, (tokenizer_used, block_size) in {"tokenizer": (other, 64), "block size": (tokenizer, 32)}.items():
-        with pytest.raises(DataError) as refused:
-            load_shards(str(prepared_shards), tokenizer_used, block_size, packing=True)
-        assert ("not this run's tokenizer" if kind == "tokenizer" else "holds sequences of block size 64") in str(refused.value)

@@ -21,19 +21,18 @@ from data import check_data_file
 from models.language import first_line
 from training.checkpoint import check_output_dir
 from training.strategy import Strategy, requested_strategy
-from training.stream_loader import check_streaming_flags
 from training.compile import check_compile_flags
 from training.flags import (ALL_ARGUMENT_CLASSES, KNOWN_KEYS, ArgumentError, DataArguments, ModelArguments,
                             TrainArguments, build_parser)
 from training.metrics import resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
-from training.parts import check_flags, run_inputs
+from training.parts import check_flags, run_inputs, text_sources
 from training.parts import model_splits as part_model_splits
 from training.task_registry import ADAPTER_FLAGS, TASKS
 
 
 # Flags naming files or directories the run reads: --overwrite_output_dir must not delete them (a part marks its own)
-RUN_INPUTS = ("model_name_or_path", "tokenizer_name", "dataset_name", "train_file", "validation_file", "dataset_path",
+RUN_INPUTS = ("model_name_or_path", "tokenizer_name", "dataset_name", "train_file", "validation_file",
               "chat_template", *run_inputs())
 
 
@@ -124,8 +123,6 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     check_compile_flags(train_args)
     check_adapter_flags(model_args, train_args)
     check_flags(model_args, data_args, train_args)  # the parts' (training/parts.py)
-    split = split_model(model_args, train_args)
-    check_streaming_flags(data_args, train_args, split)
     if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
         # absolute: an exported adapter names its base model by this path, to be found from anywhere
         model_args.model_name_or_path = str(Path(model_args.model_name_or_path).resolve())
@@ -190,8 +187,8 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
             raise ArgumentError(f"--{flag} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")
     if data_args.dataset_name and data_args.train_file:
         raise ArgumentError("--dataset_name and --train_file exclude each other; give one")
-    if data_args.dataset_path and (data_args.dataset_name or data_args.train_file):
-        raise ArgumentError("--dataset_path trains on shards already tokenised: drop --dataset_name/--train_file")
+    if len(sources := text_sources(data_args)) > 1:  # the parts' sources of text (a stream, pre-tokenised shards)
+        raise ArgumentError(f"{sources[0].flag} with {sources[1].flag} is not supported: give one source of training text")
     if model_args.config_overrides and model_args.model_name_or_path:
         raise ArgumentError("--config_overrides changes a --model_config trained from scratch: drop it or --model_name_or_path")
 

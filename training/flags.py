@@ -83,13 +83,6 @@ class CoreDataArguments:
     max_train_samples: int | None = field(default=None, metadata={
         "help": "Train on the first N training examples only (packed sequences, or images)."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on the first N validation examples only."})
-    streaming: bool = field(default=False, metadata={"help": "Read the training data as a stream, tokenised and packed on "
-                            "the fly, each rank its own share; needs --max_steps. See docs/data.md."})
-    shuffle_buffer_size: int = field(default=1000, metadata={"help": "--streaming: sequences each rank shuffles among "
-                                                                     "(reseeded every epoch); 0: none."})
-    skip_bad_shards: bool = field(default=False, metadata={"help": "--streaming: skip a data file that cannot be read or "
-                                                                   "is empty (logged, counted) instead of stopping."})
-    dataset_path: str | None = field(default=None, metadata={"help": "Pre-tokenised shards from scripts/prepare_data.py."})
     chat_template: str | None = field(default=None, metadata={
         "help": "SFT: a Jinja file that replaces the tokenizer's chat template."})
     assistant_only_loss: bool = field(default=True, metadata={

@@ -15,6 +15,10 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   raises StrategyError for a launch the part cannot run in.
 - `resuming(accelerator, args, checkpoint)`: a run about to resume from `checkpoint` (a directory), before the
   model is built: settings the checkpoint recorded (the micro-batch a search found).
+- `text_source(data_args) -> TextSource | None`: where a text task's sequences come from, when the flags
+  choose a part's source (a stream, pre-tokenised shards) over the core's documents loaded whole.
+- `train_loader(accelerator, train_set, task, args, workers) -> loader | None`: the training batches of a
+  set the core's DataLoader cannot read (a stream: no length); the loader keeps its own position.
 - `model_split(model_args, args) -> str | None`: the flag that splits one model over several processes
   or devices, if this part's does (other features refuse to combine with a split model).
 - `processes_per_replica(args) -> int`: processes that read the same batches (a pipeline's stages).
@@ -53,7 +57,6 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from training.strategy import Strategy
-    from training.tasks import Task
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,29 @@ class TaskEntry:
     default_config: str
     own_flags: tuple[str, ...] = ()  # only this task (and others listing them) reads these; set for another, they are refused
 
-    def load(self) -> type[Task]:
+    def load(self) -> type:
+        """The training.tasks.Task subclass (training/parts.py imports no task: tasks import the parts' hooks)."""
         module, name = self.implementation.split(":")
         return getattr(importlib.import_module(module), name)
+
+
+class TextSource(ABC):
+    """A part's source of a text task's training and evaluation sequences (`text_source` hook), built from the
+    data flags."""
+
+    flag: str  # the flag that chose it (named when two are given)
+
+    def block_size(self) -> int | None:
+        """The block size the data fixes (shards cut for one), or None."""
+        return None
+
+    @abstractmethod
+    def load(self, seed: int) -> object:
+        """What is read before the model is built (the main process first), for `datasets`."""
+
+    @abstractmethod
+    def datasets(self, raw, tokenizer, block_size: int, main_process_first) -> tuple:
+        """The training set (a stream: one the part's `train_loader` reads) and the evaluation set."""
 
 
 class ModelRunner(ABC):
@@ -109,6 +132,8 @@ class Part:
     check_flags: Callable[[Any, Any, Any], None] | None = None
     check_launch: Callable[[Any, Strategy, int, bool], None] | None = None
     resuming: Callable[[Accelerator, Any, Any], None] | None = None
+    text_source: Callable[[Any], TextSource | None] | None = None
+    train_loader: Callable[..., object | None] | None = None
     model_split: Callable[[Any, Any], str | None] | None = None
     processes_per_replica: Callable[[Any], int] | None = None
     ddp_settings: Callable[[Any, bool], dict] | None = None
@@ -175,6 +200,17 @@ def resuming(accelerator: Accelerator, args, checkpoint) -> None:
     """Each part's `resuming` hook, before a resumed run builds its model."""
     for hook in filled("resuming"):
         hook(accelerator, args, checkpoint)
+
+
+def text_sources(data_args) -> list[TextSource]:
+    """The parts' text sources the flags choose (more than one: refused as the flags are checked)."""
+    return [source for hook in filled("text_source") if (source := hook(data_args)) is not None]
+
+
+def train_loader(accelerator: Accelerator, train_set, task, args, workers: int):
+    """The first part's loader for `train_set`, or None: the core's DataLoader reads it."""
+    return next((loader for hook in filled("train_loader")
+                 if (loader := hook(accelerator, train_set, task, args, workers)) is not None), None)
 
 
 def model_splits(model_args, args) -> list[str]:

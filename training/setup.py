@@ -6,7 +6,7 @@ the model built and laid out, the data loaders, `prepare`, a resumed state, the 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -19,8 +19,7 @@ from accelerate.utils import (
     ProjectConfiguration,
     set_seed,
 )
-from datasets import IterableDataset
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from models.adapters import add_adapter, trainable_summary
 from training.accelerator import build_accelerator, describe, idle_gpu_warning, model_construction
@@ -35,12 +34,12 @@ from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
 from training.parts import (ModelRunner, after_prepare, checkpoint_layout, convert_model, micro_batch,
                             processes_per_replica, resuming, training_objective, wrap_model)
+from training.parts import train_loader as part_train_loader
 from training.performance import SpeedMeter, compute_dtype, model_state_probe, parameter_count, peak_flops
 from training.loss import forward_backward as data_parallel_forward_backward
 from training.loss import label_loss_sums
 from training.preemption import StopRequests, end_loader_workers_at_exit, leave_stop_signals_to_the_rank
 from training.strategy import Strategy, master_weight_dtypes, verify_prepared, verify_strategy
-from training.stream_loader import StreamLoader, keep_stream_position_in_checkpoints
 from training.strategy_adapters import (
     align_with_strategy,
     gradient_reduction_dtypes,
@@ -66,7 +65,7 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    train_loader: DataLoader | StreamLoader
+    train_loader: DataLoader | Iterable[dict]  # a part's loader keeps its own position (a stream's)
     eval_loader: DataLoader
     state: TrainerState  # the step, epoch and position within it: what a checkpoint resumes
     resumed: bool
@@ -122,17 +121,15 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     loading = {"collate_fn": task.collator, "num_workers": workers, "worker_init_fn": leave_stop_signals_to_the_rank,
                "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda"}
     end_loader_workers_at_exit()
-    if isinstance(train_set, IterableDataset):  # --streaming: no length; this rank's share, batched by a loader of ours
-        steps_per_epoch, max_steps = 0, args.max_steps  # 0: unknown
-        train_data = StreamLoader(accelerator, train_set, args.per_device_train_batch_size, task.collator, workers,
-                                  args.seed, data_args.shuffle_buffer_size, args.ddp_timeout)
+    # a part may batch the training set itself (a stream's share: no length, so no epoch length either, 0)
+    if (train_data := part_train_loader(accelerator, train_set, task, args, workers)) is not None:
+        steps_per_epoch, max_steps = 0, args.max_steps
     else:
         steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
         # whole global batches only; Subset, not datasets' select: any map-style Dataset trains
         train_data = train_set = Subset(train_set, range(steps_per_epoch * global_batch))
     prepare_training = partial(prepared_for_training, accelerator, task, train_data, eval_set, args, loading, max_steps)
     prepared = prepare_training(model)
-    keep_stream_position_in_checkpoints(accelerator, prepared[2])
     # per-example loss sums of a micro-batch; under --torch_compile one graph with the model; a part may replace it
     objective, part_figures = training_objective(compiled_objective(partial(label_loss_sums, task), args),
                                                  accelerator, task, strategy, args)
@@ -196,17 +193,27 @@ def prepared_for_training(accelerator: Accelerator, task: Task, train_data, eval
                           loading: dict, max_steps: int, model: torch.nn.Module) -> tuple:
     """`model`, its optimizer, the training and evaluation loaders and the scheduler, through `prepare`, for
     the flags' micro-batch; and the torch optimizer inside the prepared one. `train_data`: the training set, or
-    a stream's loader (which `prepare` passes through: each rank reads its own share)."""
-    train_loader = train_data if isinstance(train_data, StreamLoader) else training_loader(
-        train_data, args.per_device_train_batch_size, args.seed, **loading)
+    a part's loader (a stream's, which `prepare` passes through: each rank reads its own share)."""
+    loader = training_loader(train_data, args.per_device_train_batch_size, args.seed, **loading) if isinstance(
+        train_data, Dataset) else train_data
     eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, **loading)
     align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
     torch_optimizer = build_optimizer(model, args, offloaded=optimizer_offload_device(accelerator) != "none")
     scheduler = build_scheduler(torch_optimizer, args, max_steps)
-    objects = (torch_optimizer, train_loader, eval_loader, scheduler)
+    objects = (torch_optimizer, loader, eval_loader, scheduler)
     if isinstance(model, ModelRunner):  # a part's model prepares itself (pipeline stages)
         return *model.prepare(accelerator, task, args.seed, *objects), torch_optimizer
     return *accelerator.prepare(model, *objects), torch_optimizer
+
+
+def epoch_batches(accelerator: Accelerator, loader: DataLoader | Iterable[dict], epoch: int,
+                  batches_done: int) -> Iterator[dict]:
+    """The micro-batches from where the run stands: a map-style loader is reshuffled for `epoch` and skips what
+    this epoch already trained on; a part's loader keeps its own position (a stream's: endless, epoch after epoch)."""
+    if not isinstance(loader, DataLoader):
+        return iter(loader)
+    loader.set_epoch(epoch)
+    return accelerator.skip_first_batches(loader, batches_done)
 
 
 def training_loader(dataset, batch_size: int, seed: int, **loading) -> DataLoader:

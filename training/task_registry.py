@@ -23,8 +23,7 @@ TEXT_FLAGS = ("tokenizer_name", "config_overrides", "train_file", "validation_fi
 TASKS: dict[str, TaskEntry] = {
     "causal-lm": TaskEntry(
         "training.tasks:CausalLM", NAMED_CONFIGS, "llama-small",
-        (*TEXT_FLAGS, "text_column", "block_size", "packing", "streaming", "shuffle_buffer_size", "skip_bad_shards",
-         "dataset_path"),
+        (*TEXT_FLAGS, "text_column", "block_size", "packing"),
     ),
     "sft": TaskEntry(
         "training.sft:SupervisedFineTuning", NAMED_CONFIGS, "llama-small",

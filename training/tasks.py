@@ -32,9 +32,8 @@ from transformers import (
 )
 
 from data import build_lm_datasets, load_raw_datasets, make_collator
-from data.pretokenized import load_shards, read_manifest
-from data.streaming import document_streams, stream_datasets
 from models.language import build_model, build_tokenizer, resolve_block_size
+from training.parts import text_sources
 from training.loss import correct_next_tokens, count_target_tokens, token_loss_sums
 from training.performance import flops_per_token
 
@@ -133,13 +132,14 @@ class CausalLM(Task):
         self.processor = build_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name, model_args.trust_remote_code)
         self.collator = make_collator(self.processor, data_args.packing)
         self.block_size = 0  # the model's maximum unless --block_size; set by build_model
+        # a part's source of sequences, if the flags chose one (a stream, pre-tokenised shards; training/parts.py)
+        self.source = next(iter(text_sources(data_args)), None)
 
-    def load_raw_datasets(self, seed: int) -> DatasetDict | dict[str, IterableDataset]:
-        """The documents: loaded whole, or as streams (--streaming); nothing for pre-tokenised shards."""
-        d, self.seed = self.data_args, seed  # the stream's shard order and shuffle buffer draw from the seed
-        if d.dataset_path or d.streaming:
-            return DatasetDict() if d.dataset_path else document_streams(
-                d.dataset_name, d.dataset_config_name, d.train_file, d.validation_file, d.text_column, d.skip_bad_shards)
+    def load_raw_datasets(self, seed: int) -> DatasetDict | object:
+        """The documents, loaded whole; or what a part's source reads first."""
+        d = self.data_args
+        if self.source:
+            return self.source.load(seed)
         return load_raw_datasets(d.dataset_name, d.dataset_config_name, d.train_file, d.validation_file,
                                  d.validation_split_percentage, seed)
 
@@ -147,18 +147,15 @@ class CausalLM(Task):
         m, d = self.model_args, self.data_args
         model = build_model(m.model_name_or_path, m.model_config, self.processor, m.trust_remote_code,
                             m.gradient_checkpointing, empty, m.config_overrides)
-        shards_block_size = d.dataset_path and read_manifest(d.dataset_path)["block_size"]  # another --block_size: refused
-        self.block_size = resolve_block_size(d.block_size or shards_block_size, model.config)
+        self.block_size = resolve_block_size(d.block_size or (self.source and self.source.block_size()), model.config)
         self.flops_per_unit = flops_per_token(model, self.block_size)
         self.settings = {"block_size": self.block_size}
         return model
 
     def build_datasets(self, raw: DatasetDict, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]:
         d = self.data_args
-        if d.dataset_path:
-            return load_shards(d.dataset_path, self.processor, self.block_size, d.packing)
-        if d.streaming:
-            return stream_datasets(raw, self.processor, d.text_column, self.block_size, d.packing, self.seed, d.max_eval_samples)
+        if self.source:
+            return self.source.datasets(raw, self.processor, self.block_size, main_process_first)
         return build_lm_datasets(raw, self.processor, d.text_column, self.block_size, main_process_first, d.packing)
 
     def forward(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -181,7 +178,7 @@ class CausalLM(Task):
         return metrics | {"perplexity": math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else math.inf}
 
     def describe_data(self, train_set: Dataset | IterableDataset) -> str:
-        if isinstance(train_set, IterableDataset):
+        if isinstance(train_set, IterableDataset):  # a stream (a part's source): no length
             return f"a stream of sequences of up to {self.block_size} tokens ({train_set.num_shards} shards)"
         return f"{len(train_set)} sequences of up to {self.block_size} tokens"
 

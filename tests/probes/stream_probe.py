@@ -1,7 +1,7 @@
 """Launched by tests/test_streaming.py in 2 real processes under an accelerate config.
 
 Each rank builds the Accelerator as train.py does and reads READS sequences of its share of a --streaming
-training set through train.py's own loader (training/stream_loader.py), one per micro-batch, unpacked
+training set through train.py's own loader (parts/streaming/loader.py), one per micro-batch, unpacked
 (--packing false: one sequence per document), then writes OUT_DIR/rank_<rank>.json: per epoch, the first
 4 token ids of each sequence it read. Arguments: OUT_DIR READS TRAIN_FLAGS (train.py's data flags).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from training.accelerator import build_accelerator
 from training.arguments import parse_args
 from training.process_exit import exit_process
-from training.stream_loader import StreamLoader
+from parts.streaming.loader import StreamLoader
 from training.task_registry import build_task
 
 EPOCHS = 2

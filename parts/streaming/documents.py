@@ -3,7 +3,7 @@
 Each split is a `datasets.IterableDataset` with one shard per data file: the files of a Hub or local
 dataset directory (`--dataset_name`), or `--train_file`/`--validation_file` (glob patterns allowed). The
 documents are tokenised and packed on the fly, as `build_lm_datasets` does with a whole set, and the shard
-order is shuffled by seed and epoch. training/stream_loader.py gives each rank its share
+order is shuffled by seed and epoch. loader.py gives each rank its share
 (`split_dataset_by_node`) and saves its position in checkpoints.
 
 A file that cannot be read, or holds no documents, stops the run with one line naming it; with
@@ -94,7 +94,7 @@ def block_stream(documents: IterableDataset, tokenizer: PreTrainedTokenizerBase,
                  packing: bool, seed: int | None) -> IterableDataset:
     """Documents in, training sequences out, tokenised and packed per 1,000 documents (each thousand's tail
     shorter than a block is left out); with a `seed`, the shards in an order drawn from it and the epoch
-    (`set_epoch`); the loader shuffles the sequences (training/stream_loader.py)."""
+    (`set_epoch`); the loader shuffles the sequences (loader.py)."""
     # buffer 1: the shard order only (the loader shuffles sequences); one shard read at a time (a reader holds ~250 MiB)
     ordered = documents if seed is None else documents.shuffle(seed=seed, buffer_size=1, max_buffer_input_shards=1)
     return ordered.map(tokenize_and_pack if packing else tokenize_documents, batched=True, batch_size=1000,
@@ -116,7 +116,7 @@ def stream_datasets(raw: dict[str, IterableDataset], tokenizer: PreTrainedTokeni
     """The training stream, and the first `max_eval_samples` validation sequences held in memory (none without)."""
     train = block_stream(raw["train"], tokenizer, text_column, block_size, packing, seed)
     blocks_format = "torch" if packing else None  # packed: equal lengths, tensors straight away
-    if not max_eval_samples:  # --eval_strategy no (training/stream_loader.py requires it otherwise)
+    if not max_eval_samples:  # --eval_strategy no (the part's flag check requires it otherwise)
         return train, Dataset.from_dict({"input_ids": [], "labels": []})
     if "validation" not in raw:
         raise DataError("--streaming: this data has no validation split to evaluate on (a stream cannot hold one out); "

@@ -1,4 +1,4 @@
-"""Owns the training batches of a stream (`--streaming`): each rank's share, its shuffle buffer, and its place in checkpoints.
+"""The training batches of a stream (`--streaming`): each rank's share, its shuffle buffer, and its place in checkpoints.
 
 - **Shares.** `split_dataset_by_node` gives each rank whole files when their count divides by the number of
   ranks, otherwise every n-th sequence of the whole stream (each rank then reads, tokenises and packs all of
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -31,8 +30,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from data import DataError
 from training.collectives import cpu_group
 from training.checkpoint import ResumeError
-from training.errors import ArgumentError
-from training.flags import DataArguments, TrainArguments
 from training.preemption import leave_stop_signals_to_the_rank
 
 STREAM_STATE = "stream_rank{rank}.pt"  # in each checkpoint, one per rank
@@ -135,43 +132,3 @@ def keep_stream_position_in_checkpoints(accelerator: Accelerator, loader) -> Non
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
-
-
-def epoch_batches(accelerator: Accelerator, loader, epoch: int, batches_done: int) -> Iterator[dict]:
-    """The micro-batches from where the run stands: a stream's loader knows its own position (endless, epoch after
-    epoch); a map-style loader is reshuffled for `epoch` and skips what this epoch already trained on."""
-    if isinstance(loader, StreamLoader):
-        return iter(loader)
-    loader.set_epoch(epoch)
-    return accelerator.skip_first_batches(loader, batches_done)
-
-
-STREAM_FLAGS = ("shuffle_buffer_size", "skip_bad_shards")
-
-
-def check_streaming_flags(data_args: DataArguments, train_args: TrainArguments, split: str | None) -> None:
-    """A stream has no length and no random access: what needs either is refused before any process group starts.
-    `split`: what else cuts the model or the batch (ranks of one replica would need the same share), if anything."""
-    if not data_args.streaming:
-        defaults = {f.name: f.default for f in fields(DataArguments)}
-        for flag in STREAM_FLAGS:
-            if getattr(data_args, flag) != defaults[flag]:
-                raise ArgumentError(f"--{flag} is for --streaming: add --streaming, or drop it")
-        return
-    refusals = {
-        "--dataset_path": data_args.dataset_path,  # shards already on disk are memory-mapped, not streamed
-        "--max_train_samples (use --max_steps)": data_args.max_train_samples,
-        split: split,
-    }
-    if refused := [name for name, value in refusals.items() if value]:
-        raise ArgumentError(f"--streaming with {refused[0]} is not supported")
-    if train_args.max_steps < 1:
-        raise ArgumentError("--streaming needs --max_steps: a stream's length is not known before it ends")
-    if "epoch" in (train_args.eval_strategy, train_args.save_strategy):
-        raise ArgumentError("--eval_strategy/--save_strategy epoch need an epoch's length, which a stream does not "
-                            "know: use steps with --streaming")
-    if train_args.eval_strategy != "no" and data_args.max_eval_samples is None:
-        raise ArgumentError("--streaming evaluates a bounded set: add --max_eval_samples N (the first N sequences of "
-                            "the validation stream), or --eval_strategy no")
-    if data_args.shuffle_buffer_size < 0:
-        raise ArgumentError(f"--shuffle_buffer_size must be >= 0 (0: no shuffling), got {data_args.shuffle_buffer_size}")

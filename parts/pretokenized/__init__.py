@@ -1,0 +1,52 @@
+"""Pre-tokenised shards (`--dataset_path`): a corpus tokenised and packed once by `scripts/prepare_data.py`,
+memory-mapped by every rank of every node. `shards.py` holds the format and its checks. docs/pretokenized.md.
+"""
+
+from dataclasses import dataclass, field
+
+from training.errors import ArgumentError
+from training.parts import Part, TextSource
+
+
+@dataclass
+class PretokenizedFlags:
+    dataset_path: str | None = field(default=None, metadata={"help": "Pre-tokenised shards from scripts/prepare_data.py."})
+
+
+def check_flags(model_args, data_args, args) -> None:
+    if not data_args.dataset_path:
+        return
+    if model_args.task != "causal-lm":
+        raise ArgumentError(f"--dataset_path is for --task causal-lm, not {model_args.task}; drop it")
+    if data_args.dataset_name or data_args.train_file:
+        raise ArgumentError("--dataset_path trains on shards already tokenised: drop --dataset_name/--train_file")
+
+
+class ShardSource(TextSource):
+    """The shards' training and validation splits, checked against this run's tokenizer and block size."""
+
+    flag = "--dataset_path"
+
+    def __init__(self, data_args) -> None:
+        self.data_args = data_args
+
+    def block_size(self) -> int:
+        from parts.pretokenized.shards import read_manifest
+
+        return read_manifest(self.data_args.dataset_path)["block_size"]  # another --block_size: refused
+
+    def load(self, seed: int):
+        return None  # nothing to read before the model: the shards are memory-mapped by `datasets`
+
+    def datasets(self, raw, tokenizer, block_size: int, main_process_first) -> tuple:
+        from parts.pretokenized.shards import load_shards
+
+        return load_shards(self.data_args.dataset_path, tokenizer, block_size, self.data_args.packing)
+
+
+def text_source(data_args) -> TextSource | None:
+    return ShardSource(data_args) if data_args.dataset_path else None
+
+
+PART = Part("pretokenized", "shards tokenised once by scripts/prepare_data.py, memory-mapped by every rank (--dataset_path)",
+            data_flags=PretokenizedFlags, run_inputs=("dataset_path",), check_flags=check_flags, text_source=text_source)

@@ -1,0 +1,97 @@
+"""Streaming text (`--streaming`): documents read from their files as training needs them, tokenised and
+packed on the fly, each rank its own share, its position saved in every checkpoint. docs/streaming.md.
+
+`documents.py` turns data files into streams, one shard per file (bad files named or skipped);
+`loader.py` gives each rank its share, shuffles it and saves its position. Nothing here imports torch at
+import time: `train.py --help` lists the flags before it loads.
+"""
+
+from dataclasses import dataclass, field
+
+from training.errors import ArgumentError
+from training.parts import Part, TextSource
+
+
+@dataclass
+class StreamingFlags:
+    streaming: bool = field(default=False, metadata={"help": "Read the training data as a stream, tokenised and packed on "
+                            "the fly, each rank its own share; needs --max_steps. See docs/streaming.md."})
+    shuffle_buffer_size: int = field(default=1000, metadata={"help": "--streaming: sequences each rank shuffles among "
+                                                                     "(reseeded every epoch); 0: none."})
+    skip_bad_shards: bool = field(default=False, metadata={"help": "--streaming: skip a data file that cannot be read or "
+                                                                   "is empty (logged, counted) instead of stopping."})
+
+
+OPTIONS = {"shuffle_buffer_size": 1000, "skip_bad_shards": False}  # --streaming's options and their defaults
+
+
+def check_flags(model_args, data_args, args) -> None:
+    """A stream has no length and no random access: what needs either is refused before any process group starts."""
+    if not data_args.streaming:
+        for flag, default in OPTIONS.items():
+            if getattr(data_args, flag) != default:
+                raise ArgumentError(f"--{flag} is for --streaming: add --streaming, or drop it")
+        return
+    if model_args.task != "causal-lm":
+        raise ArgumentError(f"--streaming is for --task causal-lm, not {model_args.task}; drop it")
+    from training.arguments import split_model  # not at import: training/flags.py imports the parts
+
+    # a split model: the ranks of one replica would need the same share
+    refusals = {"--max_train_samples (use --max_steps)": data_args.max_train_samples,
+                (split := split_model(model_args, args)): split}
+    if refused := [name for name, value in refusals.items() if value]:
+        raise ArgumentError(f"--streaming with {refused[0]} is not supported")
+    if args.max_steps < 1:
+        raise ArgumentError("--streaming needs --max_steps: a stream's length is not known before it ends")
+    if "epoch" in (args.eval_strategy, args.save_strategy):
+        raise ArgumentError("--eval_strategy/--save_strategy epoch need an epoch's length, which a stream does not "
+                            "know: use steps with --streaming")
+    if args.eval_strategy != "no" and data_args.max_eval_samples is None:
+        raise ArgumentError("--streaming evaluates a bounded set: add --max_eval_samples N (the first N sequences of "
+                            "the validation stream), or --eval_strategy no")
+    if data_args.shuffle_buffer_size < 0:
+        raise ArgumentError(f"--shuffle_buffer_size must be >= 0 (0: no shuffling), got {data_args.shuffle_buffer_size}")
+
+
+class StreamSource(TextSource):
+    """The documents as streams: the training stream and the first --max_eval_samples validation sequences."""
+
+    flag = "--streaming"
+
+    def __init__(self, data_args) -> None:
+        self.data_args = data_args
+
+    def load(self, seed: int):
+        from parts.streaming.documents import document_streams
+
+        d, self.seed = self.data_args, seed  # the shard order and the shuffle buffer draw from the seed
+        return document_streams(d.dataset_name, d.dataset_config_name, d.train_file, d.validation_file, d.text_column,
+                                d.skip_bad_shards)
+
+    def datasets(self, raw, tokenizer, block_size: int, main_process_first) -> tuple:
+        from parts.streaming.documents import stream_datasets
+
+        d = self.data_args
+        return stream_datasets(raw, tokenizer, d.text_column, block_size, d.packing, self.seed, d.max_eval_samples)
+
+
+def text_source(data_args) -> TextSource | None:
+    return StreamSource(data_args) if data_args.streaming else None
+
+
+def train_loader(accelerator, train_set, task, args, workers: int):
+    """This rank's share of the training stream, batched, its position in every checkpoint."""
+    from datasets import IterableDataset
+
+    if not isinstance(train_set, IterableDataset):
+        return None
+    from parts.streaming.loader import StreamLoader, keep_stream_position_in_checkpoints
+
+    loader = StreamLoader(accelerator, train_set, args.per_device_train_batch_size, task.collator, workers, args.seed,
+                          task.data_args.shuffle_buffer_size, args.ddp_timeout)
+    keep_stream_position_in_checkpoints(accelerator, loader)
+    return loader
+
+
+PART = Part("streaming", "text read as streams, each rank its share, its position in checkpoints (--streaming)",
+            data_flags=StreamingFlags, check_flags=check_flags, text_source=text_source, train_loader=train_loader)
