@@ -30,7 +30,6 @@ import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from models.adapters import merge_adapter
 from training.accelerator import release_model_construction_hooks
 from training.arguments import parse_args
 from training.checkpoint import export_final, save_checkpoint
@@ -41,6 +40,7 @@ from training.errors import EXIT_UNEXPECTED, Preempted, ending
 from training.evaluation import evaluate
 from training.loss import NonFiniteGuard, accumulation_windows
 from training.metrics import MetricsLogger, print_summary, write_summary
+from training.parts import after_export
 from training.preemption import install_stop_handlers
 from training.prelude import after_imports
 from training.process_exit import exit_process
@@ -208,9 +208,7 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
         write_summary(run.args.output_dir, summary)
         if run.args.report_png:
             write_report(run.args.output_dir, run.title)
-        if run.model_args.merge_adapter:  # from the files just written, with plain peft: what a user would load
-            merged = merge_adapter(run.model_args.model_name_or_path, final_dir, run.model_args.trust_remote_code)
-            run.task.processor.save_pretrained(merged)
+        after_export(final_dir, run.task.processor, run.model_args, run.args)  # the parts' (a merged adapter)
         print_summary(summary, final_dir, run.task)
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from transformers import AutoConfig  # noqa: E402
 
-from models.adapters import lora_config  # noqa: E402
+from parts.lora.adapters import lora_config  # noqa: E402
 from models.configs import NAMED_CONFIGS, build_named_config  # noqa: E402
 from models.language import ModelError, build_tokenizer, loading, resolve_block_size  # noqa: E402
 from training.flags import ModelArguments  # noqa: E402

@@ -28,7 +28,7 @@ from training.metrics import resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
 from training.parts import check_flags, run_inputs, text_sources
 from training.parts import model_splits as part_model_splits
-from training.task_registry import ADAPTER_FLAGS, TASKS
+from training.task_registry import TASKS
 
 
 # Flags naming files or directories the run reads: --overwrite_output_dir must not delete them (a part marks its own)
@@ -121,7 +121,6 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
         raise ArgumentError("--validation_file needs --train_file")
     check_task_flags(model_args, data_args)
     check_compile_flags(train_args)
-    check_adapter_flags(model_args, train_args)
     check_flags(model_args, data_args, train_args)  # the parts' (training/parts.py)
     if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
         # absolute: an exported adapter names its base model by this path, to be found from anywhere
@@ -203,21 +202,3 @@ def model_splits(model_args: ModelArguments, train_args: TrainArguments) -> list
 def split_model(model_args: ModelArguments, train_args: TrainArguments) -> str | None:
     """The first of `model_splits`, if any."""
     return next(iter(model_splits(model_args, train_args)), None)
-
-
-def check_adapter_flags(model_args: ModelArguments, train_args: TrainArguments) -> None:
-    """LoRA adapts a pretrained model, in one process per device group; its flags need --use_peft."""
-    if not model_args.use_peft:
-        for flag in ADAPTER_FLAGS:
-            if getattr(model_args, flag) != FIELD_DEFAULTS[flag]:
-                raise ArgumentError(f"--{flag} is for adapters: add --use_peft, or drop it")
-        return
-    if not model_args.model_name_or_path:
-        raise ArgumentError("--use_peft trains an adapter on a pretrained model's frozen weights: give "
-                            "--model_name_or_path (a Hub id or a directory), or drop --use_peft to train every weight")
-    if split := split_model(model_args, train_args):
-        raise ArgumentError(f"--use_peft with {split} is not supported; train the adapter with a data-parallel "
-                            "config instead (ddp.yaml, fsdp.yaml or a ZeRO config)")
-    if model_args.lora_r < 1 or model_args.lora_alpha <= 0 or not 0 <= model_args.lora_dropout < 1:
-        raise ArgumentError(f"--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1); got "
-                            f"{model_args.lora_r}, {model_args.lora_alpha}, {model_args.lora_dropout}")

@@ -19,7 +19,6 @@ from contextlib import nullcontext
 
 from accelerate.utils import DeepSpeedPlugin, set_seed
 
-from models.adapters import add_adapter
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import align_deepspeed_config
 from training.errors import StrategyError
@@ -33,7 +32,7 @@ from training.memory_plan import (
     working_bytes,
 )
 from training.optim import global_batch_size, optimizer_for, run_length, warmup_steps
-from training.parts import check_launch, dry_run_lines, held_parameters, processes_per_replica
+from training.parts import adapt_model, check_launch, dry_run_lines, held_parameters, processes_per_replica
 from training.performance import compute_dtype, parameter_count
 from training.task_registry import build_task
 
@@ -77,9 +76,7 @@ def dry_run(model_args, data_args, args) -> str | None:
 
     task = build_task(model_args, data_args)
     raw = task.load_raw_datasets(args.seed)
-    model = task.build_model(raw)
-    if model_args.use_peft:
-        model = add_adapter(model, model_args)
+    model = adapt_model(task.build_model(raw), model_args, args)  # the parts' (an adapter), as set-up does
     train_set, eval_set = task.datasets(raw, nullcontext())
     data_parallel = processes // layout.tp_size // processes_per_replica(args)
     global_batch = global_batch_size(args, data_parallel)

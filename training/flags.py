@@ -14,7 +14,7 @@ from transformers.hf_argparser import HfArgumentParser
 from training.task_registry import TASKS
 from training.errors import ArgumentError
 from training.optim import OPTIMIZERS
-from training.parts import part_data_flags, part_flags
+from training.parts import part_data_flags, part_flags, part_model_flags
 
 class FlagParser(HfArgumentParser):
     """`HfArgumentParser` whose own errors (an unknown choice, a missing value) are ArgumentErrors:
@@ -29,7 +29,7 @@ COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 
 @dataclass
-class ModelArguments:
+class CoreModelArguments:
     task: str = field(default="causal-lm", metadata={
         "help": "What to learn: next-token text, or image labels.", "choices": list(TASKS)})
     model_name_or_path: str | None = field(default=None, metadata={
@@ -45,24 +45,6 @@ class ModelArguments:
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model/tokenizer code from the Hub."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations to save memory."})
-    use_peft: bool = field(default=False, metadata={
-        "help": "Train a LoRA adapter (peft) on the frozen --model_name_or_path instead of every weight."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling: the update is multiplied by alpha / r."})
-    lora_dropout: float = field(
-        default=0.0,
-        metadata={"help": "Dropout on the adapter's input. Default 0: with dropout, runs split differently over "
-                          "processes draw different masks, and agree in distribution only."},
-    )
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: ["all-linear"],
-        metadata={"help": "Module names that get an adapter (e.g. q_proj v_proj), or all-linear (all but the output layer)."},
-    )
-    lora_modules_to_save: list[str] | None = field(default=None, metadata={
-        "help": "Modules trained whole and saved with the adapter (e.g. lm_head)."})
-    use_dora: bool = field(default=False, metadata={"help": "DoRA: weight-decomposed LoRA."})
-    merge_adapter: bool = field(default=False, metadata={
-        "help": "Also write final/merged: the base model with the adapter merged in, plain transformers."})
 
 
 @dataclass
@@ -196,6 +178,11 @@ class CoreTrainArguments:
     )
     run_name: str | None = field(default=None, metadata={
         "help": "The run's name in the trackers (wandb project, ...). Default: output_dir's name."})
+
+
+@dataclass
+class ModelArguments(*part_model_flags(), CoreModelArguments):
+    """The core's model flags, then every installed part's."""
 
 
 @dataclass

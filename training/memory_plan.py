@@ -171,7 +171,7 @@ def model_shape(
     config: PretrainedConfig, compute_dtype: torch.dtype, trust_remote_code: bool = False, adapter=None
 ) -> ModelShape:
     """Build `config`'s model on the meta device (no memory, any architecture) and measure it;
-    `adapter`: a peft config (`models/adapters.py`) whose adapter is added, the rest frozen."""
+    `adapter`: a peft config (parts/lora/adapters.py) whose adapter is added, the rest frozen."""
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype, trust_remote_code=trust_remote_code)

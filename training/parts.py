@@ -1,8 +1,8 @@
 """Owns how optional features (parts/) join the core: the hook points, and finding the parts installed.
 
 A part is a package `parts/<name>/` whose `__init__.py` defines `PART = Part(...)`: its flags (a
-dataclass, mixed into TrainArguments; `data_flags` into DataArguments), the tasks it adds to `--task`
-(`TaskEntry`), and the hooks it fills. The core calls each hook point for
+dataclass, mixed into TrainArguments; `model_flags` into ModelArguments, `data_flags` into DataArguments),
+the tasks it adds to `--task` (`TaskEntry`), and the hooks it fills. The core calls each hook point for
 every part installed, in name order, and never branches on a part by name; a fork leaves a part
 out by deleting its folder. As torchtitan's model converters and transformers' callbacks, a hook is
 a named point of the fixed run, not a second loop.
@@ -25,6 +25,8 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
 - `ddp_settings(args, on_cpu) -> dict`: DDP's settings (`DistributedDataParallelKwargs` fields).
 - `convert_model(model, accelerator, args) -> model`: the model as the task built it, before
   adapters, layouts and `prepare` (kernels swapped in, modules rewritten).
+- `adapt_model(model, model_args, args) -> model`: after the seed (every rank draws alike), before tensor
+  parallelism and `prepare`: parameters added or frozen (an adapter). The dry run calls it too.
 - `wrap_model(accelerator, model, args) -> model`: the model built and laid out, kept, or replaced by
   a `ModelRunner` (below) that runs it; `checkpoint_layout(args) -> dict` names how it is cut, which
   a checkpoint records and a resume must match; `held_parameters(model, args) -> int | None` is the
@@ -38,6 +40,8 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   one that fits).
 - `after_prepare(accelerator, model, args) -> figures or None`: the prepared model, before the first
   step (hooks registered, state added to checkpoints).
+- `after_export(final_dir, processor, model_args, args)`: on the main process, once `final/` is written
+  (a merged model beside an adapter).
 - `dry_run_lines(task, args, strategy, processes, compute_bytes) -> list[str]`: lines the dry run's
   plan adds under its memory figures.
 """
@@ -126,6 +130,7 @@ class Part:
     name: str
     description: str  # one line
     flags: type | None = None  # a dataclass whose fields (all with defaults) become train.py flags
+    model_flags: type | None = None  # the same, for the model flags (ModelArguments)
     data_flags: type | None = None  # the same, for the data flags (DataArguments)
     tasks: Mapping[str, TaskEntry] | None = None  # --task names it adds
     run_inputs: tuple[str, ...] = ()  # its flags that name files or directories the run reads
@@ -138,12 +143,14 @@ class Part:
     processes_per_replica: Callable[[Any], int] | None = None
     ddp_settings: Callable[[Any, bool], dict] | None = None
     convert_model: Callable[[torch.nn.Module, Accelerator, Any], torch.nn.Module] | None = None
+    adapt_model: Callable[[torch.nn.Module, Any, Any], torch.nn.Module] | None = None
     wrap_model: Callable[[Accelerator, torch.nn.Module, Any], torch.nn.Module] | None = None
     checkpoint_layout: Callable[[Any], dict[str, int]] | None = None
     held_parameters: Callable[[torch.nn.Module, Any], int | None] | None = None
     training_objective: Callable[..., tuple[Callable, Callable[[int], dict] | None]] | None = None
     micro_batch: Callable[..., tuple] | None = None
     after_prepare: Callable[[Accelerator, torch.nn.Module, Any], Callable[[int], dict] | None] | None = None
+    after_export: Callable[[Any, Any, Any, Any], None] | None = None
     dry_run_lines: Callable[..., list[str]] | None = None
 
 
@@ -162,6 +169,11 @@ def installed_parts() -> tuple[Part, ...]:
 def part_flags() -> tuple[type, ...]:
     """The parts' flag dataclasses, mixed into TrainArguments (training/flags.py)."""
     return tuple(part.flags for part in installed_parts() if part.flags is not None)
+
+
+def part_model_flags() -> tuple[type, ...]:
+    """The parts' model-flag dataclasses, mixed into ModelArguments (training/flags.py)."""
+    return tuple(part.model_flags for part in installed_parts() if part.model_flags is not None)
 
 
 def part_data_flags() -> tuple[type, ...]:
@@ -241,6 +253,13 @@ def convert_model(model: torch.nn.Module, accelerator: Accelerator, args) -> tor
     return model
 
 
+def adapt_model(model: torch.nn.Module, model_args, args) -> torch.nn.Module:
+    """Each part's `adapt_model` hook in turn."""
+    for hook in filled("adapt_model"):
+        model = hook(model, model_args, args)
+    return model
+
+
 def wrap_model(accelerator: Accelerator, model: torch.nn.Module, args) -> torch.nn.Module:
     """Each part's `wrap_model` hook in turn."""
     for hook in filled("wrap_model"):
@@ -283,6 +302,12 @@ def after_prepare(accelerator: Accelerator, model: torch.nn.Module, args) -> lis
     """Each part's `after_prepare` hook; returns the parts' summary figures, each a function of the steps run."""
     figures = (hook(accelerator, model, args) for hook in filled("after_prepare"))
     return [figure for figure in figures if figure is not None]
+
+
+def after_export(final_dir, processor, model_args, args) -> None:
+    """Each part's `after_export` hook (main process)."""
+    for hook in filled("after_export"):
+        hook(final_dir, processor, model_args, args)
 
 
 def dry_run_lines(task, args, strategy: Strategy, processes: int, compute_bytes: int) -> list[str]:

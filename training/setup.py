@@ -21,7 +21,6 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from models.adapters import add_adapter, trainable_summary
 from training.accelerator import build_accelerator, describe, idle_gpu_warning, model_construction
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
 from training.collectives import gather_scalars, preflight
@@ -32,7 +31,7 @@ from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
-from training.parts import (ModelRunner, after_prepare, checkpoint_layout, convert_model, micro_batch,
+from training.parts import (ModelRunner, adapt_model, after_prepare, checkpoint_layout, convert_model, micro_batch,
                             processes_per_replica, resuming, training_objective, wrap_model)
 from training.parts import train_loader as part_train_loader
 from training.performance import SpeedMeter, compute_dtype, model_state_probe, parameter_count, peak_flops
@@ -259,13 +258,11 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
 def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArguments,
                 args: TrainArguments) -> torch.nn.Module:
     """The task's model, built without a whole copy per rank where the strategy allows, converted by the
-    parts (training/parts.py: kernels, SyncBatchNorm), then laid out as the flags ask: an adapter,
+    parts (training/parts.py: kernels, SyncBatchNorm), then adapted by the parts (an adapter) and laid out as the flags ask:
     tensor-parallel slices (a part may lay it out further: `wrap_model`)."""
     with model_construction(accelerator, bool(model_args.model_name_or_path), task.can_build_empty) as empty:
         model = task.build_model(raw, empty)
     model = convert_model(model, accelerator, args)
     set_seed(args.seed)  # ranks that built the model empty drew no random numbers: every rank goes on level
-    if model_args.use_peft:  # after the seed: every rank draws the same adapter
-        model = add_adapter(model, model_args)
-        logger.info(trainable_summary(model), main_process_only=True)
+    model = adapt_model(model, model_args, args)  # the parts' (an adapter): after the seed, every rank draws alike
     return apply_tensor_parallel(accelerator, model)  # with a parallelism_config tp_size in the accelerate config

@@ -16,10 +16,7 @@ if TYPE_CHECKING:
     from training.tasks import Task
 
 
-# --use_peft's settings: refused without it (training/arguments.py)
-ADAPTER_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save",
-                 "use_dora", "merge_adapter")
-TEXT_FLAGS = ("tokenizer_name", "config_overrides", "train_file", "validation_file", "sample_prompt", "use_peft", *ADAPTER_FLAGS)
+TEXT_FLAGS = ("tokenizer_name", "config_overrides", "train_file", "validation_file", "sample_prompt")
 TASKS: dict[str, TaskEntry] = {
     "causal-lm": TaskEntry(
         "training.tasks:CausalLM", NAMED_CONFIGS, "llama-small",

@@ -1,7 +1,5 @@
-"""LoRA (and DoRA) adapters through `peft`: the flags (TRL's `ModelConfig` names) become a
-`LoraConfig`, the base model is frozen, and the adapter is what gets exported.
-
-    accelerate launch train.py --task sft --model_name_or_path DIR --use_peft --lora_r 16
+"""The peft side of the LoRA part: the flags become a `LoraConfig`, the base model is frozen, and the adapter
+is what gets exported (and merged, on request).
 
 Every strategy trains the same adapter: the frozen base weights are sharded or replicated
 like any others, and only the adapter's parameters reach the optimizer.
@@ -20,7 +18,7 @@ from models.language import ModelError, first_line
 if TYPE_CHECKING:  # peft is imported where it is used: it takes 1.7 s, which runs without adapters need not pay
     from peft import LoraConfig, PeftModel
 
-    from training.flags import ModelArguments
+    from training.flags import ModelArguments  # with this part's flags
 
 MERGED_DIR = "merged"  # under final/: the base model with the adapter merged in (--merge_adapter)
 

@@ -1,0 +1,85 @@
+"""LoRA (and DoRA) adapters through `peft` (`--use_peft`, TRL's `ModelConfig` flag names): the base model
+frozen, an adapter added after the seed (every rank draws the same one), the adapter exported (peft's format)
+and, with `--merge_adapter`, merged into a plain model. `adapters.py` holds the peft side. docs/fine-tuning.md.
+
+    accelerate launch train.py --task sft --model_name_or_path DIR --use_peft --lora_r 16
+"""
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from training.errors import ArgumentError
+from training.parts import Part
+
+ADAPTED_TASKS = ("causal-lm", "sft")  # the tasks whose models peft adapts here (task_type CAUSAL_LM)
+
+
+@dataclass
+class LoraFlags:
+    use_peft: bool = field(default=False, metadata={
+        "help": "Train a LoRA adapter (peft) on the frozen --model_name_or_path instead of every weight."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling: the update is multiplied by alpha / r."})
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={"help": "Dropout on the adapter's input. Default 0: with dropout, runs split differently over "
+                          "processes draw different masks, and agree in distribution only."},
+    )
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"],
+        metadata={"help": "Module names that get an adapter (e.g. q_proj v_proj), or all-linear (all but the output layer)."},
+    )
+    lora_modules_to_save: list[str] | None = field(default=None, metadata={
+        "help": "Modules trained whole and saved with the adapter (e.g. lm_head)."})
+    use_dora: bool = field(default=False, metadata={"help": "DoRA: weight-decomposed LoRA."})
+    merge_adapter: bool = field(default=False, metadata={
+        "help": "Also write final/merged: the base model with the adapter merged in, plain transformers."})
+
+
+def check_flags(model_args, data_args, args) -> None:
+    """LoRA adapts a pretrained language model, in one process per device group; its flags need --use_peft."""
+    from training.arguments import FIELD_DEFAULTS, split_model  # not at import: training/flags.py imports the parts
+
+    if not model_args.use_peft:
+        for flag in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_dora",
+                     "merge_adapter"):
+            if getattr(model_args, flag) != FIELD_DEFAULTS[flag]:
+                raise ArgumentError(f"--{flag} is for adapters: add --use_peft, or drop it")
+        return
+    if model_args.task not in ADAPTED_TASKS:
+        raise ArgumentError(f"--use_peft is for --task {' or '.join(ADAPTED_TASKS)}, not {model_args.task}; drop it "
+                            f"or set --task {ADAPTED_TASKS[0]}")
+    if not model_args.model_name_or_path:
+        raise ArgumentError("--use_peft trains an adapter on a pretrained model's frozen weights: give "
+                            "--model_name_or_path (a Hub id or a directory), or drop --use_peft to train every weight")
+    if split := split_model(model_args, args):
+        raise ArgumentError(f"--use_peft with {split} is not supported; train the adapter with a data-parallel "
+                            "config instead (ddp.yaml, fsdp.yaml or a ZeRO config)")
+    if model_args.lora_r < 1 or model_args.lora_alpha <= 0 or not 0 <= model_args.lora_dropout < 1:
+        raise ArgumentError(f"--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1); got "
+                            f"{model_args.lora_r}, {model_args.lora_alpha}, {model_args.lora_dropout}")
+
+
+def adapt_model(model, model_args, args):
+    """The model frozen with a fresh adapter under --use_peft (after the seed: every rank draws the same)."""
+    if not model_args.use_peft:
+        return model
+    from parts.lora.adapters import add_adapter, trainable_summary
+
+    model = add_adapter(model, model_args)
+    if os.environ.get("RANK", "0") == "0":  # the main process (the dry run has no Accelerator to ask)
+        logging.getLogger(__name__).info(trainable_summary(model))
+    return model
+
+
+def after_export(final_dir, processor, model_args, args) -> None:
+    """--merge_adapter: from the files just written, with plain peft (what a user would load), final/merged."""
+    if model_args.use_peft and model_args.merge_adapter:
+        from parts.lora.adapters import merge_adapter
+
+        processor.save_pretrained(merge_adapter(model_args.model_name_or_path, final_dir, model_args.trust_remote_code))
+
+
+PART = Part("lora", "LoRA and DoRA adapters through peft, exported alone or merged (--use_peft)",
+            model_flags=LoraFlags, check_flags=check_flags, adapt_model=adapt_model, after_export=after_export)
