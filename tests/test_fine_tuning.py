@@ -19,11 +19,11 @@ from scripts.compare_metrics import compare, worst_difference
 from tests.conftest import (
     CONFIGS,
     LORA_STEPS,
-    answer_loss,
     assert_continues_exactly,
     lora_args,
     read_metrics,
-    sft_validation_batches,
+    target_loss,
+    validation_batches,
     train,
 )
 
@@ -86,9 +86,9 @@ def test_plain_peft_loads_the_adapter_and_reproduces_the_eval_loss(lora_run, tie
     base = AutoModelForCausalLM.from_pretrained(tied_base_model, dtype=torch.float32)
     adapted = PeftModel.from_pretrained(base, run / "final").eval()
     merged = AutoModelForCausalLM.from_pretrained(run / "final" / "merged").eval()
-    batches = sft_validation_batches(tmp_path)
-    assert answer_loss(adapted, batches) == pytest.approx(logged, abs=TOLERANCE)
-    assert answer_loss(merged.float(), batches) == pytest.approx(logged, abs=1e-3)  # merged weights rounded to bf16
+    batches = validation_batches(tmp_path, "sft")
+    assert target_loss(adapted, batches) == pytest.approx(logged, abs=TOLERANCE)
+    assert target_loss(merged.float(), batches) == pytest.approx(logged, abs=1e-3)  # merged weights rounded to bf16
 
 
 def read_summary(run) -> dict:

@@ -1,5 +1,5 @@
 """Every accelerate config trains for real: 2 CPU processes over gloo (1 for single.yaml), fine-tuning
-the suite's base checkpoint on chat data (tests/conftest.py `parity_args`)."""
+the suite's base checkpoint on the story corpus (tests/conftest.py `parity_args`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import answer_loss, read_metrics, sft_validation_batches
+from tests.conftest import read_metrics, target_loss, validation_batches
 from training.strategy import Strategy, requested_strategy, verify_strategy
 from training.errors import StrategyError
 
@@ -61,7 +61,7 @@ def test_config_trains_with_the_strategy_it_names(config: str, strategy_run, tmp
     tokenizer = AutoTokenizer.from_pretrained(final)
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)  # full, not a shard
     # The export is the trained model, gathered correctly: it reproduces the final eval loss.
-    assert answer_loss(model.eval(), sft_validation_batches(tmp_path)) == pytest.approx(evals[-1], abs=1e-4)
+    assert target_loss(model.eval(), validation_batches(tmp_path)) == pytest.approx(evals[-1], abs=1e-4)
     prompt = tokenizer("Once upon a time", return_tensors="pt")
     generated = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 8
