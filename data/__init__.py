@@ -116,7 +116,7 @@ def check_plain_text(split: Dataset, text_column: str) -> None:
     if isinstance(first, list) and first and isinstance(first[0], dict) and {"role", "content"} <= first[0].keys():
         raise DataError(
             f"--text_column {text_column!r} holds lists of {{role, content}} messages: this is chat data; fine-tune "
-            "on it with --task sft (loss on the answers only, see docs/fine-tuning.md)"
+            "on it with --task sft (loss on the answers only, see docs/sft.md)"
         )
     raise DataError(f"--text_column {text_column!r} holds {type(first).__name__} values, not text; choose a column of strings")
 

@@ -31,7 +31,7 @@ VOCAB_SIZE = 1024
 EOS = "<|endoftext|>"
 TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"  # ChatML's turn markers, one token each
 # ChatML, as many Hub models use it. Without `{% generation %}` markers, like most Hub
-# templates: train.py finds the answers by rendering prefixes (data/chat.py).
+# templates: train.py finds the answers by rendering prefixes (parts/sft/chat.py).
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"

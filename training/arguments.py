@@ -33,7 +33,7 @@ from training.task_registry import TASKS
 
 # Flags naming files or directories the run reads: --overwrite_output_dir must not delete them (a part marks its own)
 RUN_INPUTS = ("model_name_or_path", "tokenizer_name", "dataset_name", "train_file", "validation_file",
-              "chat_template", *run_inputs())
+              *run_inputs())
 
 
 # TrainingArguments flags that the launcher owns here: the accelerate config or `accelerate launch` sets them.
@@ -108,11 +108,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     for name in ("max_train_samples", "max_eval_samples"):
         if (value := getattr(data_args, name)) is not None and value < 1:
             raise ArgumentError(f"--{name} must be at least 1, got {value}")
-    for name in ("block_size", "max_length"):
-        if (value := getattr(data_args, name)) is not None and value < 2:
-            raise ArgumentError(f"--{name} must be at least 2, got {value}")
-    if data_args.eval_generation_samples < 0:
-        raise ArgumentError(f"--eval_generation_samples must be >= 0, got {data_args.eval_generation_samples}")
+    if data_args.block_size is not None and data_args.block_size < 2:
+        raise ArgumentError(f"--block_size must be at least 2, got {data_args.block_size}")
     if train_args.dataloader_num_workers is not None and train_args.dataloader_num_workers < 0:
         raise ArgumentError(f"--dataloader_num_workers must be >= 0, got {train_args.dataloader_num_workers}")
     if train_args.max_grad_norm < 0:

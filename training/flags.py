@@ -65,23 +65,6 @@ class CoreDataArguments:
     max_train_samples: int | None = field(default=None, metadata={
         "help": "Train on the first N training examples only (packed sequences, or images)."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on the first N validation examples only."})
-    chat_template: str | None = field(default=None, metadata={
-        "help": "SFT: a Jinja file that replaces the tokenizer's chat template."})
-    assistant_only_loss: bool = field(default=True, metadata={
-        "help": "SFT, messages: loss on the assistant's answers only; false: on every token."})
-    completion_only_loss: bool = field(default=True, metadata={
-        "help": "SFT, prompt/completion: loss on the completion only; false: on every token."})
-    max_length: int | None = field(default=None, metadata={
-        "help": "SFT: tokens per example at most. Default: the model's maximum, at most 1024."})
-    truncation_mode: str = field(
-        default="keep_start",
-        metadata={"help": "SFT: an example over --max_length keeps its start, its end, or is dropped.",
-                  "choices": ["keep_start", "keep_end", "drop"]},
-    )
-    eval_generation_samples: int = field(
-        default=64,
-        metadata={"help": "SFT: held-out prompts answered greedily at each evaluation, for eval_exact_match; 0: none."},
-    )
 
 
 @dataclass

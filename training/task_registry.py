@@ -16,16 +16,12 @@ if TYPE_CHECKING:
     from training.tasks import Task
 
 
+# The text tasks' shared flags (a part's text task lists them too: defined before TASKS, whose parts import it)
 TEXT_FLAGS = ("tokenizer_name", "config_overrides", "train_file", "validation_file", "sample_prompt")
 TASKS: dict[str, TaskEntry] = {
     "causal-lm": TaskEntry(
         "training.tasks:CausalLM", NAMED_CONFIGS, "llama-small",
         (*TEXT_FLAGS, "text_column", "block_size", "packing"),
-    ),
-    "sft": TaskEntry(
-        "training.sft:SupervisedFineTuning", NAMED_CONFIGS, "llama-small",
-        (*TEXT_FLAGS, "chat_template", "assistant_only_loss", "completion_only_loss", "max_length", "truncation_mode",
-         "eval_generation_samples"),
     ),
     **part_tasks(),
 }

@@ -1,6 +1,6 @@
 """LoRA (and DoRA) adapters through `peft` (`--use_peft`, TRL's `ModelConfig` flag names): the base model
 frozen, an adapter added after the seed (every rank draws the same one), the adapter exported (peft's format)
-and, with `--merge_adapter`, merged into a plain model. `adapters.py` holds the peft side. docs/fine-tuning.md.
+and, with `--merge_adapter`, merged into a plain model. `adapters.py` holds the peft side. docs/sft.md.
 
     accelerate launch train.py --task sft --model_name_or_path DIR --use_peft --lora_r 16
 """

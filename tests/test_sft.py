@@ -1,4 +1,4 @@
-"""Chat and instruction data (data/chat.py): formats, the answer mask token by token, truncation,
+"""Chat and instruction data (parts/sft/chat.py): formats, the answer mask token by token, truncation,
 and a loss that does not depend on how a global batch of masked examples is split."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import GradientAccumulationPlugin
 from transformers import AutoModelForCausalLM
 
-from data.chat import (
+from parts.sft.chat import (
     IGNORE_INDEX,
     check_example,
     end_of_answer,
@@ -23,7 +23,7 @@ from data.chat import (
     tokenize_with_mask,
     truncate,
 )
-from data.default_sft import default_sft_splits, requests
+from parts.sft.default_sft import default_sft_splits, requests
 from training.errors import DataError
 from models.configs import build_named_config
 from models.language import build_tokenizer

@@ -40,7 +40,7 @@ def recognise_format(columns: Sequence[str]) -> str:
         raise DataError(f"the data has a plain 'text' column (columns: {list(columns)}), not chat data; train on it "
                         "with --task causal-lm, or give a 'messages' or 'prompt'/'completion' column")
     raise DataError(f"the data has none of the columns text, messages, or prompt and completion (columns: "
-                    f"{list(columns)}); rename yours to TRL's names, or see docs/fine-tuning.md")
+                    f"{list(columns)}); rename yours to TRL's names, or see docs/sft.md")
 
 
 def check_example(example: dict[str, Any], data_format: str, where: str) -> None:

@@ -1,6 +1,6 @@
 """`--task sft`: supervised fine-tuning on instruction or chat data, the loss on the answers only.
 
-The data (data/chat.py) is `messages` or `prompt`/`completion`, recognised from the columns,
+The data (chat.py) is `messages` or `prompt`/`completion`, recognised from the columns,
 rendered with the tokenizer's chat template (`--chat_template` replaces it), one padded
 sequence per example, never packed. Labels are -100 outside the answers unless
 `--assistant_only_loss false` / `--completion_only_loss false`; the training step is the causal
@@ -24,7 +24,7 @@ from datasets import Dataset, DatasetDict
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from data import DataError, cache_key, make_collator
-from data.chat import (
+from parts.sft.chat import (
     check_example,
     end_of_answer,
     generation_prompt,
@@ -33,7 +33,7 @@ from data.chat import (
     rendered_with_answers,
     tokenize_conversations,
 )
-from data.default_sft import SFT_VERSION, default_sft_splits
+from parts.sft.default_sft import SFT_VERSION, default_sft_splits
 from models.language import ModelError, resolve_block_size
 from training.flags import DataArguments, ModelArguments
 from training.tasks import CausalLM
