@@ -24,7 +24,6 @@ sys.path.insert(0, str(REPO))
 
 from transformers import AutoConfig  # noqa: E402
 
-from parts.lora.adapters import lora_config  # noqa: E402
 from models.configs import NAMED_CONFIGS, build_named_config  # noqa: E402
 from models.language import ModelError, build_tokenizer, loading, resolve_block_size  # noqa: E402
 from training.flags import ModelArguments  # noqa: E402
@@ -75,12 +74,20 @@ def load_config(args: argparse.Namespace):
     return build_named_config(args.model_config, build_tokenizer(None, None))
 
 
+def adapter_config(args: argparse.Namespace):
+    """--use_peft: the LoRA part's `LoraConfig` for --lora_r and --lora_target_modules (train.py's other defaults)."""
+    try:
+        from parts.lora.adapters import lora_config
+    except ModuleNotFoundError:
+        raise SystemExit("error: --use_peft plans a LoRA adapter, and this project has no parts/lora") from None
+    return lora_config(ModelArguments(use_peft=True, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules))
+
+
 def plan(args: argparse.Namespace) -> dict:
     """Every config's figures (bytes) and the recommended config."""
     config = load_config(args)
     dtype = compute_dtype(args.mixed_precision)
-    adapter = lora_config(ModelArguments(use_peft=True, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules)
-                          ) if args.use_peft else None  # train.py's other --lora_* defaults
+    adapter = adapter_config(args) if args.use_peft else None
     shape = model_shape(config, dtype, args.trust_remote_code, adapter)
     block_size = resolve_block_size(args.block_size, config)  # as train.py chooses it
     compute_bytes = dtype.itemsize

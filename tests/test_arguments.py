@@ -61,8 +61,9 @@ def test_defaults_then_recipe_then_command_line(tmp_path) -> None:
         (None, ["--torch_compile_mode", "fast"], "argument --torch_compile_mode.*: invalid choice: 'fast'"),
         (None, ["--model_name_or_path", "gpt2", "--config_overrides", "vocab_size=50304"],
          "--config_overrides changes a --model_config trained from scratch"),
-        (None, ["--task", "image-classification", "--config_overrides", "num_labels=3"],
-         "--config_overrides is for --task causal-lm or sft, not image-classification"),
+        pytest.param(None, ["--task", "image-classification", "--config_overrides", "num_labels=3"],
+                     "--config_overrides is for --task causal-lm or sft, not image-classification",
+                     marks=pytest.mark.parts("images", "sft")),
     ],
 )
 def test_bad_arguments_are_named(tmp_path, recipe_text, argv, message) -> None:
@@ -175,7 +176,8 @@ def test_adafactor_is_refused_where_the_optimizer_sees_shards(tmp_path, monkeypa
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("flag", ["--teacher_model_name_or_path", "--model_name_or_path", "--train_file"])
+@pytest.mark.parametrize("flag", [pytest.param("--teacher_model_name_or_path", marks=pytest.mark.parts("distillation")),
+                                  "--model_name_or_path", "--train_file"])
 def test_an_overwrite_that_would_delete_what_the_run_reads_is_refused_before_anything_is_deleted(tmp_path, flag) -> None:
     """The README's distillation recipe read its teacher from outputs/default/final: --overwrite_output_dir
     there deleted the teacher (8 minutes of training) and exported a 5-step student in its place."""

@@ -76,18 +76,23 @@ ARGUMENT_CASES = {
     ),
     "output directory that cannot be written": (["--output_dir", "{empty.txt}/run"], "cannot write to --output_dir"),
     "tracker name misspelled": (["--report_to", "tensorbord", *RESUME], "unknown --report_to ['tensorbord']"),
-    "an image flag for the language task": (["--train_dir", "{empty.txt}", *RESUME], "--train_dir is for --task image-classification"),
-    "--merge_adapter without --use_peft": (["--merge_adapter", *RESUME], "--merge_adapter is for adapters: add --use_peft"),
-    "--use_peft for the image task": (
+    # what the parts refuse (deselected in a project without them: tests/conftest.py)
+    "an image flag for the language task": pytest.param(
+        ["--train_dir", "{empty.txt}", *RESUME], "--train_dir is for --task image-classification",
+        marks=pytest.mark.parts("images")),
+    "--merge_adapter without --use_peft": pytest.param(
+        ["--merge_adapter", *RESUME], "--merge_adapter is for adapters: add --use_peft", marks=pytest.mark.parts("lora")),
+    "--use_peft for the image task": pytest.param(
         ["--task", "image-classification", "--model_config", "resnet-tiny", "--use_peft", *RESUME],
-        "--use_peft is for --task causal-lm or sft, not image-classification",
-    ),
-    "--use_peft without a pretrained model": (["--use_peft", *RESUME], "give --model_name_or_path"),
-    "--use_peft with --device_map": (["--model_name_or_path", "{model}", "--use_peft", "--device_map", "auto", *RESUME],
-                                     "--use_peft with --device_map is not supported"),
-    "a language model config for images": (
-        ["--task", "image-classification", *RESUME], "unknown model_config 'llama-tiny' for --task image-classification"
-    ),
+        "--use_peft is for --task causal-lm or sft, not image-classification", marks=pytest.mark.parts("lora", "images")),
+    "--use_peft without a pretrained model": pytest.param(
+        ["--use_peft", *RESUME], "give --model_name_or_path", marks=pytest.mark.parts("lora")),
+    "--use_peft with --device_map": pytest.param(
+        ["--model_name_or_path", "{model}", "--use_peft", "--device_map", "auto", *RESUME],
+        "--use_peft with --device_map is not supported", marks=pytest.mark.parts("lora", "layer_split")),
+    "a language model config for images": pytest.param(
+        ["--task", "image-classification", *RESUME], "unknown model_config 'llama-tiny' for --task image-classification",
+        marks=pytest.mark.parts("images")),
 }
 FSDP_TP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
            "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2", "WORLD_SIZE": "4"}
@@ -322,6 +327,7 @@ def test_a_model_without_a_tensor_parallel_plan_is_refused() -> None:
 
 
 @pytest.mark.quick
+@pytest.mark.parts("lora")
 def test_an_adapter_with_tensor_parallelism_is_refused_before_anything_starts(inputs, previous, monkeypatch) -> None:
     for name, value in FSDP_TP.items():  # what accelerate launch sets for fsdp_tp.yaml
         monkeypatch.setenv(name, value)

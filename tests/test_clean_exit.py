@@ -98,15 +98,14 @@ def test_an_unexpected_exception_prints_its_traceback_and_leaves_through_the_sam
 def test_each_documented_end_has_its_exit_code_from_one_home() -> None:
     """training/errors.py: the exit code and line of every error train.py reports in one line; a missing file is
     bad input; anything else is not a documented end (its traceback, exit 1)."""
-    from parts.pipeline.stages import StageError
     from training import errors
 
     codes = {error.__name__: (error.exit_code, error.prefix, error.every_rank) for error in (
-        errors.ArgumentError, errors.DataError, errors.ModelError, errors.StrategyError, errors.ResumeError, StageError,
+        errors.ArgumentError, errors.DataError, errors.ModelError, errors.StrategyError, errors.ResumeError,
         errors.NonFiniteLossError, errors.CollectiveTimeoutError, errors.PeerEnded, errors.Preempted)}
     assert codes == {"ArgumentError": (2, "error", False), "DataError": (2, "error", False),
                      "ModelError": (2, "error", False), "StrategyError": (2, "error", False),
-                     "ResumeError": (2, "error", False), "StageError": (2, "error", False),
+                     "ResumeError": (2, "error", False),
                      "NonFiniteLossError": (3, "error", False), "CollectiveTimeoutError": (4, "error", True),
                      "PeerEnded": (4, "error", False), "Preempted": (75, "stopped", False)}
     missing = errors.ending(FileNotFoundError(2, "No such file or directory", "/nonexistent"))

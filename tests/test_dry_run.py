@@ -21,6 +21,7 @@ from tests.conftest import REPO, TINY_RUN, bad_input_errors, launch
 from training.arguments import ArgumentError, parse_args
 from training.dry_run import dry_run as plan_dry_run
 from training.errors import StrategyError
+from training.task_registry import tasks
 
 MIB = 2**20
 
@@ -211,6 +212,8 @@ def test_help_lists_every_flag_before_torch_loads() -> None:
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("torch loaded: False")
+    configs = sorted({name for entry in tasks().values() for name in entry.configs})  # every task's, the parts' too
+    assert {"conv-lm", "llama-125m", "llama-small", "llama-tiny"} <= set(configs)
     for flag in ("--optim {adamw_torch_fused,adamw_torch,sgd,adafactor}", "--lr_scheduler_type", "--dry_run",
-                 "--config CONFIG", "--model_config {conv-lm,llama-125m,llama-small,llama-tiny,resnet-18,resnet-tiny}"):
+                 "--config CONFIG", f"--model_config {{{','.join(configs)}}}"):
         assert flag in result.stdout

@@ -181,6 +181,8 @@ def test_models_stages_cannot_hold_are_refused_with_what_is_supported() -> None:
         split_into_stages(AutoModelForCausalLM.from_config(config), 2)
     with pytest.raises(StageError, match="pipeline stages are defined for decoder-only Llama-family"):
         split_into_stages(torch.nn.Sequential(torch.nn.Linear(2, 2)), 2)
+    # bad input: one error line and exit 2, as the core's errors (tests/test_clean_exit.py)
+    assert (StageError.exit_code, StageError.prefix, StageError.every_rank) == (2, "error", False)
 
 
 @pytest.mark.quick

@@ -28,7 +28,7 @@ from training.metrics import resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
 from training.parts import check_flags, run_inputs, text_sources
 from training.parts import model_splits as part_model_splits
-from training.task_registry import TASKS
+from training.task_registry import tasks
 
 
 # Flags naming files or directories the run reads: --overwrite_output_dir must not delete them (a part marks its own)
@@ -173,13 +173,14 @@ FIELD_DEFAULTS = {f.name: f.default if f.default_factory is MISSING else f.defau
 def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> None:
     """The named config belongs to the task (default: the task's own), and no flag is meant for the other task."""
     task = model_args.task
-    configs = TASKS[task].configs
-    model_args.model_config = model_args.model_config or TASKS[task].default_config
+    every = tasks()
+    configs = every[task].configs
+    model_args.model_config = model_args.model_config or every[task].default_config
     if not model_args.model_name_or_path and model_args.model_config not in configs:
         raise ArgumentError(f"unknown model_config {model_args.model_config!r} for --task {task}; choose one of {sorted(configs)}")
-    for flag in sorted({flag for entry in TASKS.values() for flag in entry.own_flags} - set(TASKS[task].own_flags)):
+    for flag in sorted({flag for entry in every.values() for flag in entry.own_flags} - set(every[task].own_flags)):
         if getattr(model_args, flag, getattr(data_args, flag, None)) != FIELD_DEFAULTS[flag]:
-            owners = [name for name, entry in TASKS.items() if flag in entry.own_flags]
+            owners = [name for name, entry in every.items() if flag in entry.own_flags]
             raise ArgumentError(f"--{flag} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")
     if data_args.dataset_name and data_args.train_file:
         raise ArgumentError("--dataset_name and --train_file exclude each other; give one")

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 from transformers.hf_argparser import HfArgumentParser
 
-from training.task_registry import TASKS
+from training.task_registry import tasks
 from training.errors import ArgumentError
 from training.optim import OPTIMIZERS
 from training.parts import part_data_flags, part_flags, part_model_flags
@@ -31,14 +31,14 @@ COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-
 @dataclass
 class CoreModelArguments:
     task: str = field(default="causal-lm", metadata={
-        "help": "What to learn: next-token text, or image labels.", "choices": list(TASKS)})
+        "help": "What to learn: next-token text, or image labels.", "choices": list(tasks())})
     model_name_or_path: str | None = field(default=None, metadata={
         "help": "Hub id or local directory of a pretrained model for --task. Unset: train from scratch."})
     model_config: str | None = field(
         default=None,
         metadata={"help": "Named config to train from scratch. Default: "
-                          + ", ".join(f"{entry.default_config} ({name})" for name, entry in TASKS.items()) + ".",
-                  "choices": sorted({name for entry in TASKS.values() for name in entry.configs})},
+                          + ", ".join(f"{entry.default_config} ({name})" for name, entry in tasks().items()) + ".",
+                  "choices": sorted({name for entry in tasks().values() for name in entry.configs})},
     )
     config_overrides: str | None = field(default=None, metadata={
         "help": "Change the --model_config before it is built: e.g. vocab_size=50304,max_position_embeddings=2048."})

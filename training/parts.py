@@ -134,6 +134,9 @@ class Part:
     data_flags: type | None = None  # the same, for the data flags (DataArguments)
     tasks: Mapping[str, TaskEntry] | None = None  # --task names it adds
     run_inputs: tuple[str, ...] = ()  # its flags that name files or directories the run reads
+    # what scripts/new_project.py leaves out with it, beyond parts/<name>/, tests/test_<name>.py, docs/<name>.md
+    files: tuple[str, ...] = ()  # other files it owns (scripts, figures, tests under other names)
+    requirements: tuple[str, ...] = ()  # packages of requirements.txt only it needs
     check_flags: Callable[[Any, Any, Any], None] | None = None
     check_launch: Callable[[Any, Strategy, int, bool], None] | None = None
     resuming: Callable[[Accelerator, Any, Any], None] | None = None

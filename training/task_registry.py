@@ -1,12 +1,13 @@
 """Owns the one registry of tasks (`--task`): implementation, named configs, default config, own flags.
 
-Adding a task is one entry in `TASKS` (and its `Task` subclass, see training/tasks.py), or a part's
-`tasks` (training/parts.py). The classes are imported when a task is built, not with this module:
+Adding a task is one entry in `CORE_TASKS` (and its `Task` subclass, see training/tasks.py), or a part's
+`tasks` (training/parts.py); `tasks()` holds both. The classes are imported when a task is built, not with this module:
 `train.py --help` lists the tasks and their configs before torch loads.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from models.configs import NAMED_CONFIGS
@@ -16,17 +17,22 @@ if TYPE_CHECKING:
     from training.tasks import Task
 
 
-# The text tasks' shared flags (a part's text task lists them too: defined before TASKS, whose parts import it)
+# The text tasks' shared flags (a part's text task lists them too)
 TEXT_FLAGS = ("tokenizer_name", "config_overrides", "train_file", "validation_file", "sample_prompt")
-TASKS: dict[str, TaskEntry] = {
+CORE_TASKS: dict[str, TaskEntry] = {
     "causal-lm": TaskEntry(
         "training.tasks:CausalLM", NAMED_CONFIGS, "llama-small",
         (*TEXT_FLAGS, "text_column", "block_size", "packing"),
     ),
-    **part_tasks(),
 }
+
+
+@functools.cache
+def tasks() -> dict[str, TaskEntry]:
+    """Every `--task`: the core's, then the parts' (not at import: a part's task may import this module)."""
+    return {**CORE_TASKS, **part_tasks()}
 
 
 def build_task(model_args, data_args) -> Task:
     """The `Task` that `--task` names, built from the parsed flags."""
-    return TASKS[model_args.task].load()(model_args, data_args)
+    return tasks()[model_args.task].load()(model_args, data_args)

@@ -10,7 +10,7 @@ A task
   counted in (tokens, or samples);
 - shows what the exported model does, loaded with plain `transformers`, at the end.
 
-Adding a task: subclass `Task` and add an entry for it to `TASKS` in training/task_registry.py, or register it
+Adding a task: subclass `Task` and add an entry for it to `CORE_TASKS` in training/task_registry.py, or register it
 from a part (`Part.tasks`: parts/images/ adds `--task image-classification`).
 """
 

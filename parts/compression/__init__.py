@@ -76,4 +76,4 @@ def after_prepare(accelerator, model, args):
 
 PART = Part("compression", "DDP gradient compression: fp16, bf16 and PowerSGD hooks, bytes counted (--ddp_comm_hook)",
             CompressionFlags, check_flags=check_flags, check_launch=check_launch, ddp_settings=ddp_settings,
-            after_prepare=after_prepare)
+            after_prepare=after_prepare, files=("docs/compression.png",))

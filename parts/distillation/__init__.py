@@ -73,6 +73,6 @@ def dry_run_lines(task, args, strategy, processes: int, compute_bytes: int) -> l
     return [f"teacher:         {teacher_plan(task, args.teacher_model_name_or_path, strategy, processes, compute_bytes)}"]
 
 
-PART = Part("distillation", "Knowledge distillation from a frozen teacher (--teacher_model_name_or_path)",
+PART = Part("distillation", "knowledge distillation from a frozen teacher (--teacher_model_name_or_path)",
             DistillationFlags, run_inputs=("teacher_model_name_or_path",), check_flags=check_flags, training_objective=training_objective,
-            dry_run_lines=dry_run_lines)
+            dry_run_lines=dry_run_lines, files=("docs/distillation.png",))

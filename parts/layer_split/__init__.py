@@ -47,5 +47,5 @@ def wrap_model(accelerator, model, args):
     return model
 
 
-PART = Part("layer_split", "One process's model split layer-wise over its GPUs (--device_map)", LayerSplitFlags,
+PART = Part("layer_split", "one process's model split layer-wise over its GPUs (--device_map)", LayerSplitFlags,
             check_flags=check_flags, model_split=model_split, wrap_model=wrap_model)

@@ -82,4 +82,5 @@ def after_export(final_dir, processor, model_args, args) -> None:
 
 
 PART = Part("lora", "LoRA and DoRA adapters through peft, exported alone or merged (--use_peft)",
-            model_flags=LoraFlags, check_flags=check_flags, adapt_model=adapt_model, after_export=after_export)
+            model_flags=LoraFlags, check_flags=check_flags, adapt_model=adapt_model, after_export=after_export,
+            files=("tests/test_fine_tuning.py",), requirements=("peft",))

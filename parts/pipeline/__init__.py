@@ -85,7 +85,7 @@ def dry_run_lines(task, args, strategy, processes: int, compute_bytes: int) -> l
             f"{args.pipeline_microbatches} micro-batches) over {args.pipeline_parallel_size} processes per replica"]
 
 
-PART = Part("pipeline", "Pipeline stages run by torch's schedules (--pipeline_parallel_size)", PipelineFlags,
+PART = Part("pipeline", "pipeline stages run by torch's schedules (--pipeline_parallel_size)", PipelineFlags,
             check_flags=check_flags, check_launch=check_launch, model_split=model_split,
             processes_per_replica=processes_per_replica, wrap_model=wrap_model, checkpoint_layout=checkpoint_layout,
-            held_parameters=held_parameters, dry_run_lines=dry_run_lines)
+            held_parameters=held_parameters, dry_run_lines=dry_run_lines, files=("docs/pipeline.png",))

@@ -49,4 +49,5 @@ def text_source(data_args) -> TextSource | None:
 
 
 PART = Part("pretokenized", "shards tokenised once by scripts/prepare_data.py, memory-mapped by every rank (--dataset_path)",
-            data_flags=PretokenizedFlags, run_inputs=("dataset_path",), check_flags=check_flags, text_source=text_source)
+            data_flags=PretokenizedFlags, run_inputs=("dataset_path",), check_flags=check_flags, text_source=text_source,
+            files=("scripts/prepare_data.py",))

@@ -94,4 +94,5 @@ def train_loader(accelerator, train_set, task, args, workers: int):
 
 
 PART = Part("streaming", "text read as streams, each rank its share, its position in checkpoints (--streaming)",
-            data_flags=StreamingFlags, check_flags=check_flags, text_source=text_source, train_loader=train_loader)
+            data_flags=StreamingFlags, check_flags=check_flags, text_source=text_source, train_loader=train_loader,
+            files=("tests/probes/stream_probe.py",), requirements=("torchdata",))

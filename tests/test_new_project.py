@@ -1,0 +1,81 @@
+"""scripts/new_project.py: a project holding the core alone, or the core and two parts, that stands on its own.
+
+Each fork is made as a user makes it (the script, a new interpreter), and then checked in its own directory:
+every test module of its suite imports and collects (no test needs a part it lacks: `@pytest.mark.parts`
+deselects those), its checks of docs, links, layout and flags pass, and its default job trains. (Both forks'
+whole quick tiers pass too, run by hand: about 45 s each here, which the suite's budget does not hold yet.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, launch_command
+from training.parts import installed_parts
+
+STRUCTURE_TESTS = ["tests/test_readme.py", "tests/test_module_layout.py", "tests/test_arguments.py", "tests/test_dry_run.py"]
+
+
+def make(destination: Path, *keep: str) -> Path:
+    result = subprocess.run([sys.executable, "scripts/new_project.py", str(destination), *(["--keep", ",".join(keep)] if keep else [])],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return destination
+
+
+def pytest_in(fork: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *args], cwd=fork,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def minimal(tmp_path_factory) -> Path:
+    return make(tmp_path_factory.mktemp("forks") / "minimal")
+
+
+@pytest.mark.quick
+def test_list_names_every_part_first_on_its_line() -> None:
+    listed = subprocess.run([sys.executable, "scripts/new_project.py", "--list"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60).stdout.splitlines()
+    assert [line.split()[0] for line in listed] == [part.name for part in installed_parts()]
+    assert all(len(line.split(maxsplit=1)) == 2 for line in listed)  # and what it does
+
+
+def test_the_core_alone_collects_passes_its_checks_and_trains(minimal, tmp_path) -> None:
+    assert [path.name for path in (minimal / "parts").iterdir() if path.is_dir()] == []
+    requirements = (minimal / "requirements.txt").read_text()
+    assert "peft==" not in requirements and "torchdata==" not in requirements and "torch==" in requirements
+    assert not (minimal / "docs" / "images.md").exists() and not (minimal / "tests" / "test_images.py").exists()
+    assert not re.search(r"\]\(docs/(images|sft|lora|pipeline)\.", (minimal / "README.md").read_text())
+    lines = re.search(r"\| `core` \| ([\d,]+) \|", (minimal / "docs" / "layout.md").read_text()).group(1)
+    assert not re.search(r"\| `parts/\w+` \| [\d,]+ \|", (minimal / "docs" / "layout.md").read_text())  # no part's lines
+    assert int(lines.replace(",", "")) > 1000
+
+    collected = pytest_in(minimal, "--collect-only")
+    assert collected.returncode == 0, collected.stdout[-3000:]
+    assert re.search(r"(\d+) deselected", collected.stdout), collected.stdout[-500:]  # the tests that need a part
+    checks = pytest_in(minimal, "-m", "quick", *STRUCTURE_TESTS)
+    assert checks.returncode == 0 and " passed" in checks.stdout, checks.stdout[-3000:]
+
+    command, env = launch_command("single", "train.py", "--model_config", "llama-tiny", "--max_steps", "3",
+                                  "--max_eval_samples", "8", "--report_png", "false", "--output_dir", str(tmp_path / "run"),
+                                  fresh=True)
+    trained = subprocess.run(command, cwd=minimal, env=env, capture_output=True, text=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+
+
+def test_two_parts_come_with_their_tests_flags_and_pages(tmp_path) -> None:
+    fork = make(tmp_path / "two", "sft", "lora")
+    assert sorted(path.name for path in (fork / "parts").iterdir() if path.is_dir()) == ["lora", "sft"]
+    assert "peft==" in (fork / "requirements.txt").read_text() and (fork / "docs" / "sft.md").exists()
+    collected = pytest_in(fork, "--collect-only")
+    assert collected.returncode == 0, collected.stdout[-3000:]
+    checks = pytest_in(fork, "-m", "quick", "tests/test_sft.py", "tests/test_readme.py", "tests/test_arguments.py")
+    assert checks.returncode == 0 and " passed" in checks.stdout, checks.stdout[-3000:]
