@@ -3,7 +3,8 @@
 Each fork is made as a user makes it (the script, a new interpreter), and then checked in its own directory:
 every test module of its suite imports and collects (no test needs a part it lacks: `@pytest.mark.parts`
 deselects those), its checks of docs, links, layout and flags pass, and its default job trains. (Both forks'
-whole quick tiers pass too, run by hand: about 45 s each here, which the suite's budget does not hold yet.)
+whole quick tiers pass too, run by hand on 0c278a1: 259 and 288 tests, 37 s each on 2 workers; the suite's budget
+does not hold them yet.)
 """
 
 from __future__ import annotations
