@@ -183,10 +183,13 @@ def test_the_search_keeps_the_global_batch_and_says_when_nothing_fits() -> None:
 
 
 REFUSED = {  # flags, launcher environment -> what the one line says
-    "with pipeline stages": (["--pipeline_parallel_size", "2"], {},
-                             "--auto_find_batch_size with --pipeline_parallel_size is not supported"),
-    "with --device_map": (["--device_map", "auto"], {}, "--auto_find_batch_size with --device_map is not supported"),
-    "with --streaming": (["--streaming", "--max_steps", "5"], {}, "--auto_find_batch_size with --streaming is not supported"),
+    "with pipeline stages": pytest.param(["--pipeline_parallel_size", "2"], {},
+                                         "--auto_find_batch_size with --pipeline_parallel_size is not supported",
+                                         marks=pytest.mark.parts("pipeline")),
+    "with --device_map": pytest.param(["--device_map", "auto"], {}, "--auto_find_batch_size with --device_map is not supported",
+                                      marks=pytest.mark.parts("layer_split")),
+    "with --streaming": pytest.param(["--streaming", "--max_steps", "5"], {},
+                                     "--auto_find_batch_size with --streaming is not supported", marks=pytest.mark.parts("streaming")),
 }
 
 

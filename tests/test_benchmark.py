@@ -111,6 +111,7 @@ def fine_tuning(tmp_path_factory) -> dict:
                          "--per_device_train_batch_size", "4", "--block_size", "64")
 
 
+@pytest.mark.parts("lora", "sft")
 def test_the_fine_tuning_table_sets_lora_against_full_fine_tuning(fine_tuning) -> None:
     """LoRA trains the same model with gradients and optimizer state for the adapter alone."""
     assert "| ddp |" in fine_tuning["table"]
@@ -127,6 +128,7 @@ def test_the_fine_tuning_table_sets_lora_against_full_fine_tuning(fine_tuning) -
 HOOKS = ("allreduce", "fp16", "power_sgd", "batched_power_sgd")  # power_sgd's resume and loss: test_compression
 
 
+@pytest.mark.parts("compression")
 def test_the_compression_table_counts_the_bytes_each_hook_sends(tmp_path) -> None:
     """Counted by the hook's wrapper: DDP's all-reduce sends every fp32 gradient, fp16 half of that, PowerSGD
     (from step 2 of 6) low-rank factors for the matrices after its first plain step. llama-small's 14 MB of
@@ -159,6 +161,7 @@ def test_the_scaling_table_sets_each_process_count_against_one(tmp_path) -> None
     assert "| ddp | " in figures["table"] and "| 100% / " in figures["table"] and figures["plot"].stat().st_size > 10_000
 
 
+@pytest.mark.parts("pipeline")
 def test_the_pipeline_table_sets_schedules_against_a_naive_layer_split(tmp_path) -> None:
     figures = run_benchmark(tmp_path, "--pipeline", "--model_config", "llama-tiny", "--steps", "5", "--log_every", "1",
                             "--per_device_train_batch_size", "4", "--block_size", "32", "--microbatches", "2",
@@ -172,6 +175,7 @@ def test_the_pipeline_table_sets_schedules_against_a_naive_layer_split(tmp_path)
     assert figures["plot"].stat().st_size > 10_000
 
 
+@pytest.mark.parts("distillation")
 def test_the_distillation_table_sets_a_taught_student_against_one_alone(tmp_path, base_model) -> None:
     """The same student and steps, alone and taught (here by the suite's base model: the documented table trains
     the default job as its teacher); the eval loss along the way, and the teacher's weights reported apart. One
@@ -188,6 +192,7 @@ def test_the_distillation_table_sets_a_taught_student_against_one_alone(tmp_path
     assert figures["plot"].stat().st_size > 10_000
 
 
+@pytest.mark.parts("streaming", "pretokenized")
 def test_the_data_table_sets_each_data_path_against_what_training_consumes(tmp_path) -> None:
     """The script as a user runs it (every launch new interpreters: its one training run, scripts/prepare_data.py)."""
     figures = run_benchmark(tmp_path, "--data", "--corpus_mb", "1", "--data_batches", "10", "--steps", "4",

@@ -80,6 +80,7 @@ def test_distillation_flags_that_cannot_run_are_one_line(args, env, message, mon
 
 
 @pytest.mark.quick
+@pytest.mark.parts("images")
 def test_an_image_teacher_for_other_labels_is_one_line(tmp_path) -> None:
     AutoConfig.for_model("resnet", id2label={0: "cat", 1: "dog"}, label2id={"cat": 0, "dog": 1}).save_pretrained(tmp_path)
     model_args, data_args, _ = parse_args(["--task", "image-classification", "--output_dir", str(tmp_path / "run")])

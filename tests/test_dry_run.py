@@ -49,6 +49,7 @@ def test_dry_run_of_a_two_process_offload_launch_prints_its_plan_and_trains_noth
     assert not [p.name for p in output_dir.iterdir()]  # no checkpoints, metrics or final model
 
 
+@pytest.mark.parts("sft", "lora")
 def test_dry_run_of_a_lora_fine_tuning_plans_state_for_the_adapter_alone(tmp_path) -> None:
     """--task sft --use_peft: the chat data, and model state with gradients and optimizer state for the adapter only."""
     printed = planned(tmp_path, "--task", "sft", "--model_name_or_path", _files(tmp_path)["{base}"], "--use_peft",
@@ -111,13 +112,17 @@ def _files(tmp_path) -> dict[str, str]:
 # End to end, a launch with `--dry_run`: case -> (train.py flags, what the one error line says)
 MISTAKES = {
     "optimizer name (argparse's choices)": (["--optim", "adamw"], "argument --optim: invalid choice: 'adamw' (choose from"),
-    "a chat message with an unknown role": (["--task", "sft", "--train_file", "{bad-role.jsonl}"],
-                                            "message 1 of 'messages' has role 'bot'"),
-    "a teacher that does not load": (["--teacher_model_name_or_path", "{one.txt}"], "cannot load teacher"),
-    "a teacher with another vocabulary": (["--teacher_model_name_or_path", "{other-vocabulary}"],
-                                          "has another vocabulary than the student's tokenizer (920 vs 919 tokens; e.g. '<extra>' differs)"),
-    "--distillation_alpha outside [0, 1]": (["--teacher_model_name_or_path", "{base}", "--distillation_alpha", "1.5"],
-                                            "it must be in [0, 1], got 1.5"),
+    "a chat message with an unknown role": pytest.param(["--task", "sft", "--train_file", "{bad-role.jsonl}"],
+                                                        "message 1 of 'messages' has role 'bot'", marks=pytest.mark.parts("sft")),
+    "a teacher that does not load": pytest.param(["--teacher_model_name_or_path", "{one.txt}"], "cannot load teacher",
+                                                 marks=pytest.mark.parts("distillation")),
+    "a teacher with another vocabulary": pytest.param(
+        ["--teacher_model_name_or_path", "{other-vocabulary}"],
+        "has another vocabulary than the student's tokenizer (920 vs 919 tokens; e.g. '<extra>' differs)",
+        marks=pytest.mark.parts("distillation")),
+    "--distillation_alpha outside [0, 1]": pytest.param(
+        ["--teacher_model_name_or_path", "{base}", "--distillation_alpha", "1.5"], "it must be in [0, 1], got 1.5",
+        marks=pytest.mark.parts("distillation")),
 }
 # More of each stage, in-process through the dry run's own function (tests/test_bad_input.py launches one case of
 # each stage): case -> (train.py flags, launcher environment, what the one error line says)
@@ -134,20 +139,23 @@ STAGE_MISTAKES = {
     "block size above the model's maximum": (["--block_size", "4096"], {}, "--block_size 4096 exceeds the model's maximum of"),
     "model with custom code, no --trust_remote_code": (  # its code would end the test: SystemExit is not caught below
         ["--model_name_or_path", "{custom-code-model}"], {}, "pass --trust_remote_code only if you trust"),
-    "a chat message with no content": (["--task", "sft", "--train_file", "{no-content.jsonl}"], {},
-                                       "message 0 of 'messages' (user) has no text content"),
-    "data with none of text, messages, or prompt and completion": (
+    # the parts' (deselected in a project without them: tests/conftest.py)
+    "a chat message with no content": pytest.param(["--task", "sft", "--train_file", "{no-content.jsonl}"], {},
+                                                   "message 0 of 'messages' (user) has no text content",
+                                                   marks=pytest.mark.parts("sft")),
+    "data with none of text, messages, or prompt and completion": pytest.param(
         ["--task", "sft", "--train_file", "{question-answer.jsonl}"], {},
-        "none of the columns text, messages, or prompt and completion"),
-    "a chat template that is not Jinja": (["--task", "sft", "--chat_template", "{not-jinja.jinja}"], {},
-                                          "is not a valid Jinja chat template"),
-    "a tokenizer without a chat template": (
+        "none of the columns text, messages, or prompt and completion", marks=pytest.mark.parts("sft")),
+    "a chat template that is not Jinja": pytest.param(["--task", "sft", "--chat_template", "{not-jinja.jinja}"], {},
+                                                      "is not a valid Jinja chat template", marks=pytest.mark.parts("sft")),
+    "a tokenizer without a chat template": pytest.param(
         ["--task", "sft", "--model_name_or_path", "{base}", "--train_file", "{hello.jsonl}"], {},
-        "give one with --chat_template PATH"),
-    "--lora_target_modules that match nothing": (
+        "give one with --chat_template PATH", marks=pytest.mark.parts("sft")),
+    "--lora_target_modules that match nothing": pytest.param(
         ["--task", "sft", "--model_name_or_path", "{base}", "--chat_template", "models/tokenizer/chat_template.jinja",
          "--use_peft", "--lora_target_modules", "qkv"], {},
-        "matches no module of LlamaForCausalLM; its linear modules are: down_proj gate_proj k_proj lm_head o_proj"),
+        "matches no module of LlamaForCausalLM; its linear modules are: down_proj gate_proj k_proj lm_head o_proj",
+        marks=pytest.mark.parts("sft", "lora")),
 }
 BAD_INPUT = (ArgumentError, DataError, ModelError, StrategyError)  # what train.py turns into one line and exit 2
 

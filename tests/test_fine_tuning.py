@@ -27,6 +27,8 @@ from tests.conftest import (
     train,
 )
 
+pytestmark = pytest.mark.parts("sft")  # the LoRA part's runs fine-tune on chat data
+
 # fsdp_tp refuses adapters (tests/test_bad_input.py); single is the reference.
 LORA_CONFIGS = sorted(path.stem for path in CONFIGS.glob("*.yaml") if path.stem not in ("single", "fsdp_tp"))
 TOLERANCE = 1e-5

@@ -121,6 +121,7 @@ def test_bf16_trains_batch_norm_models(config: str, shape_folders, tmp_path) -> 
     assert_runs_bf16_as_asked(config, tmp_path, result.stderr)
 
 
+@pytest.mark.parts("distillation")
 def test_a_classifier_distils_from_a_teacher_with_the_same_labels(image_run, shape_folders, tmp_path) -> None:
     """FSDP2 shards the student and the teacher (the single run's export: BatchNorm, in eval mode): the same
     run as image_run's fsdp one, taught, trains differently from the same start; the teacher is in no checkpoint."""

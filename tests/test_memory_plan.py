@@ -48,7 +48,7 @@ def tiny_plan(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("config", "training"), [(config, "full") for config in [*EVERY_CONFIG, "fsdp_tp"]]
-                         + [(config, "lora") for config in EVERY_CONFIG])
+                         + [pytest.param(config, "lora", marks=pytest.mark.parts("lora", "sft")) for config in EVERY_CONFIG])
 def test_model_state_agrees_with_the_measured_run_within_10_percent(config, training, tiny_plan, strategy_run,
                                                                      lora_run, tied_base_model) -> None:
     """Each config's parameters, gradients and optimizer state per rank, as counted from the

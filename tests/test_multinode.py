@@ -40,7 +40,8 @@ def port_open(port: int) -> bool:
 
 @pytest.mark.parametrize(("config", "how", "data"), [("ddp", "machine flags", "files"),
                                                      ("fsdp", "SLURM node script", "files"),
-                                                     ("ddp", "machine flags", "prepared shards")])
+                                                     pytest.param("ddp", "machine flags", "prepared shards",
+                                                                  marks=pytest.mark.parts("pretokenized"))])
 def test_two_machines_train_together(config, how, data, split_run, uneven_data, cached_run, prepared_shards,
                                      tmp_path) -> None:
     """Data files that each machine reads, or the shards that scripts/prepare_data.py wrote once, shared by both."""

@@ -41,6 +41,7 @@ def test_peer_tool_conversion_equals_the_final_export(config, strategy_run, tmp_
         torch.testing.assert_close(converted[name], final[name], atol=0, rtol=0, msg=name)
 
 
+@pytest.mark.parts("lora", "sft")
 @pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero3"])
 def test_a_lora_checkpoint_holds_the_adapter_gathered_as_one_process_holds_it(config, lora_run, tmp_path) -> None:
     """The sharded checkpoint at step 3 of a LoRA run, converted with the peer's tool: every adapter tensor,

@@ -114,6 +114,7 @@ def test_a_checkpoint_of_an_earlier_version_keeps_its_pipeline_layout(tmp_path) 
         load_checkpoint(None, tmp_path, global_batch=8, max_steps=STEPS, layout={"pipeline_stages": 2})
 
 
+@pytest.mark.parts("images")
 def test_a_resnet_pipeline_trains_what_one_process_trains(tmp_path) -> None:
     """BatchNorm in the stages: its running statistics (evaluation) and small-batch gradients (clipping) agree."""
     flags = ("--task", "image-classification", "--model_config", "resnet-tiny", "--max_steps", "6", "--logging_steps", "1",

@@ -18,6 +18,7 @@ from training.strategy_adapters import persistent_buffers
 LOADING = {"ddp": None, "fsdp": "model built on rank 0 only", "deepspeed_zero3": "model built partitioned"}
 
 
+@pytest.mark.parts("lora", "sft")  # its runs: the LoRA runs
 @pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero3"])
 def test_a_pretrained_model_loads_without_every_rank_holding_it_and_trains_as_ddp(config, lora_run) -> None:
     """The LoRA runs fine-tune a bf16-saved checkpoint with tied embeddings (tests/conftest.py `tied_base_model`)."""

@@ -150,8 +150,8 @@ REFUSED = {  # flags -> what the one line says
     "buffer without stream": (["--shuffle_buffer_size", "8"], "--shuffle_buffer_size is for --streaming"),
     "stream of shards": (["--streaming", "--max_steps", "5", "--dataset_path", "x"],
                          "--dataset_path with --streaming is not supported: give one source of training text"),
-    "image task": (["--task", "image-classification", "--model_config", "resnet-tiny", "--streaming"],
-                   "--streaming is for --task causal-lm"),
+    "image task": pytest.param(["--task", "image-classification", "--model_config", "resnet-tiny", "--streaming"],
+                               "--streaming is for --task causal-lm", marks=pytest.mark.parts("images")),
 }
 
 

@@ -26,6 +26,7 @@ def test_one_process_or_no_batchnorm_leaves_the_model_as_it_is() -> None:
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
+@pytest.mark.parts("images")
 def test_sync_batchnorm_on_cpu_processes_is_one_error_line_and_exit_2(tmp_path) -> None:
     result = launch("ddp", "train.py", "--task", "image-classification", "--model_config", "resnet-tiny",
                     "--max_steps", "2", "--output_dir", str(tmp_path), "--sync_batchnorm", timeout=180)
