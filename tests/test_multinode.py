@@ -42,13 +42,12 @@ def port_open(port: int) -> bool:
                                                      ("fsdp", "SLURM node script", "files"),
                                                      pytest.param("ddp", "machine flags", "prepared shards",
                                                                   marks=pytest.mark.parts("pretokenized"))])
-def test_two_machines_train_together(config, how, data, split_run, uneven_data, cached_run, prepared_shards,
-                                     tmp_path) -> None:
+def test_two_machines_train_together(config, how, data, split_run, uneven_data, cached_run, request, tmp_path) -> None:
     """Data files that each machine reads, or the shards that scripts/prepare_data.py wrote once, shared by both."""
     if data == "files":  # the same 2 processes on one machine: test_accumulation.py's run, or test_streaming.py's
         args, one_machine = split_run_args(uneven_data, SPLIT_OF[config]), split_run(SPLIT_OF[config])
     else:
-        args = shards_run_args(prepared_shards)
+        args = shards_run_args(request.getfixturevalue("prepared_shards"))  # the pretokenized part's script
         one_machine = cached_run(config, *args)
     port, machines = free_port(), []
     try:

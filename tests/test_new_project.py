@@ -72,6 +72,7 @@ def test_the_core_alone_collects_passes_its_checks_and_trains(minimal, tmp_path)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
 
 
+@pytest.mark.parts("sft", "lora")  # a project without them cannot keep them
 def test_two_parts_come_with_their_tests_flags_and_pages(tmp_path) -> None:
     fork = make(tmp_path / "two", "sft", "lora")
     assert sorted(path.name for path in (fork / "parts").iterdir() if path.is_dir()) == ["lora", "sft"]
