@@ -133,6 +133,8 @@ class Part:
     model_flags: type | None = None  # the same, for the model flags (ModelArguments)
     data_flags: type | None = None  # the same, for the data flags (DataArguments)
     tasks: Mapping[str, TaskEntry] | None = None  # --task names it adds
+    # its flags that only these tasks read (--task name -> flags): refused for another task, as a task's own flags
+    task_flags: Mapping[str, tuple[str, ...]] | None = None
     run_inputs: tuple[str, ...] = ()  # its flags that name files or directories the run reads
     # what scripts/new_project.py leaves out with it, beyond parts/<name>/, tests/test_<name>.py, docs/<name>.md
     files: tuple[str, ...] = ()  # other files it owns (scripts, figures, tests under other names)
@@ -187,6 +189,15 @@ def part_data_flags() -> tuple[type, ...]:
 def part_tasks() -> dict[str, TaskEntry]:
     """The tasks the parts add to `--task`."""
     return {name: entry for part in installed_parts() for name, entry in (part.tasks or {}).items()}
+
+
+def part_task_flags() -> dict[str, tuple[str, ...]]:
+    """The parts' flags each task reads besides its own (a task no part installed adds is left out later)."""
+    flags: dict[str, tuple[str, ...]] = {}
+    for part in installed_parts():
+        for task, names in (part.task_flags or {}).items():
+            flags[task] = flags.get(task, ()) + names
+    return flags
 
 
 def run_inputs() -> tuple[str, ...]:

@@ -7,11 +7,12 @@ Adding a task is one entry in `CORE_TASKS` (and its `Task` subclass, see trainin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
 from models.configs import NAMED_CONFIGS
-from training.parts import TaskEntry, part_tasks
+from training.parts import TaskEntry, part_task_flags, part_tasks
 
 if TYPE_CHECKING:
     from training.tasks import Task
@@ -29,8 +30,11 @@ CORE_TASKS: dict[str, TaskEntry] = {
 
 @functools.cache
 def tasks() -> dict[str, TaskEntry]:
-    """Every `--task`: the core's, then the parts' (not at import: a part's task may import this module)."""
-    return {**CORE_TASKS, **part_tasks()}
+    """Every `--task`: the core's, then the parts', each with the parts' flags it reads among its own flags (not at
+    import: a part's task may import this module)."""
+    extra = part_task_flags()
+    return {name: dataclasses.replace(entry, own_flags=entry.own_flags + extra.get(name, ()))
+            for name, entry in {**CORE_TASKS, **part_tasks()}.items()}
 
 
 def build_task(model_args, data_args) -> Task:

@@ -7,13 +7,10 @@ and, with `--merge_adapter`, merged into a plain model. `adapters.py` holds the 
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from training.errors import ArgumentError
 from training.parts import Part
-
-ADAPTED_TASKS = ("causal-lm", "sft")  # the tasks whose models peft adapts here (task_type CAUSAL_LM)
-
 
 @dataclass
 class LoraFlags:
@@ -37,19 +34,18 @@ class LoraFlags:
         "help": "Also write final/merged: the base model with the adapter merged in, plain transformers."})
 
 
+FLAGS = tuple(f.name for f in fields(LoraFlags))  # --use_peft first
+
+
 def check_flags(model_args, data_args, args) -> None:
     """LoRA adapts a pretrained language model, in one process per device group; its flags need --use_peft."""
     from training.arguments import FIELD_DEFAULTS, split_model  # not at import: training/flags.py imports the parts
 
     if not model_args.use_peft:
-        for flag in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "use_dora",
-                     "merge_adapter"):
+        for flag in FLAGS[1:]:  # the adapter's settings
             if getattr(model_args, flag) != FIELD_DEFAULTS[flag]:
                 raise ArgumentError(f"--{flag} is for adapters: add --use_peft, or drop it")
         return
-    if model_args.task not in ADAPTED_TASKS:
-        raise ArgumentError(f"--use_peft is for --task {' or '.join(ADAPTED_TASKS)}, not {model_args.task}; drop it "
-                            f"or set --task {ADAPTED_TASKS[0]}")
     if not model_args.model_name_or_path:
         raise ArgumentError("--use_peft trains an adapter on a pretrained model's frozen weights: give "
                             "--model_name_or_path (a Hub id or a directory), or drop --use_peft to train every weight")
@@ -82,5 +78,6 @@ def after_export(final_dir, processor, model_args, args) -> None:
 
 
 PART = Part("lora", "LoRA and DoRA adapters through peft, exported alone or merged (--use_peft)",
-            model_flags=LoraFlags, check_flags=check_flags, adapt_model=adapt_model, after_export=after_export,
+            model_flags=LoraFlags, task_flags={"causal-lm": FLAGS, "sft": FLAGS},  # the models peft adapts here (CAUSAL_LM)
+            check_flags=check_flags, adapt_model=adapt_model, after_export=after_export,
             files=("tests/test_fine_tuning.py",), requirements=("peft",))

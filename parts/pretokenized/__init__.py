@@ -16,8 +16,6 @@ class PretokenizedFlags:
 def check_flags(model_args, data_args, args) -> None:
     if not data_args.dataset_path:
         return
-    if model_args.task != "causal-lm":
-        raise ArgumentError(f"--dataset_path is for --task causal-lm, not {model_args.task}; drop it")
     if data_args.dataset_name or data_args.train_file:
         raise ArgumentError("--dataset_path trains on shards already tokenised: drop --dataset_name/--train_file")
 
@@ -49,5 +47,5 @@ def text_source(data_args) -> TextSource | None:
 
 
 PART = Part("pretokenized", "shards tokenised once by scripts/prepare_data.py, memory-mapped by every rank (--dataset_path)",
-            data_flags=PretokenizedFlags, run_inputs=("dataset_path",), check_flags=check_flags, text_source=text_source,
+            data_flags=PretokenizedFlags, task_flags={"causal-lm": ("dataset_path",)}, run_inputs=("dataset_path",), check_flags=check_flags, text_source=text_source,
             files=("scripts/prepare_data.py",))

@@ -6,7 +6,7 @@ packed on the fly, each rank its own share, its position saved in every checkpoi
 import time: `train.py --help` lists the flags before it loads.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from training.errors import ArgumentError
 from training.parts import Part, TextSource
@@ -22,18 +22,13 @@ class StreamingFlags:
                                                                    "is empty (logged, counted) instead of stopping."})
 
 
-OPTIONS = {"shuffle_buffer_size": 1000, "skip_bad_shards": False}  # --streaming's options and their defaults
-
-
 def check_flags(model_args, data_args, args) -> None:
     """A stream has no length and no random access: what needs either is refused before any process group starts."""
     if not data_args.streaming:
-        for flag, default in OPTIONS.items():
-            if getattr(data_args, flag) != default:
-                raise ArgumentError(f"--{flag} is for --streaming: add --streaming, or drop it")
+        for option in fields(StreamingFlags)[1:]:  # --streaming's options
+            if getattr(data_args, option.name) != option.default:
+                raise ArgumentError(f"--{option.name} is for --streaming: add --streaming, or drop it")
         return
-    if model_args.task != "causal-lm":
-        raise ArgumentError(f"--streaming is for --task causal-lm, not {model_args.task}; drop it")
     from training.arguments import split_model  # not at import: training/flags.py imports the parts
 
     # a split model: the ranks of one replica would need the same share
@@ -94,5 +89,6 @@ def train_loader(accelerator, train_set, task, args, workers: int):
 
 
 PART = Part("streaming", "text read as streams, each rank its share, its position in checkpoints (--streaming)",
-            data_flags=StreamingFlags, check_flags=check_flags, text_source=text_source, train_loader=train_loader,
+            data_flags=StreamingFlags, task_flags={"causal-lm": tuple(f.name for f in fields(StreamingFlags))},
+            check_flags=check_flags, text_source=text_source, train_loader=train_loader,
             files=("tests/probes/stream_probe.py",), requirements=("torchdata",))
