@@ -149,10 +149,10 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         main_process_only=True,
     )
 
-    state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes,
-                         layout=checkpoint_layout(args))
+    layout = checkpoint_layout(args)  # how the parts cut the model: recorded, and a resume must match it
+    state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes, layout=layout)
     if resume_path:
-        state = load_checkpoint(accelerator, resume_path, global_batch, max_steps, checkpoint_layout(args))
+        state = load_checkpoint(accelerator, resume_path, global_batch, max_steps, layout)
         state.num_processes = accelerator.num_processes
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
     state.per_device_train_batch_size, state.gradient_accumulation_steps = (args.per_device_train_batch_size,
