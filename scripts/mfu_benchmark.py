@@ -80,14 +80,15 @@ def fitting_run(train_run: Callable, config: str, args: argparse.Namespace, outp
 def mfu_table(args: argparse.Namespace, scratch: Path, train_run: Callable) -> tuple[list[str], dict]:
     """One row per (config, compiled) of ROWS in --configs at each --block_sizes, then the first compiled
     row's setting with the shipped tokenizer's vocabulary."""
+    extra = tuple(shlex.split(args.train_flags))
+    compiled_by_flags = any(flag.startswith("--torch_compile") for flag in extra)  # a compile option: compiled rows only
     rows = [(config, compiled, ANCHOR_VOCABULARY, length) for length in args.block_sizes
-            for config, compiled in ROWS if config in args.configs]
+            for config, compiled in ROWS if config in args.configs and (compiled or not compiled_by_flags)]
     if not rows:
         raise SystemExit(f"error: --mfu measures {sorted({c for c, _ in ROWS})}; --configs names none of them")
     if not args.no_tokenizer_row:
         config, compiled, _, length = next((row for row in rows if row[1]), rows[0])
         rows.append((config, compiled, None, length))
-    extra = tuple(shlex.split(args.train_flags))
     lines = [f"MFU: {args.model_config}, {args.num_processes} process(es), {args.mixed_precision}, micro-batch up to "
              f"{args.max_micro_batch} sequences, no accumulation, fused AdamW, {args.steps} steps; medians over the "
              f"logged intervals ({args.log_every} steps each) after the first"
@@ -99,7 +100,7 @@ def mfu_table(args: argparse.Namespace, scratch: Path, train_run: Callable) -> t
         overrides = f"max_position_embeddings={length}" + (f",vocab_size={vocabulary}" if vocabulary else "")
         flags = ("--model_config", args.model_config, "--config_overrides", overrides, "--block_size", str(length),
                  "--max_steps", str(args.steps), "--logging_steps", str(args.log_every), "--eval_strategy", "no",
-                 "--save_strategy", "no", *(["--torch_compile"] if compiled else []), *extra)
+                 "--save_strategy", "no", *(["--torch_compile"] if compiled and not compiled_by_flags else []), *extra)
         name = f"{config}{'-compiled' if compiled else ''}-{vocabulary or 'tokenizer'}-{length}"
         run = fitting_run(train_run, config, args, scratch / name, flags)
         results.append({"config": config, "compiled": compiled, "vocabulary": vocabulary, "block_size": length} | run)

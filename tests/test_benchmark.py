@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -73,6 +74,9 @@ def test_every_strategy_gets_a_row_of_figures_recomputed_from_what_train_py_logg
         assert shown in benchmark["table"] and run["time_to_first_step"] > 0
     ours, raw = benchmark["train_py_tokens_per_sec"], benchmark["raw_ddp_tokens_per_sec"]
     assert len(ours) == len(raw) == 1 and benchmark["train_py_over_raw"] == pytest.approx(ours[0] / raw[0])
+    intervals, = benchmark["train_py_intervals"]  # tokens over time after the warm-up, as raw_ddp.py reports its own
+    assert [m["step"] for m in intervals] == [4, 6, 8]
+    assert ours[0] == pytest.approx(3 / sum(1 / m["tokens_per_sec"] for m in intervals))  # equal tokens per interval
     assert f"| 1 | {ours[0]:,.0f} | {raw[0]:,.0f} | {ours[0] / raw[0]:.3f} |" in benchmark["table"]
     assert f"{benchmark['data_preparation_tokens_per_sec']:,.0f} tokens/s" in benchmark["table"]
 
@@ -228,3 +232,42 @@ def test_the_mfu_table_recomputes_every_figure_from_what_train_py_logged(tmp_pat
                 f"{row['peak_memory_gb']:.2f} | {row['final_loss']:.3f} |" in figures["table"])
         assert row["micro_batch"] == 4 and row["peak_memory_gb"] > 0
     assert vocabulary == 960  # the last row: what the default tokenizer gives
+
+
+def test_the_profile_names_where_each_step_goes_without_a_train_py_edit(tmp_path) -> None:
+    """scripts/profile_run.py runs train.py unchanged under torch.profiler, advanced by torch's optimizer-step hook:
+    the table lists the operators by time and the kinds add up to the profiled total; train.py ends as usual."""
+    from tests.conftest import TINY_RUN, launch
+
+    result = launch("single", "scripts/profile_run.py", "--skip_steps", "2", "--profile_steps", "2", "--top", "5",
+                    "--json", str(tmp_path / "profile.json"), *TINY_RUN, "--max_steps", "5", "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert sum(profile["kinds"].values()) == pytest.approx(profile["ms_per_step"])
+    assert profile["kinds"]["matmul"] > 0 and profile["kinds"]["optimizer"] > 0  # aten::mm, the fused AdamW
+    assert len(profile["top"]) == 5 and [t["ms"] for t in profile["top"]] == sorted((t["ms"] for t in profile["top"]), reverse=True)
+    assert f"CPU operators: {profile['ms_per_step']:,.1f} ms per step over 2 step(s)" in result.stdout
+    for kind, ms in profile["kinds"].items():
+        assert f"| {kind} | {ms:,.2f} | {ms / profile['ms_per_step']:.1%} |" in result.stdout
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 5  # the run itself went on to its end
+
+
+@pytest.mark.quick
+def test_a_compile_option_in_the_mfu_train_flags_leaves_only_the_compiled_rows(tmp_path) -> None:
+    """`--train_flags="--torch_compile_mode ..."` compiles every run: the eager rows would be mislabelled, so only the
+    compiled ones run (the first launch's flags recorded, then the table stopped)."""
+    from scripts.mfu_benchmark import CPU_DEFAULTS, mfu_table
+
+    launched = []
+
+    def first_launch_only(config, args, output_dir, flags):
+        launched.append((config, flags))
+        raise SystemExit("recorded")
+
+    args = argparse.Namespace(**CPU_DEFAULTS | {"configs": ["ddp", "fsdp"], "num_processes": 1, "no_tokenizer_row": False,
+                                                "train_flags": "--torch_compile_mode max-autotune-no-cudagraphs"})
+    with pytest.raises(SystemExit, match="recorded"):
+        mfu_table(args, tmp_path, first_launch_only)
+    (config, flags), = launched
+    assert config == "ddp" and "--torch_compile" not in flags
+    assert " --torch_compile_mode max-autotune-no-cudagraphs " in f" {' '.join(flags)} "

@@ -1,0 +1,95 @@
+"""Where a train.py run's time goes: torch.profiler over a few optimizer steps, kernels grouped by kind.
+
+    accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 1 --mixed_precision bf16 \\
+      scripts/profile_run.py --skip_steps 20 --profile_steps 3 [--json out.json] <train.py's flags>
+
+Runs train.py unchanged in this process: a global optimizer-step hook (torch's, so no train.py edit)
+advances the profiler, which records `--profile_steps` optimizer steps after `--skip_steps` (warm-up,
+compilation, autotuning). The main process prints its device's kernels (the CPU's operators on a
+machine without a GPU): the top `--top` by time, then the share of each kind (matrix multiplies,
+attention, loss, other elementwise and reductions, optimizer, communication, copies), as per-step
+milliseconds. That names what a speed lever would have to remove (docs/gpus.md). On a GPU the host runs
+ahead of the device, so the window also holds kernels queued by the steps just before it: read the
+shares and each kernel's time per call, not the step total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.profiler import ProfilerActivity, profile, schedule
+
+REPO = Path(__file__).resolve().parents[1]
+# First match wins: attention before matmul (flash kernels name their gemms), loss before elementwise.
+KINDS = [("communication", r"nccl|allreduce|all_reduce|gloo|broadcast|reduce_scatter|all_gather"),
+         ("attention", r"flash|fmha|attention|sdpa|scaled_dot_product|cudnn.*(mha|sdpa)"),
+         ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|sm90_|triton_tem|aten::(mm|addmm|bmm|matmul|linear)\b"),
+         ("loss", r"cross_entropy|nll_loss|log_softmax|softmax"),
+         ("optimizer", r"adam|multi_tensor|foreach"),
+         ("copies", r"memcpy|memset|aten::(copy_|to|_to_copy|clone|contiguous)\b")]
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if re.search(pattern, name, re.IGNORECASE)),
+                "elementwise and reductions")
+
+
+def kernel_table(events, steps: int, on_gpu: bool, top: int) -> tuple[list[str], dict]:
+    """The top kernels (GPU) or operators (CPU, self time) and the share of each kind, per step."""
+    if on_gpu:  # the kernels themselves (not annotated ranges, such as the profiler's steps, which span them)
+        timed = [(e.key, e.self_device_time_total, e.count) for e in events
+                 if e.device_type.name == "CUDA" and not e.is_user_annotation and not e.key.startswith("ProfilerStep")]
+    else:  # aten's operators, each without the operators it calls
+        timed = [(e.key, e.self_cpu_time_total, e.count) for e in events if e.key.startswith("aten::")]
+    timed = sorted(((name, us / 1000 / steps, count // steps) for name, us, count in timed if us > 0), key=lambda t: -t[1])
+    total = sum(ms for _, ms, _ in timed)
+    kinds: dict[str, float] = {}
+    for name, ms, _ in timed:
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + ms
+    unit = "kernel" if on_gpu else "operator (self CPU time)"
+    lines = [f"{'GPU kernels' if on_gpu else 'CPU operators'}: {total:,.1f} ms per step over {steps} step(s)", "",
+             f"| {unit} | kind | calls/step | ms/step | share |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {name[:90]} | {kind_of(name)} | {calls} | {ms:,.2f} | {ms / total:.1%} |" for name, ms, calls in timed[:top]]
+    lines += ["", "| kind | ms/step | share |", "|---|---:|---:|"]
+    lines += [f"| {kind} | {ms:,.2f} | {ms / total:.1%} |" for kind, ms in sorted(kinds.items(), key=lambda k: -k[1])]
+    return lines, {"ms_per_step": total, "kinds": kinds, "top": [{"name": n, "ms": ms, "calls": c} for n, ms, c in timed[:top]]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--skip_steps", type=int, default=10, help="Optimizer steps before the profile (warm-up).")
+    parser.add_argument("--profile_steps", type=int, default=3, help="Optimizer steps profiled.")
+    parser.add_argument("--top", type=int, default=15, help="Kernels (operators on CPU) listed by time.")
+    parser.add_argument("--json", type=Path, help="Also write the figures here (main process).")
+    ours, train_flags = parser.parse_known_args()
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    main_process = int(os.environ.get("RANK", "0")) == 0
+
+    def report(profiler: profile) -> None:
+        if main_process:
+            lines, figures = kernel_table(profiler.key_averages(), ours.profile_steps, on_gpu, ours.top)
+            print("\n".join(lines), flush=True)
+            if ours.json:
+                ours.json.write_text(json.dumps(figures, indent=1))
+
+    profiler = profile(activities=activities, on_trace_ready=report,
+                       schedule=schedule(wait=max(ours.skip_steps - 1, 0), warmup=1 if ours.skip_steps else 0,
+                                         active=ours.profile_steps, repeat=1))
+    profiler.start()
+    register_optimizer_step_post_hook(lambda *_: profiler.step())
+    sys.argv = [str(REPO / "train.py"), *train_flags]
+    sys.path.insert(0, str(REPO))
+    runpy.run_path(str(REPO / "train.py"), run_name="__main__")  # exits the process itself
+
+
+if __name__ == "__main__":
+    main()
