@@ -8,7 +8,8 @@ advances the profiler, which records `--profile_steps` optimizer steps after `--
 compilation, autotuning). The main process prints its device's kernels (the CPU's operators on a
 machine without a GPU): the top `--top` by time, then the share of each kind (matrix multiplies,
 attention, loss, other elementwise and reductions, optimizer, communication, copies), as per-step
-milliseconds. That names what a speed lever would have to remove (docs/gpus.md). On a GPU the host runs
+milliseconds. That names what a speed lever would have to remove (docs/gpus.md), and
+`--sdpa_backends` tries one (which attention kernels torch may choose) before it becomes a flag. On a GPU the host runs
 ahead of the device, so the window also holds kernels queued by the steps just before it: read the
 shares and each kernel's time per call, not the step total.
 """
@@ -35,6 +36,11 @@ KINDS = [("communication", r"nccl|allreduce|all_reduce|gloo|broadcast|reduce_sca
          ("loss", r"cross_entropy|nll_loss|log_softmax|softmax"),
          ("optimizer", r"adam|multi_tensor|foreach"),
          ("copies", r"memcpy|memset|aten::(copy_|to|_to_copy|clone|contiguous)\b")]
+
+
+# torch picks the first that can run a call (cuDNN's, on Hopper): these switches take the others out of its choice
+SDPA_BACKENDS = {"flash": torch.backends.cuda.enable_flash_sdp, "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
+                 "cudnn": torch.backends.cuda.enable_cudnn_sdp, "math": torch.backends.cuda.enable_math_sdp}
 
 
 def kind_of(name: str) -> str:
@@ -69,7 +75,12 @@ def main() -> None:
     parser.add_argument("--profile_steps", type=int, default=3, help="Optimizer steps profiled.")
     parser.add_argument("--top", type=int, default=15, help="Kernels (operators on CPU) listed by time.")
     parser.add_argument("--json", type=Path, help="Also write the figures here (main process).")
+    parser.add_argument("--sdpa_backends", nargs="+", choices=sorted(SDPA_BACKENDS), help="A lever to try before it "
+                        "becomes a flag: attention may use only these of torch's CUDA backends (default: torch's choice).")
     ours, train_flags = parser.parse_known_args()
+    if ours.sdpa_backends:
+        for name, switch in SDPA_BACKENDS.items():
+            switch(name in ours.sdpa_backends)
     on_gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     main_process = int(os.environ.get("RANK", "0")) == 0

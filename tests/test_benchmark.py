@@ -236,16 +236,19 @@ def test_the_mfu_table_recomputes_every_figure_from_what_train_py_logged(tmp_pat
 
 def test_the_profile_names_where_each_step_goes_without_a_train_py_edit(tmp_path) -> None:
     """scripts/profile_run.py runs train.py unchanged under torch.profiler, advanced by torch's optimizer-step hook:
-    the table lists the operators by time and the kinds add up to the profiled total; train.py ends as usual."""
+    the table lists the operators by time and the kinds add up to the profiled total; train.py ends as usual.
+    Its attention ran on the backends allowed (`--sdpa_backends`): CPU's flash kernel."""
     from tests.conftest import TINY_RUN, launch
 
-    result = launch("single", "scripts/profile_run.py", "--skip_steps", "2", "--profile_steps", "2", "--top", "5",
+    result = launch("single", "scripts/profile_run.py", "--skip_steps", "2", "--profile_steps", "2", "--top", "30",
+                    "--sdpa_backends", "flash", "math",  # on CPU as torch would choose anyway
                     "--json", str(tmp_path / "profile.json"), *TINY_RUN, "--max_steps", "5", "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert sum(profile["kinds"].values()) == pytest.approx(profile["ms_per_step"])
     assert profile["kinds"]["matmul"] > 0 and profile["kinds"]["optimizer"] > 0  # aten::mm, the fused AdamW
-    assert len(profile["top"]) == 5 and [t["ms"] for t in profile["top"]] == sorted((t["ms"] for t in profile["top"]), reverse=True)
+    assert "| aten::_scaled_dot_product_flash_attention_for_cpu | attention |" in result.stdout  # not the math one
+    assert len(profile["top"]) == 30 and [t["ms"] for t in profile["top"]] == sorted((t["ms"] for t in profile["top"]), reverse=True)
     assert f"CPU operators: {profile['ms_per_step']:,.1f} ms per step over 2 step(s)" in result.stdout
     for kind, ms in profile["kinds"].items():
         assert f"| {kind} | {ms:,.2f} | {ms / profile['ms_per_step']:.1%} |" in result.stdout
