@@ -107,6 +107,14 @@ def cache_key(split: Dataset, embedded: str, tokenizer: PreTrainedTokenizerBase,
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
+def task_hint(columns: set[str]) -> str | None:
+    """What to do with data that another installed task reads (a part's `TaskEntry.data_columns`)."""
+    from training.task_registry import task_for_columns  # here: the registry imports the parts
+
+    task = task_for_columns(columns)
+    return f"fine-tune on it with --task {task}" if task else None
+
+
 def check_plain_text(split: Dataset, text_column: str) -> None:
     """The text column holds strings: chat conversations (lists of {role, content}) cannot be packed as text."""
     values = [value for value in split[:100][text_column] if value is not None]
@@ -114,10 +122,8 @@ def check_plain_text(split: Dataset, text_column: str) -> None:
         return
     first = next(value for value in values if not isinstance(value, str))
     if isinstance(first, list) and first and isinstance(first[0], dict) and {"role", "content"} <= first[0].keys():
-        raise DataError(
-            f"--text_column {text_column!r} holds lists of {{role, content}} messages: this is chat data; fine-tune "
-            "on it with --task sft (loss on the answers only, see docs/sft.md)"
-        )
+        raise DataError(f"--text_column {text_column!r} holds lists of {{role, content}} messages: this is chat data; "
+                        + (task_hint({"messages"}) or "no installed --task reads it"))
     raise DataError(f"--text_column {text_column!r} holds {type(first).__name__} values, not text; choose a column of strings")
 
 
@@ -138,11 +144,9 @@ def build_lm_datasets(
     """
     for split in raw.values():
         if text_column not in split.column_names:
-            chat = "messages" in split.column_names or {"prompt", "completion"} <= set(split.column_names)
-            raise DataError(
-                f"text column {text_column!r} not found (columns: {split.column_names}); "
-                + ("this is chat data: fine-tune on it with --task sft" if chat else "set --text_column")
-            )
+            hint = task_hint(set(split.column_names))
+            raise DataError(f"text column {text_column!r} not found (columns: {split.column_names}); "
+                            + (f"this is another task's data: {hint}" if hint else "set --text_column"))
         check_plain_text(split, text_column)
     cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "packed"
     cache_dir.mkdir(parents=True, exist_ok=True)

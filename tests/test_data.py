@@ -114,19 +114,39 @@ def test_a_missing_text_column_is_named(tmp_path, tokenizer, text_documents) -> 
         build_lm_datasets(raw, tokenizer, "body", block_size=32)
 
 
+@pytest.mark.parts("sft")
+def test_another_tasks_data_names_that_task(tmp_path, tokenizer) -> None:
+    """Prompt/completion records given to the causal LM: the message names the task whose data they are."""
+    train_file = tmp_path / "pairs.jsonl"
+    train_file.write_text("\n".join(json.dumps({"prompt": f"q {i}", "completion": "a"}) for i in range(40)))
+    raw = load_raw_datasets(None, None, str(train_file), None, 10, seed=0)
+    with pytest.raises(DataError, match=re.escape("columns: ['prompt', 'completion']); this is another task's data: "
+                                                  "fine-tune on it with --task sft")):
+        build_lm_datasets(raw, tokenizer, "text", block_size=32)
+
+
 def test_default_corpus_is_deterministic_and_held_out() -> None:
     assert generate_documents(50, seed=3) == generate_documents(50, seed=3)
     splits = default_splits(num_train=2000, num_validation=100)
     assert not set(splits["validation"]) & set(splits["train"])
 
 
+CHAT = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]} for i in range(40)]
+
+
 @pytest.mark.parametrize(
-    ("records", "message"),
-    [([{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]} for i in range(40)],
-      "'messages' holds lists of {role, content} messages: this is chat data; fine-tune on it with --task sft"),
-     ([{"messages": i} for i in range(40)], "'messages' holds int values, not text")],
+    ("records", "core_only", "message"),
+    [pytest.param(CHAT, False, "'messages' holds lists of {role, content} messages: this is chat data; fine-tune on it "
+                  "with --task sft", marks=pytest.mark.parts("sft")),  # the task that reads it, named by its part
+     (CHAT, True, "'messages' holds lists of {role, content} messages: this is chat data; no installed --task reads it"),
+     ([{"messages": i} for i in range(40)], False, "'messages' holds int values, not text")],
 )
-def test_a_text_column_that_does_not_hold_text_is_named(tmp_path, tokenizer, records, message) -> None:
+def test_a_text_column_that_does_not_hold_text_is_named(tmp_path, tokenizer, monkeypatch, records, core_only, message) -> None:
+    """A column of chat messages names the installed task that reads them (a part's TaskEntry.data_columns), if any."""
+    if core_only:  # as in a project without the parts (scripts/new_project.py)
+        from training import task_registry
+
+        monkeypatch.setattr(task_registry, "tasks", lambda: task_registry.CORE_TASKS)
     train_file = tmp_path / "chat.jsonl"
     train_file.write_text("\n".join(json.dumps(record) for record in records))
     raw = load_raw_datasets(None, None, str(train_file), None, 10, seed=0)

@@ -132,7 +132,8 @@ STAGE_MISTAKES = {
         ["--max_grad_norm", "0.5"], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "{clipping.json}"},
         "gradient_clipping is 1.0 in the DeepSpeed JSON but --max_grad_norm is 0.5",
     ),
-    "chat data in the text column": (["--train_file", "{chat.jsonl}"], {}, "this is chat data; fine-tune on it with --task sft"),
+    "chat data in the text column": pytest.param(["--train_file", "{chat.jsonl}"], {}, "this is chat data; fine-tune on it with --task sft",
+                                                 marks=pytest.mark.parts("sft")),
     "too little data to hold out a validation split": (
         ["--train_file", "{one.txt}"], {}, "1 training examples cannot give up --validation_split_percentage 5"
     ),

@@ -60,10 +60,10 @@ def test_the_first_hour_plan_train_with_a_tracker_and_open_the_report(tmp_path) 
     events = EventAccumulator(str(tmp_path / "run" / "runs" / "run"))
     events.Reload()
     assert "loss" in events.Tags()["scalars"]
-    assert imread(tmp_path / "run" / "report.png").shape == (800, 1200, 4)
+    assert imread(tmp_path / "run" / "report.png").shape == (800, 1800, 4)
     first_hour = GETTING_STARTED.split("## Your first hour")[1].split("\n## ")[0]
     picture = re.search(r"!\[[^]]*\]\(([^)]+)\)", first_hour).group(1)  # the example report shown there
-    assert imread(DOCS / picture).shape == (800, 1200, 4)
+    assert imread(DOCS / picture).shape == (800, 1800, 4)
 
 
 @pytest.mark.quick

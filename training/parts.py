@@ -71,6 +71,7 @@ class TaskEntry:
     configs: Mapping[str, object]  # what --model_config may name for this task (e.g. models/configs.py)
     default_config: str
     own_flags: tuple[str, ...] = ()  # only this task (and others listing them) reads these; set for another, they are refused
+    data_columns: tuple[frozenset[str], ...] = ()  # column sets that mark a dataset as this task's (named when another task is given it)
 
     def load(self) -> type:
         """The training.tasks.Task subclass (training/parts.py imports no task: tasks import the parts' hooks)."""

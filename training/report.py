@@ -1,6 +1,6 @@
 """`output_dir/report.png`: training and eval loss, learning rate, throughput and gradient norm
-against step (and, for `--task sft`, held-out exact match), drawn from `output_dir/metrics.jsonl`
-at the end of every run.
+against step, then one panel per other evaluation metric the run logged (`eval_accuracy`, and any
+a task adds), drawn from `output_dir/metrics.jsonl` at the end of every run.
 
     python -m training.report outputs/default      # redraw it for any run directory
 """
@@ -13,13 +13,19 @@ from pathlib import Path
 
 from training.metrics import read_metrics
 
-PANELS = (  # (title, [(metrics key, label, style)], log scale)
+CORE_PANELS = (  # (title, [(metrics key, label, style)], log scale)
     ("loss", [("loss", "train", "-"), ("eval_loss", "eval", "o-")], True),
     ("learning rate", [("lr", "lr", "-")], False),
     ("throughput (all ranks)", [("tokens_per_sec", "tokens/s", "-"), ("samples_per_sec", "samples/s", "-")], False),
     ("gradient norm (before clipping)", [("grad_norm", "grad norm", "-")], True),
-    ("held-out answers (greedy, exact match)", [("eval_exact_match", "exact match", "o-")], False),  # --task sft
 )
+
+
+def metric_panels(records: list[dict]) -> tuple:
+    """A panel per evaluation metric beyond the loss that the run logged: a task's new metric
+    (`Task.eval_metrics`, named eval_*) is drawn with no edit here."""
+    keys = sorted({key for record in records for key in record if key.startswith("eval_") and key != "eval_loss"})
+    return tuple((f"held out: {key.removeprefix('eval_').replace('_', ' ')}", [(key, key, "o-")], False) for key in keys)
 
 
 def write_report(output_dir: str | Path, title: str = "") -> Path:
@@ -30,8 +36,7 @@ def write_report(output_dir: str | Path, title: str = "") -> Path:
     records = read_metrics(output_dir)
     # The object API: no pyplot, no display. Fixed margins: matplotlib's constrained layout
     # takes longer than drawing the panels (0.7 s of 1.5 s at the end of every run).
-    # The first four panels always; the others when the run logged what they show.
-    panels = PANELS[:4] + tuple(p for p in PANELS[4:] if any(key in r for r in records for key, _, _ in p[1]))
+    panels = CORE_PANELS + metric_panels(records)
     columns = (len(panels) + 1) // 2
     figure = Figure(figsize=(6 * columns, 8))
     figure.subplots_adjust(left=0.09 * 2 / columns, right=0.98, bottom=0.07, top=0.9, hspace=0.35, wspace=0.25)

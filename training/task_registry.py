@@ -37,6 +37,11 @@ def tasks() -> dict[str, TaskEntry]:
             for name, entry in {**CORE_TASKS, **part_tasks()}.items()}
 
 
+def task_for_columns(columns: set[str]) -> str | None:
+    """The installed `--task` whose data has these columns (`TaskEntry.data_columns`), for a message that names it."""
+    return next((name for name, entry in tasks().items() if any(marks <= columns for marks in entry.data_columns)), None)
+
+
 def build_task(model_args, data_args) -> Task:
     """The `Task` that `--task` names, built from the parsed flags."""
     return tasks()[model_args.task].load()(model_args, data_args)

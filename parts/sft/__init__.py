@@ -49,5 +49,6 @@ PART = Part(
     data_flags=SftFlags, run_inputs=("chat_template",), check_flags=check_flags,
     tasks={"sft": TaskEntry("parts.sft.task:SupervisedFineTuning", NAMED_CONFIGS, "llama-small",
                             (*TEXT_FLAGS, "chat_template", "assistant_only_loss", "completion_only_loss", "max_length",
-                             "truncation_mode", "eval_generation_samples"))},
+                             "truncation_mode", "eval_generation_samples"),
+                            data_columns=(frozenset({"messages"}), frozenset({"prompt", "completion"})))},
 )
