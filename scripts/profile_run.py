@@ -55,18 +55,19 @@ def kernel_table(events, steps: int, on_gpu: bool, top: int) -> tuple[list[str],
                  if e.device_type.name == "CUDA" and not e.is_user_annotation and not e.key.startswith("ProfilerStep")]
     else:  # aten's operators, each without the operators it calls
         timed = [(e.key, e.self_cpu_time_total, e.count) for e in events if e.key.startswith("aten::")]
-    timed = sorted(((name, us / 1000 / steps, count // steps) for name, us, count in timed if us > 0), key=lambda t: -t[1])
-    total = sum(ms for _, ms, _ in timed)
+    timed = sorted(((name, us / 1000 / steps, count // steps, kind_of(name)) for name, us, count in timed if us > 0),
+                   key=lambda t: -t[1])
+    total = sum(ms for _, ms, _, _ in timed)
     kinds: dict[str, float] = {}
-    for name, ms, _ in timed:
-        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + ms
+    for _, ms, _, kind in timed:
+        kinds[kind] = kinds.get(kind, 0.0) + ms
     unit = "kernel" if on_gpu else "operator (self CPU time)"
     lines = [f"{'GPU kernels' if on_gpu else 'CPU operators'}: {total:,.1f} ms per step over {steps} step(s)", "",
              f"| {unit} | kind | calls/step | ms/step | share |", "|---|---|---:|---:|---:|"]
-    lines += [f"| {name[:90]} | {kind_of(name)} | {calls} | {ms:,.2f} | {ms / total:.1%} |" for name, ms, calls in timed[:top]]
+    lines += [f"| {name[:90]} | {kind} | {calls} | {ms:,.2f} | {ms / total:.1%} |" for name, ms, calls, kind in timed[:top]]
     lines += ["", "| kind | ms/step | share |", "|---|---:|---:|"]
     lines += [f"| {kind} | {ms:,.2f} | {ms / total:.1%} |" for kind, ms in sorted(kinds.items(), key=lambda k: -k[1])]
-    return lines, {"ms_per_step": total, "kinds": kinds, "top": [{"name": n, "ms": ms, "calls": c} for n, ms, c in timed[:top]]}
+    return lines, {"ms_per_step": total, "kinds": kinds, "top": [{"name": n, "ms": ms, "calls": c} for n, ms, c, _ in timed[:top]]}
 
 
 def main() -> None:

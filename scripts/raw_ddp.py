@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--per_device_train_batch_size", type=int, default=8)
     parser.add_argument("--block_size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5, help="Steps left out of the median.")
+    parser.add_argument("--warmup", type=int, default=5, help="Steps left out of the rate (the first: start-up).")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast, as accelerate's --mixed_precision bf16.")
     parser.add_argument("--bf16_weights", action="store_true",
                         help="Instead of autocast, bf16 parameters (as FSDP2's and DeepSpeed's bf16 modes compute): "

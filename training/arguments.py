@@ -170,6 +170,11 @@ FIELD_DEFAULTS = {f.name: f.default if f.default_factory is MISSING else f.defau
                   for cls in ALL_ARGUMENT_CLASSES for f in fields(cls)}
 
 
+def flags_set(settings, names: tuple[str, ...]) -> list[str]:
+    """Those of `names` that the parsed `settings` hold away from their defaults (options given without their switch)."""
+    return [name for name in names if getattr(settings, name) != FIELD_DEFAULTS[name]]
+
+
 def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> None:
     """The named config belongs to the task (default: the task's own), and no flag is meant for the other task."""
     task = model_args.task

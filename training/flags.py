@@ -14,7 +14,7 @@ from transformers.hf_argparser import HfArgumentParser
 from training.task_registry import tasks
 from training.errors import ArgumentError
 from training.optim import OPTIMIZERS
-from training.parts import part_data_flags, part_flags, part_model_flags
+from training.parts import part_flags
 
 class FlagParser(HfArgumentParser):
     """`HfArgumentParser` whose own errors (an unknown choice, a missing value) are ArgumentErrors:
@@ -31,7 +31,7 @@ COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-
 @dataclass
 class CoreModelArguments:
     task: str = field(default="causal-lm", metadata={
-        "help": "What to learn: next-token text, or image labels.", "choices": list(tasks())})
+        "help": "What to learn: the core's next-token text, or a task an installed part adds.", "choices": list(tasks())})
     model_name_or_path: str | None = field(default=None, metadata={
         "help": "Hub id or local directory of a pretrained model for --task. Unset: train from scratch."})
     model_config: str | None = field(
@@ -164,12 +164,12 @@ class CoreTrainArguments:
 
 
 @dataclass
-class ModelArguments(*part_model_flags(), CoreModelArguments):
+class ModelArguments(*part_flags("model_flags"), CoreModelArguments):
     """The core's model flags, then every installed part's."""
 
 
 @dataclass
-class DataArguments(*part_data_flags(), CoreDataArguments):
+class DataArguments(*part_flags("data_flags"), CoreDataArguments):
     """The core's data flags, then every installed part's."""
 
 

@@ -172,19 +172,10 @@ def installed_parts() -> tuple[Part, ...]:
     return tuple(found)
 
 
-def part_flags() -> tuple[type, ...]:
-    """The parts' flag dataclasses, mixed into TrainArguments (training/flags.py)."""
-    return tuple(part.flags for part in installed_parts() if part.flags is not None)
-
-
-def part_model_flags() -> tuple[type, ...]:
-    """The parts' model-flag dataclasses, mixed into ModelArguments (training/flags.py)."""
-    return tuple(part.model_flags for part in installed_parts() if part.model_flags is not None)
-
-
-def part_data_flags() -> tuple[type, ...]:
-    """The parts' data-flag dataclasses, mixed into DataArguments (training/flags.py)."""
-    return tuple(part.data_flags for part in installed_parts() if part.data_flags is not None)
+def part_flags(kind: str = "flags") -> tuple[type, ...]:
+    """The parts' flag dataclasses of one `kind` (`flags`, `model_flags`, `data_flags`), mixed into TrainArguments,
+    ModelArguments and DataArguments (training/flags.py)."""
+    return tuple(flags for part in installed_parts() if (flags := getattr(part, kind)) is not None)
 
 
 def part_tasks() -> dict[str, TaskEntry]:

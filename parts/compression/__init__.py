@@ -32,15 +32,14 @@ class CompressionFlags:
 def check_flags(model_args, data_args, args) -> None:
     """--power_sgd_* set PowerSGD, and PowerSGD needs two plain steps first (torch's rule with error feedback);
     a model split over processes (pipeline stages) has no DDP buckets to hook."""
-    from training.arguments import FIELD_DEFAULTS, split_model
+    from training.arguments import flags_set, split_model
 
     if args.ddp_comm_hook and (split := split_model(model_args, args)):
         raise ArgumentError(f"--ddp_comm_hook with {split} is not supported (DDP's gradient buckets are hooked "
                             "where every process holds the whole model); drop it, or train without the split")
     if "power_sgd" not in (args.ddp_comm_hook or ""):
-        for flag in ("power_sgd_rank", "power_sgd_start_step"):
-            if getattr(args, flag) != FIELD_DEFAULTS[flag]:
-                raise ArgumentError(f"--{flag} is for --ddp_comm_hook power_sgd or batched_power_sgd: add one, or drop it")
+        if given := flags_set(args, ("power_sgd_rank", "power_sgd_start_step")):
+            raise ArgumentError(f"--{given[0]} is for --ddp_comm_hook power_sgd or batched_power_sgd: add one, or drop it")
     if args.power_sgd_rank < 1 or args.power_sgd_start_step < 2:
         raise ArgumentError(f"--power_sgd_rank must be >= 1 and --power_sgd_start_step >= 2; got "
                             f"{args.power_sgd_rank}, {args.power_sgd_start_step}")

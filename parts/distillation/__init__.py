@@ -34,12 +34,11 @@ class DistillationFlags:
 def check_flags(model_args, data_args, args) -> None:
     """The distillation settings need a teacher, and the teacher a data-parallel layout, which places it as it
     places the student."""
-    from training.arguments import FIELD_DEFAULTS, split_model
+    from training.arguments import flags_set, split_model
 
     if not args.teacher_model_name_or_path:
-        for flag in ("distillation_alpha", "distillation_temperature", "distillation_loss"):
-            if getattr(args, flag) != FIELD_DEFAULTS[flag]:
-                raise ArgumentError(f"--{flag} is for distillation: add --teacher_model_name_or_path, or drop it")
+        if given := flags_set(args, ("distillation_alpha", "distillation_temperature", "distillation_loss")):
+            raise ArgumentError(f"--{given[0]} is for distillation: add --teacher_model_name_or_path, or drop it")
         return
     if not 0 <= args.distillation_alpha <= 1:
         raise ArgumentError(f"--distillation_alpha weighs the teacher loss against the label loss: it must be in [0, 1], "

@@ -39,12 +39,11 @@ FLAGS = tuple(f.name for f in fields(LoraFlags))  # --use_peft first
 
 def check_flags(model_args, data_args, args) -> None:
     """LoRA adapts a pretrained language model, in one process per device group; its flags need --use_peft."""
-    from training.arguments import FIELD_DEFAULTS, split_model  # not at import: training/flags.py imports the parts
+    from training.arguments import flags_set, split_model  # not at import: training/flags.py imports the parts
 
     if not model_args.use_peft:
-        for flag in FLAGS[1:]:  # the adapter's settings
-            if getattr(model_args, flag) != FIELD_DEFAULTS[flag]:
-                raise ArgumentError(f"--{flag} is for adapters: add --use_peft, or drop it")
+        if given := flags_set(model_args, FLAGS[1:]):  # the adapter's settings
+            raise ArgumentError(f"--{given[0]} is for adapters: add --use_peft, or drop it")
         return
     if not model_args.model_name_or_path:
         raise ArgumentError("--use_peft trains an adapter on a pretrained model's frozen weights: give "
