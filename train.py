@@ -40,7 +40,7 @@ from training.errors import EXIT_UNEXPECTED, Preempted, ending
 from training.evaluation import evaluate
 from training.loss import NonFiniteGuard, accumulation_windows
 from training.metrics import MetricsLogger, print_summary, write_summary
-from training.parts import after_export
+from training.parts import each
 from training.preemption import install_stop_handlers
 from training.prelude import after_imports
 from training.process_exit import exit_process
@@ -208,7 +208,7 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
         write_summary(run.args.output_dir, summary)
         if run.args.report_png:
             write_report(run.args.output_dir, run.title)
-        after_export(final_dir, run.task.processor, run.model_args, run.args)  # the parts' (a merged adapter)
+        each("after_export", final_dir, run.task.processor, run.model_args, run.args)  # the parts' (a merged adapter)
         print_summary(summary, final_dir, run.task)
 
 

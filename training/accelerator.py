@@ -19,7 +19,7 @@ from accelerate.utils import DistributedDataParallelKwargs, DistributedType, Ini
 
 from training.collectives import nccl_timeouts_raise
 from training.cpu_accommodations import cpu_process_group
-from training.parts import check_launch, ddp_settings
+from training.parts import each, merged
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import optimizer_offload_device
 from training.tensor_parallel import data_parallel_size, tensor_parallel_size
@@ -39,7 +39,7 @@ def build_accelerator(args, **accelerator_kwargs) -> Accelerator:
     timeout = timedelta(seconds=args.ddp_timeout)
     on_cpu = not has_accelerator_device()
     check_launch_config(strategy, on_cpu)
-    check_launch(args, strategy, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
+    each("check_launch", args, strategy, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
     if not on_cpu:
         nccl_timeouts_raise()
     cpu, backend = cpu_process_group(strategy, timeout) if on_cpu else (False, InitProcessGroupKwargs.backend)
@@ -48,7 +48,7 @@ def build_accelerator(args, **accelerator_kwargs) -> Accelerator:
     # and buffers are not copied from rank 0 before each forward: BatchNorm statistics are
     # averaged instead, on every strategy alike (training/batchnorm.py). Then the parts' settings.
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False,
-                                        **ddp_settings(args, on_cpu))
+                                        **merged("ddp_settings", args, on_cpu))
     return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
 
 

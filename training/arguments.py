@@ -26,8 +26,7 @@ from training.flags import (ALL_ARGUMENT_CLASSES, KNOWN_KEYS, ArgumentError, Dat
                             TrainArguments, build_parser)
 from training.metrics import resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
-from training.parts import check_flags, run_inputs, text_sources
-from training.parts import model_splits as part_model_splits
+from training.parts import each, found, run_inputs
 from training.task_registry import tasks
 
 
@@ -118,7 +117,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
         raise ArgumentError("--validation_file needs --train_file")
     check_task_flags(model_args, data_args)
     check_compile_flags(train_args)
-    check_flags(model_args, data_args, train_args)  # the parts' (training/parts.py)
+    each("check_flags", model_args, data_args, train_args)  # the parts' (training/parts.py)
     if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
         # absolute: an exported adapter names its base model by this path, to be found from anywhere
         model_args.model_name_or_path = str(Path(model_args.model_name_or_path).resolve())
@@ -189,7 +188,7 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
             raise ArgumentError(f"--{flag} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")
     if data_args.dataset_name and data_args.train_file:
         raise ArgumentError("--dataset_name and --train_file exclude each other; give one")
-    if len(sources := text_sources(data_args)) > 1:  # the parts' sources of text (a stream, pre-tokenised shards)
+    if len(sources := found("text_source", data_args)) > 1:  # the parts' sources of text (a stream, pre-tokenised shards)
         raise ArgumentError(f"{sources[0].flag} with {sources[1].flag} is not supported: give one source of training text")
     if model_args.config_overrides and model_args.model_name_or_path:
         raise ArgumentError("--config_overrides changes a --model_config trained from scratch: drop it or --model_name_or_path")
@@ -199,7 +198,7 @@ def model_splits(model_args: ModelArguments, train_args: TrainArguments) -> list
     """What splits one model over several processes or devices: the parts' flags (--device_map, pipeline stages),
     then tensor parallelism; features that need whole models per process refuse to combine with them."""
     tensor_parallel = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1
-    return [*part_model_splits(model_args, train_args), *(["tensor parallelism (fsdp_tp.yaml)"] if tensor_parallel else [])]
+    return [*found("model_split", model_args, train_args), *(["tensor parallelism (fsdp_tp.yaml)"] if tensor_parallel else [])]
 
 
 def split_model(model_args: ModelArguments, train_args: TrainArguments) -> str | None:

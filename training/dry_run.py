@@ -32,7 +32,9 @@ from training.memory_plan import (
     working_bytes,
 )
 from training.optim import global_batch_size, optimizer_for, run_length, warmup_steps
-from training.parts import adapt_model, check_launch, dry_run_lines, held_parameters, processes_per_replica
+import math
+
+from training.parts import each, found, through
 from training.performance import compute_dtype, parameter_count
 from training.task_registry import build_task
 
@@ -62,12 +64,12 @@ def dry_run(model_args, data_args, args) -> str | None:
     strategy, processes = requested_strategy(), int(os.environ.get("WORLD_SIZE", "1"))
     # Planned on a login node for GPU machines: check as on a GPU, and say what this machine would refuse.
     check_launch_config(strategy, on_cpu=False)
-    check_launch(args, strategy, processes, on_cpu=False)  # the parts' (training/parts.py)
+    each("check_launch", args, strategy, processes, False)  # the parts' (training/parts.py)
     cpu_note = ""
     if not has_accelerator_device():
         try:
             check_launch_config(strategy, on_cpu=True)
-            check_launch(args, strategy, processes, on_cpu=True)
+            each("check_launch", args, strategy, processes, True)
         except StrategyError as error:
             cpu_note = f"\nnote:            no GPU here; on CPU machines the run would stop: {error}"
     layout = launched_layout(strategy, args)
@@ -76,16 +78,16 @@ def dry_run(model_args, data_args, args) -> str | None:
 
     task = build_task(model_args, data_args)
     raw = task.load_raw_datasets(args.seed)
-    model = adapt_model(task.build_model(raw), model_args, args)  # the parts' (an adapter), as set-up does
+    model = through("adapt_model", task.build_model(raw), model_args, args)  # the parts' (an adapter), as set-up does
     train_set, eval_set = task.datasets(raw, nullcontext())
-    data_parallel = processes // layout.tp_size // processes_per_replica(args)
+    data_parallel = processes // layout.tp_size // math.prod(each("processes_per_replica", args))
     global_batch = global_batch_size(args, data_parallel)
     steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
 
     offloaded = layout.deepspeed and layout.offload_optimizer  # ZeRO steps the optimizer on the CPU
     dtype = compute_dtype(mixed_precision)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    held = held_parameters(model, args) or parameter_count(model)  # the most on one process (a part may cut the model)
+    held = next(iter(found("held_parameters", model, args)), None) or parameter_count(model)  # the most on one process (a part may cut the model)
     state = model_state(layout, held, processes, dtype.itemsize, trainable * held // parameter_count(model))
     memory = (f"model state {(state['parameters'] + state['gradients'] + state['optimizer']) / MIB:,.1f} MiB "
               f"(parameters {state['parameters'] / MIB:,.1f}, gradients {state['gradients'] / MIB:,.1f}, "
@@ -96,7 +98,7 @@ def dry_run(model_args, data_args, args) -> str | None:
                                        model_args.gradient_checkpointing)
         memory += (f", activations ~{activations / MIB:,.1f} MiB and working buffers "
                    f"~{working_bytes(layout, shape, dtype.itemsize) / MIB:,.1f} MiB (estimates)")
-    memory += "".join(f"\n{line}" for line in dry_run_lines(task, args, strategy, processes, dtype.itemsize))
+    memory += "".join(f"\n{line}" for lines in each("dry_run_lines", task, args, strategy, processes, dtype.itemsize) for line in lines)
     return (
         "\n===== dry run: checked, nothing trained =====\n"
         f"launch:          {layout.strategy}, {processes} process(es), {data_parallel} data-parallel, "

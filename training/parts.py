@@ -27,19 +27,19 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   adapters, layouts and `prepare` (kernels swapped in, modules rewritten).
 - `adapt_model(model, model_args, args) -> model`: after the seed (every rank draws alike), before tensor
   parallelism and `prepare`: parameters added or frozen (an adapter). The dry run calls it too.
-- `wrap_model(accelerator, model, args) -> model`: the model built and laid out, kept, or replaced by
+- `wrap_model(model, accelerator, args) -> model`: the model built and laid out, kept, or replaced by
   a `ModelRunner` (below) that runs it; `checkpoint_layout(args) -> dict` names how it is cut, which
   a checkpoint records and a resume must match; `held_parameters(model, args) -> int | None` is the
   most parameters one process then holds (the dry run's plan).
-- `training_objective(objective, accelerator, task, strategy, args) -> (objective, figures or None)`:
-  the micro-step's per-example loss sums `objective(model, batch)`, kept or replaced (distillation);
-  after `prepare`. `figures(steps_run)`, called on every rank at the end, adds to summary.json.
-- `micro_batch(accelerator, task, objective, train_set, args, prepare_training, loader_for, prepared, resumed)
+- `training_objective(objective, accelerator, task, strategy, args) -> (objective, figures or None)`: the
+  micro-step's per-example loss sums `objective(model, batch)`, kept or replaced (distillation); after `prepare`.
+- `micro_batch(prepared, accelerator, task, objective, train_set, args, prepare_training, loader_for, resumed)
   -> prepared`: the prepared (model, optimizer, train and eval loaders, scheduler, torch optimizer), kept or
   prepared again for another micro-batch (`prepare_training(module)`, `loader_for(micro_batch)`; the search for
   one that fits).
 - `after_prepare(accelerator, model, args) -> figures or None`: the prepared model, before the first
-  step (hooks registered, state added to checkpoints).
+  step (hooks registered, state added to checkpoints). `figures(steps_run)`, called on every rank at the end,
+  adds to summary.json.
 - `after_export(final_dir, processor, model_args, args)`: on the main process, once `final/` is written
   (a merged model beside an adapter).
 - `dry_run_lines(task, args, strategy, processes, compute_bytes) -> list[str]`: lines the dry run's
@@ -150,7 +150,7 @@ class Part:
     ddp_settings: Callable[[Any, bool], dict] | None = None
     convert_model: Callable[[torch.nn.Module, Accelerator, Any], torch.nn.Module] | None = None
     adapt_model: Callable[[torch.nn.Module, Any, Any], torch.nn.Module] | None = None
-    wrap_model: Callable[[Accelerator, torch.nn.Module, Any], torch.nn.Module] | None = None
+    wrap_model: Callable[[torch.nn.Module, Accelerator, Any], torch.nn.Module] | None = None
     checkpoint_layout: Callable[[Any], dict[str, int]] | None = None
     held_parameters: Callable[[torch.nn.Module, Any], int | None] | None = None
     training_objective: Callable[..., tuple[Callable, Callable[[int], dict] | None]] | None = None
@@ -197,125 +197,31 @@ def run_inputs() -> tuple[str, ...]:
     return tuple(flag for part in installed_parts() for flag in part.run_inputs)
 
 
+# The core calls a hook point by its name (a field of `Part`) through one of these.
+
+
 def filled(hook: str) -> list[Callable]:
     """The `hook` of every installed part that fills it, in name order."""
     return [function for part in installed_parts() if (function := getattr(part, hook)) is not None]
 
 
-def check_flags(model_args, data_args, args) -> None:
-    """Each part's `check_flags` hook (the parsed ModelArguments, DataArguments and TrainArguments)."""
-    for hook in filled("check_flags"):
-        hook(model_args, data_args, args)
+def each(hook: str, *args) -> list:
+    """What every installed part's `hook` returns for `args`, in name order."""
+    return [function(*args) for function in filled(hook)]
 
 
-def check_launch(args, strategy: Strategy, processes: int, on_cpu: bool) -> None:
-    """Each part's `check_launch` hook: the configured strategy and process count, and whether on CPU."""
-    for hook in filled("check_launch"):
-        hook(args, strategy, processes, on_cpu)
+def found(hook: str, *args) -> list:
+    """`each`'s answers that are not None or empty (the text sources, the loaders, the splits the flags chose)."""
+    return [answer for answer in each(hook, *args) if answer]
 
 
-def resuming(accelerator: Accelerator, args, checkpoint) -> None:
-    """Each part's `resuming` hook, before a resumed run builds its model."""
-    for hook in filled("resuming"):
-        hook(accelerator, args, checkpoint)
+def through(hook: str, value, *args):
+    """`value` passed through every part's `hook` in turn: `value = hook(value, *args)` (a model converted)."""
+    for function in filled(hook):
+        value = function(value, *args)
+    return value
 
 
-def text_sources(data_args) -> list[TextSource]:
-    """The parts' text sources the flags choose (more than one: refused as the flags are checked)."""
-    return [source for hook in filled("text_source") if (source := hook(data_args)) is not None]
-
-
-def train_loader(accelerator: Accelerator, train_set, task, args, workers: int):
-    """The first part's loader for `train_set`, or None: the core's DataLoader reads it."""
-    return next((loader for hook in filled("train_loader")
-                 if (loader := hook(accelerator, train_set, task, args, workers)) is not None), None)
-
-
-def model_splits(model_args, args) -> list[str]:
-    """The parts' flags that split one model over several processes or devices, as set."""
-    return [split for hook in filled("model_split") if (split := hook(model_args, args))]
-
-
-def processes_per_replica(args) -> int:
-    """Processes that read the same batches, as the parts lay a replica out (1: every process reads its own)."""
-    processes = 1
-    for hook in filled("processes_per_replica"):
-        processes *= hook(args)
-    return processes
-
-
-def ddp_settings(args, on_cpu: bool) -> dict:
-    """The parts' DDP settings, merged (a later part's value for the same field wins)."""
-    settings = {}
-    for hook in filled("ddp_settings"):
-        settings |= hook(args, on_cpu)
-    return settings
-
-
-def convert_model(model: torch.nn.Module, accelerator: Accelerator, args) -> torch.nn.Module:
-    """Each part's `convert_model` hook in turn."""
-    for hook in filled("convert_model"):
-        model = hook(model, accelerator, args)
-    return model
-
-
-def adapt_model(model: torch.nn.Module, model_args, args) -> torch.nn.Module:
-    """Each part's `adapt_model` hook in turn."""
-    for hook in filled("adapt_model"):
-        model = hook(model, model_args, args)
-    return model
-
-
-def wrap_model(accelerator: Accelerator, model: torch.nn.Module, args) -> torch.nn.Module:
-    """Each part's `wrap_model` hook in turn."""
-    for hook in filled("wrap_model"):
-        model = hook(accelerator, model, args)
-    return model
-
-
-def checkpoint_layout(args) -> dict[str, int]:
-    """How the parts cut the model, merged: what a checkpoint records and a resume must match."""
-    layout = {}
-    for hook in filled("checkpoint_layout"):
-        layout |= hook(args)
-    return layout
-
-
-def held_parameters(model: torch.nn.Module, args) -> int | None:
-    """The most parameters one process holds, where a part cuts the model (None: each holds all of them)."""
-    return next((held for hook in filled("held_parameters") if (held := hook(model, args)) is not None), None)
-
-
-def training_objective(objective: Callable, accelerator: Accelerator, task, strategy: Strategy,
-                       args) -> tuple[Callable, list[Callable[[int], dict]]]:
-    """The objective after each part's `training_objective` hook; the parts' summary figures."""
-    figures = []
-    for hook in filled("training_objective"):
-        objective, figure = hook(objective, accelerator, task, strategy, args)
-        figures += [figure] if figure is not None else []
-    return objective, figures
-
-
-def micro_batch(accelerator: Accelerator, task, objective: Callable, train_set, args, prepare_training: Callable,
-                loader_for: Callable, prepared: tuple, resumed: bool) -> tuple:
-    """The prepared objects after each part's `micro_batch` hook."""
-    for hook in filled("micro_batch"):
-        prepared = hook(accelerator, task, objective, train_set, args, prepare_training, loader_for, prepared, resumed)
-    return prepared
-
-
-def after_prepare(accelerator: Accelerator, model: torch.nn.Module, args) -> list[Callable[[int], dict]]:
-    """Each part's `after_prepare` hook; returns the parts' summary figures, each a function of the steps run."""
-    figures = (hook(accelerator, model, args) for hook in filled("after_prepare"))
-    return [figure for figure in figures if figure is not None]
-
-
-def after_export(final_dir, processor, model_args, args) -> None:
-    """Each part's `after_export` hook (main process)."""
-    for hook in filled("after_export"):
-        hook(final_dir, processor, model_args, args)
-
-
-def dry_run_lines(task, args, strategy: Strategy, processes: int, compute_bytes: int) -> list[str]:
-    """The lines every part adds to the dry run's plan."""
-    return [line for hook in filled("dry_run_lines") for line in hook(task, args, strategy, processes, compute_bytes)]
+def merged(hook: str, *args) -> dict:
+    """The dicts every part's `hook` returns, merged (a later part's value for the same key wins)."""
+    return {key: value for answer in each(hook, *args) for key, value in answer.items()}

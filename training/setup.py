@@ -5,6 +5,7 @@ the model built and laid out, the data loaders, `prepare`, a resumed state, the 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -31,9 +32,7 @@ from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
-from training.parts import (ModelRunner, adapt_model, after_prepare, checkpoint_layout, convert_model, micro_batch,
-                            processes_per_replica, resuming, training_objective, wrap_model)
-from training.parts import train_loader as part_train_loader
+from training.parts import ModelRunner, each, filled, found, merged, through
 from training.performance import SpeedMeter, compute_dtype, model_state_probe, parameter_count, peak_flops
 from training.loss import forward_backward as data_parallel_forward_backward
 from training.loss import label_loss_sums
@@ -98,7 +97,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     stop_requests.connect(accelerator, args.ddp_timeout)  # from now on ranks agree on a stop
     resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir, accelerator)
     if resume_path:
-        resuming(accelerator, args, resume_path)  # the parts' hook: settings the checkpoint recorded
+        each("resuming", accelerator, args, resume_path)  # the parts' hook: settings the checkpoint recorded
     set_seed(args.seed)  # identical initial weights on every rank and strategy
 
     task = build_task(model_args, data_args)
@@ -107,13 +106,14 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         raw = task.load_raw_datasets(args.seed)
     model = build_model(accelerator, task, raw, model_args, args)
     num_parameters = parameter_count(model)
-    model = wrap_model(accelerator, model, args)  # a part may lay the model out (layers over GPUs) or run it itself
+    model = through("wrap_model", model, accelerator, args)  # a part may lay the model out (layers over GPUs) or run it itself
     # (pipeline stages: a ModelRunner). Several devices: a part split the layers over this process's GPUs
     devices = sorted({p.device for p in model.parameters() if p.device.type == accelerator.device.type}, key=str)
     if warning := idle_gpu_warning(accelerator, owns_every_gpu=len(devices) > 1):  # then none of them is idle
         logger.warning(warning, main_process_only=True)
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
-    replicas = data_parallel_size(accelerator) // processes_per_replica(args)  # processes that read different batches
+    replica_processes = math.prod(each("processes_per_replica", args))  # a pipeline's stages read one batch
+    replicas = data_parallel_size(accelerator) // replica_processes  # processes that read different batches
     global_batch = global_batch_size(args, replicas)
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking in start_accelerator).
     workers = loader_workers(args.dataloader_num_workers, accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -121,7 +121,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda"}
     end_loader_workers_at_exit()
     # a part may batch the training set itself (a stream's share: no length, so no epoch length either, 0)
-    if (train_data := part_train_loader(accelerator, train_set, task, args, workers)) is not None:
+    if part_loaders := found("train_loader", accelerator, train_set, task, args, workers):
+        train_data = part_loaders[0]
         steps_per_epoch, max_steps = 0, args.max_steps
     else:
         steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
@@ -130,15 +131,17 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     prepare_training = partial(prepared_for_training, accelerator, task, train_data, eval_set, args, loading, max_steps)
     prepared = prepare_training(model)
     # per-example loss sums of a micro-batch; under --torch_compile one graph with the model; a part may replace it
-    objective, part_figures = training_objective(compiled_objective(partial(label_loss_sums, task), args),
-                                                 accelerator, task, strategy, args)
+    objective, part_figures = compiled_objective(partial(label_loss_sums, task), args), []
+    for hook in filled("training_objective"):
+        objective, figures = hook(objective, accelerator, task, strategy, args)
+        part_figures += [figures] if figures else []
     # a part may prepare again for another micro-batch (the search for one that fits)
-    model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = micro_batch(
-        accelerator, task, objective, train_set, args, prepare_training,
-        partial(training_loader, train_set, seed=args.seed, **loading), prepared, bool(resume_path))
+    model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = through(
+        "micro_batch", prepared, accelerator, task, objective, train_set, args, prepare_training,
+        partial(training_loader, train_set, seed=args.seed, **loading), bool(resume_path))
     forward_backward = (partial(model.forward_backward, accelerator) if isinstance(model, ModelRunner) else
                         partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
-    part_figures += after_prepare(accelerator, model, args)  # the parts' hooks (training/parts.py)
+    part_figures += found("after_prepare", accelerator, model, args)  # the parts' hooks (training/parts.py)
     model_state = model_state_probe(model, torch_optimizer, lambda: held_gradients(model))  # bytes per rank, at step 2
     verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
     write_effective_deepspeed_config(accelerator, args.output_dir)
@@ -149,7 +152,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         main_process_only=True,
     )
 
-    layout = checkpoint_layout(args)  # how the parts cut the model: recorded, and a resume must match it
+    layout = merged("checkpoint_layout", args)  # how the parts cut the model: recorded, and a resume must match it
     state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes, layout=layout)
     if resume_path:
         state = load_checkpoint(accelerator, resume_path, global_batch, max_steps, layout)
@@ -179,7 +182,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     )
     peak = device_peak_flops(accelerator, tf32)
     speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit,
-                       tensor_parallel_size(accelerator) * processes_per_replica(args),  # ranks that read each batch
+                       tensor_parallel_size(accelerator) * replica_processes,  # ranks that read each batch
                        memory_devices=devices if len(devices) > 1 else None)
     model_name = model_args.model_name_or_path or model_args.model_config
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
@@ -262,7 +265,7 @@ def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArgu
     tensor-parallel slices (a part may lay it out further: `wrap_model`)."""
     with model_construction(accelerator, bool(model_args.model_name_or_path), task.can_build_empty) as empty:
         model = task.build_model(raw, empty)
-    model = convert_model(model, accelerator, args)
+    model = through("convert_model", model, accelerator, args)
     set_seed(args.seed)  # ranks that built the model empty drew no random numbers: every rank goes on level
-    model = adapt_model(model, model_args, args)  # the parts' (an adapter): after the seed, every rank draws alike
+    model = through("adapt_model", model, model_args, args)  # the parts' (an adapter): after the seed, every rank draws alike
     return apply_tensor_parallel(accelerator, model)  # with a parallelism_config tp_size in the accelerate config

@@ -36,7 +36,7 @@ def resuming(accelerator, args, checkpoint) -> None:
         take_recorded_micro_batch(accelerator, args, checkpoint)
 
 
-def micro_batch(accelerator, task, objective, train_set, args, prepare_training, loader_for, prepared, resumed):
+def micro_batch(prepared, accelerator, task, objective, train_set, args, prepare_training, loader_for, resumed):
     """`prepared` for the micro-batch that fits (a resumed run already took its recorded one)."""
     if not args.auto_find_batch_size or resumed:
         return prepared

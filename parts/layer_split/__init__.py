@@ -34,7 +34,7 @@ def model_split(model_args, args) -> str | None:
     return "--device_map" if args.device_map else None
 
 
-def wrap_model(accelerator, model, args):
+def wrap_model(model, accelerator, args):
     """The model's layers placed over this process's GPUs, under --device_map."""
     if not args.device_map:
         return model

@@ -53,7 +53,7 @@ def processes_per_replica(args) -> int:
     return args.pipeline_parallel_size
 
 
-def wrap_model(accelerator, model, args):
+def wrap_model(model, accelerator, args):
     """This process's stages of the model, in its place, when pipelined."""
     if not pipelined(args):
         return model
