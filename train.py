@@ -74,7 +74,7 @@ def train(run: Run) -> dict[str, float]:
     metrics = MetricsLogger(accelerator, args.output_dir, state.completed_steps if run.resumed else None)
     at_start = {}  # the step-0 baseline, kept for the summary (e.g. eval_exact_match before and after)
     if state.completed_steps == 0 and args.eval_on_start and args.eval_strategy != "no":
-        at_start = evaluate(run.model, run.eval_loader, accelerator, task)
+        at_start = evaluate(run.model, run.eval_loader, accelerator, task, run.ranks_per_batch)
         metrics.log(0, **at_start)
     interval_loss, interval_steps = torch.zeros((), device=accelerator.device), 0
     nonfinite = NonFiniteGuard(accelerator.device, loss_scaling=accelerator.mixed_precision == "fp16")
@@ -125,7 +125,7 @@ def train(run: Run) -> dict[str, float]:
                     progress.set_postfix({"loss": f"{train_loss:.3f}", "lr": f"{lr:.2e}",
                                           f"{task.unit}_per_s": f"{speed_now[f'{task.unit}_per_sec']:,.0f}"})
                 if eval_now:
-                    eval_result = evaluate(run.model, run.eval_loader, accelerator, task)
+                    eval_result = evaluate(run.model, run.eval_loader, accelerator, task, run.ranks_per_batch)
                     metrics.log(step, **eval_result)
                     if accelerator.is_main_process:
                         progress.write(f"step {step}: eval_loss {eval_result['eval_loss']:.4f}")

@@ -36,7 +36,6 @@ from tests.conftest import (CONFIGS, REPO, SPLIT_OF, TINY_RUN, bad_input_errors,
                             rank_processes, split_args, split_run_args, tiny_resnet, wait_for)
 from training.arguments import ArgumentError, parse_args
 from training.strategy import check_launch_config, requested_strategy
-from training.tensor_parallel import tensor_parallel_plan
 from training.errors import StrategyError
 
 RESUME = ("--resume_from_checkpoint", "latest")  # so the previous run in output_dir is a legitimate target
@@ -94,7 +93,8 @@ ARGUMENT_CASES = {
         ["--task", "image-classification", *RESUME], "unknown model_config 'llama-tiny' for --task image-classification",
         marks=pytest.mark.parts("images")),
 }
-FSDP_TP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+FSDP_TP = {  # what accelerate launch sets for accelerate_configs/fsdp_tp.yaml
+    "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
            "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2", "WORLD_SIZE": "4"}
 LAUNCHER_CASES = {  # case -> (environment from accelerate launch, what the error line says)
     "malformed DeepSpeed JSON": (
@@ -111,12 +111,6 @@ LAUNCHER_CASES = {  # case -> (environment from accelerate launch, what the erro
     "DeepSpeed JSON with its own optimizer section": (
         {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "{own-optimizer.json}"},
         "has its own optimizer section: train.py builds the optimizer",
-    ),
-    "fsdp_tp.yaml launched on fewer processes than its grid": (
-        {**FSDP_TP, "WORLD_SIZE": "2"}, "parallelism_config is dp_shard 2 x tp 2 = 4 processes but 2 were launched"
-    ),
-    "tensor parallelism over every process, nothing left for FSDP2": (
-        {**FSDP_TP, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "WORLD_SIZE": "2"}, "needs parallelism_config_dp_shard_size >= 2"
     ),
 }
 
@@ -320,14 +314,7 @@ def test_an_enum_pickled_through_getattr_loads_and_no_other_getattr_does(tmp_pat
 
 
 @pytest.mark.quick
-def test_a_model_without_a_tensor_parallel_plan_is_refused() -> None:
-    
-    with pytest.raises(StrategyError, match="ResNetForImageClassification has no tensor-parallel plan"):
-        tensor_parallel_plan(tiny_resnet(), 2)
-
-
-@pytest.mark.quick
-@pytest.mark.parts("lora")
+@pytest.mark.parts("lora", "tensor_parallel")
 def test_an_adapter_with_tensor_parallelism_is_refused_before_anything_starts(inputs, previous, monkeypatch) -> None:
     for name, value in FSDP_TP.items():  # what accelerate launch sets for fsdp_tp.yaml
         monkeypatch.setenv(name, value)

@@ -59,22 +59,25 @@ def test_the_teacher_memory_is_planned_per_strategy_and_an_oversized_one_is_warn
     assert "shard it" in warning and memory_warning("big-teacher", 2**30, 3 * 2**30, torch.device("cuda")) is None
 
 
-REFUSED = {  # flags -> (launcher environment, what the one line says)
-    "a setting without a teacher": (["--distillation_temperature", "3"], {},
-                                    "--distillation_temperature is for distillation: add --teacher_model_name_or_path"),
-    "temperature 0": (["--teacher_model_name_or_path", "t", "--distillation_temperature", "0"], {},
-                      "--distillation_temperature must be > 0, got 0.0"),
-    "--device_map": (["--teacher_model_name_or_path", "t", "--device_map", "auto"], {},
-                     "--teacher_model_name_or_path with --device_map is not supported"),
-    "fsdp_tp.yaml": (["--teacher_model_name_or_path", "t"], {"PARALLELISM_CONFIG_TP_SIZE": "2"},
-                     "--teacher_model_name_or_path with tensor parallelism (fsdp_tp.yaml) is not supported"),
-    "pipeline stages": (["--teacher_model_name_or_path", "t", "--pipeline_parallel_size", "2"], {},
-                        "--teacher_model_name_or_path with --pipeline_parallel_size is not supported"),
-}
+REFUSED = [  # (flags, launcher environment, what the one line says); a case that needs another part is marked so
+    pytest.param(["--distillation_temperature", "3"], {},
+                 "--distillation_temperature is for distillation: add --teacher_model_name_or_path", id="a setting without a teacher"),
+    pytest.param(["--teacher_model_name_or_path", "t", "--distillation_temperature", "0"], {},
+                 "--distillation_temperature must be > 0, got 0.0", id="temperature 0"),
+    pytest.param(["--teacher_model_name_or_path", "t", "--device_map", "auto"], {},
+                 "--teacher_model_name_or_path with --device_map is not supported", id="--device_map",
+                 marks=pytest.mark.parts("layer_split")),
+    pytest.param(["--teacher_model_name_or_path", "t"], {"PARALLELISM_CONFIG_TP_SIZE": "2"},
+                 "--teacher_model_name_or_path with tensor parallelism (fsdp_tp.yaml) is not supported", id="fsdp_tp.yaml",
+                 marks=pytest.mark.parts("tensor_parallel")),
+    pytest.param(["--teacher_model_name_or_path", "t", "--pipeline_parallel_size", "2"], {},
+                 "--teacher_model_name_or_path with --pipeline_parallel_size is not supported", id="pipeline stages",
+                 marks=pytest.mark.parts("pipeline")),
+]
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize(("args", "env", "message"), REFUSED.values(), ids=REFUSED.keys())
+@pytest.mark.parametrize(("args", "env", "message"), REFUSED)
 def test_distillation_flags_that_cannot_run_are_one_line(args, env, message, monkeypatch, tmp_path) -> None:
     assert message in flag_refusal([*TINY_RUN, "--output_dir", str(tmp_path), *args], env, monkeypatch)
 

@@ -47,7 +47,8 @@ def tiny_plan(tmp_path_factory):
     return figures_for
 
 
-@pytest.mark.parametrize(("config", "training"), [(config, "full") for config in [*EVERY_CONFIG, "fsdp_tp"]]
+@pytest.mark.parametrize(("config", "training"), [(config, "full") for config in EVERY_CONFIG]
+                         + [pytest.param("fsdp_tp", "full", marks=pytest.mark.parts("tensor_parallel"))]
                          + [pytest.param(config, "lora", marks=pytest.mark.parts("lora", "sft")) for config in EVERY_CONFIG])
 def test_model_state_agrees_with_the_measured_run_within_10_percent(config, training, tiny_plan, strategy_run,
                                                                      lora_run, tied_base_model) -> None:

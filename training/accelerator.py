@@ -22,7 +22,6 @@ from training.cpu_accommodations import cpu_process_group
 from training.parts import each, merged
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import optimizer_offload_device
-from training.tensor_parallel import data_parallel_size, tensor_parallel_size
 
 logger = get_logger(__name__)
 
@@ -77,8 +76,6 @@ def describe(accelerator: Accelerator, strategy: Strategy) -> str:
         detail = f" ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}" + (f" offload={offload}" if offload != "none" else "")
     elif strategy is Strategy.FSDP:
         detail = f" v{accelerator.state.fsdp_plugin.fsdp_version}"
-        if (tp_size := tensor_parallel_size(accelerator)) > 1:
-            detail += f" x tp={tp_size} (data-parallel {data_parallel_size(accelerator)})"
     backend = accelerator.state.backend or "none"
     return (
         f"strategy={strategy.value}{detail} processes={accelerator.num_processes} "

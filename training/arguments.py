@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -195,10 +194,9 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
 
 
 def model_splits(model_args: ModelArguments, train_args: TrainArguments) -> list[str]:
-    """What splits one model over several processes or devices: the parts' flags (--device_map, pipeline stages),
-    then tensor parallelism; features that need whole models per process refuse to combine with them."""
-    tensor_parallel = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1
-    return [*found("model_split", model_args, train_args), *(["tensor parallelism (fsdp_tp.yaml)"] if tensor_parallel else [])]
+    """What splits one model over several processes or devices, as the parts' flags and configs ask (--device_map,
+    pipeline stages, tensor parallelism); features that need whole models per process refuse to combine with them."""
+    return found("model_split", model_args, train_args)
 
 
 def split_model(model_args: ModelArguments, train_args: TrainArguments) -> str | None:

@@ -80,7 +80,7 @@ def dry_run(model_args, data_args, args) -> str | None:
     raw = task.load_raw_datasets(args.seed)
     model = through("adapt_model", task.build_model(raw), model_args, args)  # the parts' (an adapter), as set-up does
     train_set, eval_set = task.datasets(raw, nullcontext())
-    data_parallel = processes // layout.tp_size // math.prod(each("processes_per_replica", args))
+    data_parallel = processes // math.prod(each("processes_per_replica", args))  # a tp group, a pipeline read one batch
     global_batch = global_batch_size(args, data_parallel)
     steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
 

@@ -24,8 +24,6 @@ import sys
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from training.errors import Preempted
-
 if TYPE_CHECKING:
     from accelerate import Accelerator
 # torch is imported where it is used: train.py installs the handlers before the libraries

@@ -47,7 +47,6 @@ from training.strategy_adapters import (
 )
 from training.task_registry import build_task
 from training.tasks import Task
-from training.tensor_parallel import apply_tensor_parallel, data_parallel_size, tensor_parallel_size
 
 logger = get_logger(__name__)
 
@@ -79,6 +78,7 @@ class Run:
     model_args: ModelArguments
     part_figures: list[Callable[[int], dict]]  # the parts' figures for summary.json, given the steps run
     forward_backward: Callable[[dict, torch.Tensor], torch.Tensor]  # one micro-step: (batch, window targets) -> loss
+    ranks_per_batch: int  # ranks that read the same batches (a tensor-parallel group): counted once
 
 
 def device_peak_flops(accelerator: Accelerator, tf32: bool) -> float | None:
@@ -106,14 +106,14 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         raw = task.load_raw_datasets(args.seed)
     model = build_model(accelerator, task, raw, model_args, args)
     num_parameters = parameter_count(model)
-    model = through("wrap_model", model, accelerator, args)  # a part may lay the model out (layers over GPUs) or run it itself
+    model = through("wrap_model", model, accelerator, args)  # a part may lay the model out (layers over GPUs, tp slices) or run it itself
     # (pipeline stages: a ModelRunner). Several devices: a part split the layers over this process's GPUs
     devices = sorted({p.device for p in model.parameters() if p.device.type == accelerator.device.type}, key=str)
     if warning := idle_gpu_warning(accelerator, owns_every_gpu=len(devices) > 1):  # then none of them is idle
         logger.warning(warning, main_process_only=True)
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
-    replica_processes = math.prod(each("processes_per_replica", args))  # a pipeline's stages read one batch
-    replicas = data_parallel_size(accelerator) // replica_processes  # processes that read different batches
+    replica_processes = math.prod(each("processes_per_replica", args))  # a pipeline's stages, a tp group read one batch
+    replicas = accelerator.num_processes // replica_processes  # processes that read different batches
     global_batch = global_batch_size(args, replicas)
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking in start_accelerator).
     workers = loader_workers(args.dataloader_num_workers, accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -182,13 +182,13 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     )
     peak = device_peak_flops(accelerator, tf32)
     speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit,
-                       tensor_parallel_size(accelerator) * replica_processes,  # ranks that read each batch
+                       replica_processes,  # ranks that read each batch
                        memory_devices=devices if len(devices) > 1 else None)
     model_name = model_args.model_name_or_path or model_args.model_config
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
                f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args, part_figures,
-               forward_backward)
+               forward_backward, replica_processes)
 
 
 def prepared_for_training(accelerator: Accelerator, task: Task, train_data, eval_set, args: TrainArguments,
@@ -261,11 +261,9 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
 def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArguments,
                 args: TrainArguments) -> torch.nn.Module:
     """The task's model, built without a whole copy per rank where the strategy allows, converted by the
-    parts (training/parts.py: kernels, SyncBatchNorm), then adapted by the parts (an adapter) and laid out as the flags ask:
-    tensor-parallel slices (a part may lay it out further: `wrap_model`)."""
+    parts (training/parts.py: kernels, SyncBatchNorm), then adapted by the parts (an adapter)."""
     with model_construction(accelerator, bool(model_args.model_name_or_path), task.can_build_empty) as empty:
         model = task.build_model(raw, empty)
     model = through("convert_model", model, accelerator, args)
     set_seed(args.seed)  # ranks that built the model empty drew no random numbers: every rank goes on level
-    model = through("adapt_model", model, model_args, args)  # the parts' (an adapter): after the seed, every rank draws alike
-    return apply_tensor_parallel(accelerator, model)  # with a parallelism_config tp_size in the accelerate config
+    return through("adapt_model", model, model_args, args)  # the parts' (an adapter): after the seed, every rank draws alike

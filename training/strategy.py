@@ -6,7 +6,6 @@ Checked before training (`verify_strategy`, the launch settings) and after `prep
 from __future__ import annotations
 
 import json
-import math
 import os
 from enum import Enum
 from pathlib import Path
@@ -69,8 +68,6 @@ def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
             "it compiles with its own --torch_compile (inductor); drop --dynamo_backend (or dynamo_config in the yaml) "
             "and pass --torch_compile to train.py"
         )
-    if _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
-        check_parallelism_config(strategy)
     if on_cpu and strategy is Strategy.FSDP and os.environ.get("FSDP_VERSION", "1") != "2":
         raise StrategyError("FSDP1 cannot run on CPU; set `fsdp_version: 2` in the accelerate config")
     if on_cpu and os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16":
@@ -78,25 +75,6 @@ def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
             "fp16 mixed precision needs a GPU (loss scaling runs on the device) and this machine has none; "
             "use --mixed_precision bf16 or no"
         )
-
-def check_parallelism_config(strategy: Strategy) -> None:
-    """The launcher's `parallelism_config` (tensor parallelism here) fits the processes launched."""
-    sizes = {name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
-             for name in ("dp_replicate", "dp_shard", "tp", "cp")}
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    grid = " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1) or "1"
-    if strategy is not Strategy.FSDP:
-        raise StrategyError("parallelism_config in the accelerate yaml needs distributed_type: FSDP with fsdp_version: 2 "
-                            "(start from accelerate_configs/fsdp_tp.yaml)")
-    if sizes["cp"] > 1 or sizes["dp_replicate"] > 1:
-        raise StrategyError(f"parallelism_config {grid}: train.py runs dp_shard x tp only (no context parallelism or "
-                            "HSDP replication yet); set the other sizes to 1")
-    if (grid_size := math.prod(sizes.values())) != world_size:
-        raise StrategyError(f"parallelism_config is {grid} = {grid_size} processes but {world_size} were "
-                            "launched; make the sizes multiply to num_processes")
-    if sizes["dp_shard"] < 2:
-        raise StrategyError(f"FSDP2 with tensor parallelism needs parallelism_config_dp_shard_size >= 2 (got {grid}): "
-                            "at least 2 x tp_size processes; for one model split over all processes, use fsdp.yaml")
 
 def wrapped_strategy(model: torch.nn.Module) -> Strategy:
     """The strategy implied by the wrapper `accelerator.prepare` put around the model."""

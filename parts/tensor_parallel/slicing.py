@@ -1,7 +1,4 @@
-"""Owns tensor parallelism: each layer sliced over the "tp" mesh with the model's own transformers plan.
-
-Switched on by `parallelism_config_tp_size` in the accelerate config; also what the slicing
-changes for batches (data-parallel size, gathering eval results once per batch)."""
+"""Each layer sliced over the "tp" mesh with the model's own `transformers` tensor-parallel plan."""
 
 from __future__ import annotations
 
@@ -11,26 +8,13 @@ from accelerate import Accelerator
 from training.errors import StrategyError
 
 
-def tensor_parallel_size(accelerator: Accelerator) -> int:
-    """Processes that share one batch, each computing a slice of every layer (`parallelism_config_tp_size`)."""
-    config = accelerator.parallelism_config
-    return config.tp_size if config is not None else 1
-
-def data_parallel_size(accelerator: Accelerator) -> int:
-    """Processes that see different batches: the global batch is this x per-device batch x accumulation."""
-    return accelerator.num_processes // tensor_parallel_size(accelerator)
-
-def apply_tensor_parallel(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
-    """With `parallelism_config_tp_size` > 1, shard each layer over the "tp" mesh with the model's own
-    `transformers` TP plan (before the optimizer is built: the parameters become DTensors).
+def apply_tensor_parallel(accelerator: Accelerator, model: torch.nn.Module, tp_size: int) -> torch.nn.Module:
+    """Shard each layer over the "tp" mesh with the model's own `transformers` TP plan.
 
     accelerate does not apply a plan itself; it only checks for DTensors. Its FSDP2 path
     (accelerate 1.15) also imports `ReplicateParallel`, which transformers 5 removed, for the
     parameters outside the plan (norms): `_install_replicate_parallel` supplies it.
     """
-    tp_size = tensor_parallel_size(accelerator)
-    if tp_size == 1:
-        return model
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     plan, config = tensor_parallel_plan(model, tp_size)
@@ -41,6 +25,7 @@ def apply_tensor_parallel(accelerator: Accelerator, model: torch.nn.Module) -> t
     model._tp_size, model._device_mesh = tp_size, mesh
     _install_replicate_parallel()
     return model
+
 
 def tensor_parallel_plan(model: torch.nn.Module, tp_size: int) -> tuple[dict[str, str], object]:
     """The model's `transformers` TP plan with `layers.*` spelled out, and its DistributedConfig."""
@@ -54,6 +39,7 @@ def tensor_parallel_plan(model: torch.nn.Module, tp_size: int) -> tuple[dict[str
     config = DistributedConfig(tp_size=tp_size)
     plan, _, _ = model._resolve_parallel_plans(config)
     return plan, config
+
 
 def _install_replicate_parallel() -> None:
     """The `ReplicateParallel` accelerate 1.15 expects: a module whose parameters accelerate made
@@ -74,15 +60,3 @@ def _install_replicate_parallel() -> None:
             return module
 
     legacy.ReplicateParallel = ReplicateParallel
-
-def gather_once_per_batch(per_example: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
-    """`gather_for_metrics`, counting each tensor-parallel group's batch once: the ranks of a
-    group see the same batch, and accelerate 1.15's `gather_for_metrics` would count them all
-    and cut the last batch at the wrong place."""
-    tp_size = tensor_parallel_size(accelerator)
-    if tp_size == 1:
-        return accelerator.gather_for_metrics(per_example)
-    gathered = accelerator.gather(per_example)  # rank order: the tp ranks of one batch are neighbours
-    gathered = gathered.view(accelerator.num_processes, -1, *per_example.shape[1:])[::tp_size].flatten(0, 1)
-    state = accelerator.gradient_state
-    return gathered[: state.remainder] if state.end_of_dataloader and state.remainder > 0 else gathered
