@@ -15,7 +15,7 @@ Every config trains the same model on the same data for `--steps` optimizer step
 (medians after `--warmup` steps), time from launch to the first optimizer step, peak memory
 per rank, and the model state each rank holds (parameters, gradients, optimizer state,
 counted from its tensors just before the second optimizer step) next to what
-scripts/plan_memory.py predicts for that config (training/memory_plan.py). Then
+scripts/plan_memory.py predicts for that config (parts/memory_plan). Then
 train.py on DDP and `scripts/raw_ddp.py` run alternately, `--rounds` times each (each run's rate
 is its tokens over its time after `--warmup`, loading included; the overhead figure is the median of
 the per-round ratios: back-to-back runs share the machine's state), and the data preparation rate (tokenize + pack of the default corpus) is measured
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import socket
@@ -55,10 +56,13 @@ RUN_TIMEOUT_S = 1800  # a run that takes longer is stuck: stop it rather than ha
 
 
 def planned_model_state_bytes(config: str, args: argparse.Namespace, processes: int) -> float:
-    """What the memory planner predicts per rank for `config`: parameters + gradients + optimizer state."""
+    """What the memory planner predicts per rank for `config`: parameters + gradients + optimizer state (nan in a
+    project without the memory_plan part)."""
+    if not (REPO / "parts" / "memory_plan").is_dir():
+        return math.nan
     from models.configs import build_named_config
     from models.language import build_tokenizer
-    from training.memory_plan import model_shape, model_state, read_layout
+    from parts.memory_plan.planner import model_shape, model_state, read_layout
     from training.performance import compute_dtype
 
     dtype = compute_dtype(args.mixed_precision)

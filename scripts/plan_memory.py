@@ -27,7 +27,7 @@ from transformers import AutoConfig  # noqa: E402
 from models.configs import NAMED_CONFIGS, build_named_config  # noqa: E402
 from models.language import ModelError, build_tokenizer, loading, resolve_block_size  # noqa: E402
 from training.flags import ModelArguments  # noqa: E402
-from training.memory_plan import (  # noqa: E402
+from parts.memory_plan.planner import (  # noqa: E402
     PREFERENCE,
     PlanError,
     activation_bytes,

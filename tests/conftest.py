@@ -221,6 +221,25 @@ def assert_continues_exactly(uninterrupted: Path, resumed: Path, from_step: int,
     assert_same_final_weights(uninterrupted, resumed, atol=0 if bit_exact else 1e-6, weights=weights)
 
 
+def has_part(name: str) -> bool:
+    """Whether this project holds the part `name` (a fork may not: scripts/new_project.py)."""
+    return (REPO / "parts" / name).is_dir()
+
+
+def assert_planned_model_state(measured: dict[str, int], config: str, processes: int, mixed_precision: str) -> None:
+    """Parameters, gradients and optimizer state per rank of a llama-tiny run (summary.json) each within 10% of what
+    scripts/plan_memory.py plans for `config` (in-process). A project without the memory_plan part has no planner
+    to hold the run to: its assertions leave with it (scripts/new_project.py)."""
+    if not has_part("memory_plan"):
+        return
+    from scripts.plan_memory import parse_args, plan
+
+    planned = plan(parse_args(["--model_config", "llama-tiny", "--num_gpus", str(processes),
+                               "--mixed_precision", mixed_precision]))["configs"][config]
+    for part, value in measured.items():
+        assert planned[part] == pytest.approx(value, rel=0.10), (config, part)
+
+
 def tiny_resnet() -> torch.nn.Module:
     """A small transformers ResNet (convolutions, BatchNorm, no tensor-parallel plan), built without the images part."""
     from transformers import ResNetConfig, ResNetForImageClassification

@@ -99,6 +99,7 @@ def assert_figures_follow_the_logged_intervals(row: dict, intervals: list[dict],
     return config.vocab_size
 
 
+@pytest.mark.parts("memory_plan")
 def test_measured_model_state_matches_the_memory_planner(benchmark) -> None:
     """bf16, 2 processes: what each rank holds, counted from its tensors, within 10% of
     scripts/plan_memory.py (fp32, every config: tests/test_memory_plan.py)."""

@@ -16,7 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from scripts.compare_metrics import compare, worst_difference
 from models.language import ModelError
-from tests.conftest import CONFIGS, TINY_RUN, assert_continues_exactly, assert_same_final_weights, flag_refusal, read_metrics, train
+from tests.conftest import (CONFIGS, TINY_RUN, assert_continues_exactly, assert_planned_model_state,
+                            assert_same_final_weights, flag_refusal, read_metrics, train)
 from training.arguments import parse_args
 from training.task_registry import build_task
 from parts.distillation.teacher import check_teacher, divergence, memory_warning, teacher_bytes_per_rank
@@ -134,23 +135,13 @@ def test_every_config_file_distils_what_one_process_distils(config, distilled_ru
         [m["eval_loss"] for m in read_metrics(alone) if "eval_loss" in m][0])  # eval_loss: the student's own
 
     summary = json.loads((run / "summary.json").read_text())
-    planned = student_plan(summary["processes"])["configs"][config]
-    for part, value in summary["model_state_bytes_per_rank"].items():  # the student's alone
-        assert planned[part] == pytest.approx(value, rel=0.10), part
+    assert_planned_model_state(summary["model_state_bytes_per_rank"], config, summary["processes"], "no")  # the student's alone
     teacher_parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tied_base_model).parameters())
     held = summary["teacher_state_bytes_per_rank"]["parameters"]
     assert 0 < held <= 4 * teacher_parameters * (0.55 if config == "fsdp" else 1.0)  # fp32 (CPU); FSDP2 shards it
     log = (run / "launch.log").read_text()
     assert f"{teacher_parameters:,} parameters, frozen" in log and "teacher weights" in log  # full size, even partitioned
     assert not [p for p in (run / "checkpoints").rglob("*") if SECOND_MODEL.match(p.name)]
-
-
-def student_plan(processes: int) -> dict:
-    """scripts/plan_memory.py's figures for the student (fp32), in-process."""
-    from scripts.plan_memory import parse_args as plan_args
-    from scripts.plan_memory import plan
-
-    return plan(plan_args(["--model_config", "llama-tiny", "--num_gpus", str(processes), "--mixed_precision", "no"]))
 
 
 def test_a_distilled_run_resumes_exactly_under_zero3(distilled_run, tied_base_model, tmp_path) -> None:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from data import DataError
 from models.configs import build_named_config
 from models.language import SHIPPED_TOKENIZER, ModelError
-from tests.conftest import REPO, TINY_RUN, bad_input_errors, launch
+from tests.conftest import REPO, TINY_RUN, bad_input_errors, has_part, launch
 from training.arguments import ArgumentError, parse_args
 from training.dry_run import dry_run as plan_dry_run
 from training.errors import StrategyError
@@ -33,7 +33,7 @@ def test_dry_run_of_a_two_process_offload_launch_prints_its_plan_and_trains_noth
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("===== dry run: checked, nothing trained =====") == 1  # rank 0 alone
     plan = dict(line.split(":", 1) for line in result.stdout.split("=====\n", 2)[-1].strip().splitlines())
-    assert plan["launch"].strip() == "zero3_offload, 2 process(es), 2 data-parallel, mixed precision no"
+    assert plan["launch"].strip() == "deepspeed ZeRO-3 offload=cpu, 2 process(es), 2 data-parallel, mixed precision no"
     assert plan["global batch"].strip() == "24 = 4 per device x 2 data-parallel x 3 accumulation"
     assert plan["steps"].strip().startswith("5 (")
     assert "--optim adamw_torch_fused (DeepSpeedCPUAdam)" in plan["steps"]
@@ -42,14 +42,15 @@ def test_dry_run_of_a_two_process_offload_launch_prints_its_plan_and_trains_noth
     # against what a real run of the same model and config held, counted from its tensors (test_memory_plan's 10%)
     measured = json.loads((strategy_run("deepspeed_zero3_offload") / "summary.json").read_text())
     assert measured["parameters"] == parameters and measured["processes"] == 2
-    planned = float(plan["memory/rank"].split("model state ")[1].split(" MiB")[0].replace(",", ""))
-    assert planned == pytest.approx(sum(measured["model_state_bytes_per_rank"].values()) / MIB, rel=0.10)
-    assert "activations ~" in plan["memory/rank"] and "(estimates)" in plan["memory/rank"]
+    if has_part("memory_plan"):  # its line, planned for this launch
+        planned = float(plan["memory/rank"].split("model state ")[1].split(" MiB")[0].replace(",", ""))
+        assert planned == pytest.approx(sum(measured["model_state_bytes_per_rank"].values()) / MIB, rel=0.10)
+        assert "activations ~" in plan["memory/rank"] and "(estimates)" in plan["memory/rank"]
     assert "training:" not in result.stderr and "step 1" not in result.stdout  # nothing trained
     assert not [p.name for p in output_dir.iterdir()]  # no checkpoints, metrics or final model
 
 
-@pytest.mark.parts("sft", "lora")
+@pytest.mark.parts("sft", "lora", "memory_plan")
 def test_dry_run_of_a_lora_fine_tuning_plans_state_for_the_adapter_alone(tmp_path) -> None:
     """--task sft --use_peft: the chat data, and model state with gradients and optimizer state for the adapter only."""
     printed = planned(tmp_path, "--task", "sft", "--model_name_or_path", _files(tmp_path)["{base}"], "--use_peft",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import train
+from tests.conftest import assert_planned_model_state, train
 
 # single.yaml runs DDP's code path on one process (the same autocast and torch AdamW). fsdp and
 # deepspeed_zero2 run bf16 on the image task (tests/test_images.py: BatchNorm), with the same checks.
@@ -41,14 +41,8 @@ def assert_runs_bf16_as_asked(config: str, output_dir: Path, stderr: str) -> Non
 def test_bf16_keeps_fp32_master_weights_and_deepspeed_runs_our_values(config: str, tmp_path) -> None:
     """...and each rank holds the model state the planner predicts for bf16 (counted from the tensors; fp32:
     tests/test_memory_plan.py; ZeRO-2 and FSDP2 in bf16: tests/test_benchmark.py)."""
-    from scripts.plan_memory import parse_args as plan_args
-    from scripts.plan_memory import plan
-
     result = train(config, tmp_path, "--max_steps", "2", "--eval_steps", "100", *BF16,
                    launcher_args=("--mixed_precision", "bf16"))
     assert_runs_bf16_as_asked(config, tmp_path, result.stderr)
     measured = json.loads((tmp_path / "summary.json").read_text())
-    planned = plan(plan_args(["--model_config", "llama-tiny", "--num_gpus", str(measured["processes"]),
-                              "--mixed_precision", "bf16"]))["configs"][config]
-    for part, value in measured["model_state_bytes_per_rank"].items():
-        assert planned[part] == pytest.approx(value, rel=0.10), part
+    assert_planned_model_state(measured["model_state_bytes_per_rank"], config, measured["processes"], "bf16")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CONFIGS
-from training.memory_plan import pick
+from parts.memory_plan.planner import pick
 
 EVERY_CONFIG = sorted(path.stem for path in CONFIGS.glob("*.yaml") if path.stem != "fsdp_tp")  # 4 processes: below
 ORDER = ["ddp", "deepspeed_zero1", "deepspeed_zero2", "fsdp", "deepspeed_zero3", "deepspeed_zero3_offload"]
@@ -137,7 +137,7 @@ def test_activations_count_the_logits_and_the_loss_backward() -> None:
 
     from models.configs import build_named_config
     from models.language import build_tokenizer
-    from training.memory_plan import activation_bytes, model_shape
+    from parts.memory_plan.planner import activation_bytes, model_shape
 
     config = build_named_config("llama-tiny", build_tokenizer(None, None))
     batch, seq_len = 2, 64

@@ -1,5 +1,5 @@
 """The README and docs/ work as written: every command on the front page parses, every link
-resolves, the first-hour walkthrough (pick a config with the planner, train with a tracker,
+resolves, the first-hour walkthrough (check the launch, train with a tracker,
 find the report picture) runs, and the model-config example builds a model."""
 
 from __future__ import annotations
@@ -7,8 +7,6 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
-import subprocess
-import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -39,22 +37,20 @@ def code_block_after(marker: str, language: str, text: str = README) -> str:
     return re.search(rf"{re.escape(marker)}.*?```{language}\n(.*?)```", text, re.DOTALL).group(1)
 
 
-def test_the_first_hour_plan_train_with_a_tracker_and_open_the_report(tmp_path) -> None:
-    plan_line, train_line, tensorboard_line = code_block_after("## Your first hour", "bash", GETTING_STARTED).strip().splitlines()
-
-    planner = subprocess.run([sys.executable, *shlex.split(plan_line)[1:]], cwd=REPO, capture_output=True, text=True,
-                             timeout=120)
-    assert planner.returncode == 0, planner.stderr
-    pick = re.search(r"recommended: (accelerate_configs/\S+\.yaml)", planner.stdout).group(1)
-
+def test_the_first_hour_check_train_with_a_tracker_and_open_the_report(tmp_path) -> None:
+    check_line, train_line, tensorboard_line = code_block_after("## Your first hour", "bash", GETTING_STARTED).strip().splitlines()
     train = shlex.split(train_line)
-    assert train[:4] == ["accelerate", "launch", "--config_file", pick]  # the walkthrough launches what the planner picks
+    assert shlex.split(check_line) == [*train, "--dry_run"]  # the same launch, checked first
+    config = train[train.index("--config_file") + 1]
     output_dir = Path(train[train.index("--output_dir") + 1])
     assert tensorboard_line == f"tensorboard --logdir {output_dir}/runs"
-    # The same command, shortened for CI: the tiny model, 6 steps, into a scratch directory.
+    # The same commands, shortened for CI: the tiny model, 6 steps, into a scratch directory.
     args = [*train[train.index("train.py") + 1:], *TINY_RUN, *DRAW_REPORT, "--max_steps", "6", "--output_dir",
             str(tmp_path / "run")]
-    result = launch(REPO / pick, "train.py", *args)
+    checked = launch(REPO / config, "train.py", *args, "--dry_run")
+    assert checked.returncode == 0 and "===== dry run: checked, nothing trained =====" in checked.stdout, checked.stderr[-3000:]
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").iterdir())
+    result = launch(REPO / config, "train.py", *args)
     assert result.returncode == 0, result.stderr[-3000:]
 
     events = EventAccumulator(str(tmp_path / "run" / "runs" / "run"))

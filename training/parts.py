@@ -42,8 +42,8 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   adds to summary.json.
 - `after_export(final_dir, processor, model_args, args)`: on the main process, once `final/` is written
   (a merged model beside an adapter).
-- `dry_run_lines(task, args, strategy, processes, compute_bytes) -> list[str]`: lines the dry run's
-  plan adds under its memory figures.
+- `dry_run_lines(task, model, model_args, args, strategy, processes, compute_dtype) -> list[str]`: lines the
+  dry run's plan adds (the memory per rank, a teacher's, the pipeline's stages).
 """
 
 from __future__ import annotations

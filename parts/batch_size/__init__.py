@@ -23,7 +23,7 @@ def check_flags(model_args, data_args, args) -> None:
         return
     from training.arguments import split_model  # not at import: training/flags.py imports the parts
 
-    if split := split_model(model_args, args) or ("--streaming" if data_args.streaming else None):
+    if split := split_model(model_args, args) or ("--streaming" if getattr(data_args, "streaming", False) else None):
         raise ArgumentError(f"--auto_find_batch_size with {split} is not supported; set --per_device_train_batch_size "
                             "yourself")
 

@@ -63,13 +63,13 @@ def training_objective(objective, accelerator, task, strategy, args):
         "teacher_state_bytes_per_rank": max_over_ranks({"parameters": held}, accelerator)}
 
 
-def dry_run_lines(task, args, strategy, processes: int, compute_bytes: int) -> list[str]:
+def dry_run_lines(task, model, model_args, args, strategy, processes: int, compute_dtype) -> list[str]:
     """The teacher checked from its config and tokenizer, and its weights per rank planned."""
     if not args.teacher_model_name_or_path:
         return []
     from parts.distillation.teacher import teacher_plan
 
-    return [f"teacher:         {teacher_plan(task, args.teacher_model_name_or_path, strategy, processes, compute_bytes)}"]
+    return [f"teacher:         {teacher_plan(task, args.teacher_model_name_or_path, strategy, processes, compute_dtype.itemsize)}"]
 
 
 PART = Part("distillation", "knowledge distillation from a frozen teacher (--teacher_model_name_or_path)",

@@ -40,7 +40,6 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from models.language import loading
 from training.errors import ModelError
 from training.loss import IGNORE_INDEX
-from training.memory_plan import Layout, model_state
 from training.performance import compute_dtype, frozen_parameter_bytes, parameter_count
 from training.strategy import Strategy
 from training.strategy_adapters import place_frozen_model
@@ -177,13 +176,10 @@ def build_distillation(accelerator: Accelerator, task: Task, strategy: Strategy,
 
 
 def teacher_bytes_per_rank(strategy: Strategy, parameters: int, processes: int, compute_bytes: int) -> float:
-    """The planner's rule for weights that are never trained (training/memory_plan.py `model_state` with
-    nothing trainable) under `place_frozen_model`'s layout: whole fp32 replicas under DDP, fp32 shards
-    under FSDP2, compute-dtype partitions under a ZeRO-3 inference engine."""
-    layout = {Strategy.FSDP: Layout("fsdp", "fsdp", sharded_parameters=True),
-              Strategy.DEEPSPEED: Layout("zero3", "deepspeed_zero3", sharded_parameters=True, deepspeed=True)}
-    chosen = layout.get(strategy, Layout("ddp", "ddp"))
-    return model_state(chosen, parameters, processes, compute_bytes, trainable=0)["parameters"]
+    """Weights that are never trained, as `place_frozen_model` lays them out (the memory planner's rule with nothing
+    trained): whole fp32 replicas under DDP, fp32 shards under FSDP2, compute-dtype partitions under a ZeRO-3
+    inference engine."""
+    return parameters * {Strategy.FSDP: 4 / processes, Strategy.DEEPSPEED: compute_bytes / processes}.get(strategy, 4)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -197,7 +193,7 @@ def memory_warning(path: str, planned_bytes: float, free_bytes: int, device: tor
     if planned_bytes <= free_bytes:
         return None
     return (f"teacher {path} needs about {planned_bytes / 2**30:,.2f} GiB of weights per rank as this strategy places "
-            f"it (training/memory_plan.py), more than the {free_bytes / 2**30:,.2f} GiB free on {device.type}: expect "
+            f"it, more than the {free_bytes / 2**30:,.2f} GiB free on {device.type}: expect "
             "an out-of-memory error; shard it (fsdp.yaml or a ZeRO config, more processes) or use a smaller teacher")
 
 

@@ -76,7 +76,7 @@ def held_parameters(model, args) -> int | None:
     return parameters_per_process(model, args)
 
 
-def dry_run_lines(task, args, strategy, processes: int, compute_bytes: int) -> list[str]:
+def dry_run_lines(task, model, model_args, args, strategy, processes: int, compute_dtype) -> list[str]:
     if not pipelined(args):
         return []
     from parts.pipeline.layout import stage_count

@@ -43,7 +43,7 @@ def check_pipeline_flags(model_args, data_args, args) -> None:
                             f"--pipeline_microbatches ({micro}) a multiple of it")
     from training.arguments import model_splits
 
-    unsupported = {"--use_peft": model_args.use_peft,
+    unsupported = {"--use_peft": getattr(model_args, "use_peft", False),  # (a project may leave lora out)
                    "--task sft": model_args.task == "sft", "--packing false": not data_args.packing,
                    "--torch_compile": args.torch_compile,
                    "--gradient_checkpointing": model_args.gradient_checkpointing}

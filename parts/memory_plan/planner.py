@@ -30,12 +30,13 @@ while the frozen weights stay as above.
 
 `scripts/benchmark.py` measures the same quantities from the tensors of real runs; the
 tests hold the two within 10%. Activations and working buffers are estimates (see
-`activation_bytes` and `working_bytes`).
+`activation_bytes` and `working_bytes`). `launch_memory` plans the launch `--dry_run` checks.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +45,11 @@ import yaml
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from training.loss import token_loss_sums
+from training.parts import found
+from training.performance import parameter_count
+from training.strategy import Strategy
 
+MIB = 2**20
 # The order to prefer configs in: the first that fits is the fastest that fits.
 PREFERENCE = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload", "fsdp_tp")
 # Default sizes DeepSpeed uses for keys a JSON leaves out (deepspeed/runtime/zero/config.py).
@@ -286,3 +291,35 @@ def activation_bytes(shape: ModelShape, batch: int, seq_len: int, gradient_check
     dtype_bytes = next(model.parameters()).element_size()
     return (outside + shape.layers * batch * seq_len * shape.hidden_size * dtype_bytes + inside / max(shape.layers, 1)
             + loss_backward)
+
+
+def launched_layout(strategy: Strategy) -> Layout:
+    """How the launched config lays out model state, read from `accelerate launch`'s environment."""
+    if strategy is Strategy.DEEPSPEED:
+        from accelerate.utils import DeepSpeedPlugin
+
+        return deepspeed_layout("launched", DeepSpeedPlugin().deepspeed_config)
+    if strategy is Strategy.FSDP:
+        offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+        return fsdp_layout("launched", offload, int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")))
+    return Layout("launched", strategy.value)
+
+
+def launch_memory(task, model: torch.nn.Module, model_args, args, strategy: Strategy, processes: int,
+                  compute_dtype: torch.dtype) -> str:
+    """The dry run's memory line: model state per rank for this launch, and for a causal LM activations and
+    working buffers (estimates)."""
+    layout = launched_layout(strategy)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    held = next(iter(found("held_parameters", model, args)), None) or parameter_count(model)  # a part may cut the model
+    state = model_state(layout, held, processes, compute_dtype.itemsize, trainable * held // parameter_count(model))
+    memory = (f"model state {(state['parameters'] + state['gradients'] + state['optimizer']) / MIB:,.1f} MiB "
+              f"(parameters {state['parameters'] / MIB:,.1f}, gradients {state['gradients'] / MIB:,.1f}, "
+              f"optimizer {state['optimizer'] / MIB:,.1f}; {state['offloaded'] / MIB:,.1f} of it in CPU memory)")
+    if hasattr(task, "block_size"):  # the activation estimate traces a causal LM
+        shape = model_shape(model.config, compute_dtype, model_args.trust_remote_code)
+        activations = activation_bytes(shape, args.per_device_train_batch_size, task.block_size,
+                                       model_args.gradient_checkpointing)
+        memory += (f", activations ~{activations / MIB:,.1f} MiB and working buffers "
+                   f"~{working_bytes(layout, shape, compute_dtype.itemsize) / MIB:,.1f} MiB (estimates)")
+    return memory
