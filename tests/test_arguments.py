@@ -56,9 +56,6 @@ def test_defaults_then_recipe_then_command_line(tmp_path) -> None:
         (None, ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"], "give one"),
         (None, ["--max_train_samples", "0"], "--max_train_samples must be at least 1, got 0"),
         (None, ["--eval_strategy", "epoch", "--max_eval_samples", "-2"], "--max_eval_samples must be at least 1"),
-        (None, ["--torch_compile_fullgraph"], "--torch_compile_fullgraph is an option of --torch_compile: add "),
-        (None, ["--torch_compile_regional"], "--torch_compile_regional is an option of --torch_compile"),
-        (None, ["--torch_compile_mode", "fast"], "argument --torch_compile_mode.*: invalid choice: 'fast'"),
         (None, ["--model_name_or_path", "gpt2", "--config_overrides", "vocab_size=50304"],
          "--config_overrides changes a --model_config trained from scratch"),
         pytest.param(None, ["--task", "image-classification", "--config_overrides", "num_labels=3"],
@@ -73,20 +70,6 @@ def test_bad_arguments_are_named(tmp_path, recipe_text, argv, message) -> None:
         argv = ["--config", str(recipe), *argv]
     with pytest.raises(ArgumentError, match=message):
         parse_args([*argv, "--output_dir", str(tmp_path / "out")])
-
-
-@pytest.mark.quick
-def test_a_compile_mode_switches_compilation_on_as_in_transformers(tmp_path) -> None:
-    _, _, train_args = parse_args(["--torch_compile_mode", "max-autotune-no-cudagraphs", "--torch_compile_fullgraph",
-                                   "--output_dir", str(tmp_path)])
-    assert train_args.torch_compile and train_args.torch_compile_fullgraph
-    from training.compile import compile_options, dynamo_plugin
-
-    assert compile_options(train_args) == {"mode": "max-autotune-no-cudagraphs", "fullgraph": True, "dynamic": None}
-    plugin = dynamo_plugin(train_args)
-    assert (plugin.backend.value, plugin.mode, plugin.fullgraph) == ("INDUCTOR", "max-autotune-no-cudagraphs", True)
-    _, _, eager = parse_args(["--output_dir", str(tmp_path)])
-    assert dynamo_plugin(eager).backend.value == "NO"
 
 
 @pytest.mark.quick

@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from models.configs import build_named_config
 from models.language import SHIPPED_TOKENIZER
 from tests.conftest import (CONFIGS, REPO, SPLIT_OF, TINY_RUN, bad_input_errors, end_launch, launch, launch_command,
-                            rank_processes, split_args, split_run_args, tiny_resnet, wait_for)
+                            rank_processes, split_args, split_run_args, wait_for)
 from training.arguments import ArgumentError, parse_args
 from training.strategy import check_launch_config, requested_strategy
 from training.errors import StrategyError
@@ -105,9 +105,6 @@ LAUNCHER_CASES = {  # case -> (environment from accelerate launch, what the erro
         "not found from",
     ),
     "fp16 on a CPU-only machine": ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "fp16 mixed precision needs a GPU"),
-    "the launcher's torch.compile, which train.py would replace": (
-        {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, "dynamo backend inductor, which train.py would replace"
-    ),
     "DeepSpeed JSON with its own optimizer section": (
         {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "{own-optimizer.json}"},
         "has its own optimizer section: train.py builds the optimizer",

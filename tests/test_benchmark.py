@@ -257,6 +257,7 @@ def test_the_profile_names_where_each_step_goes_without_a_train_py_edit(tmp_path
 
 
 @pytest.mark.quick
+@pytest.mark.parts("compile")
 def test_a_compile_option_in_the_mfu_train_flags_leaves_only_the_compiled_rows(tmp_path) -> None:
     """`--train_flags="--torch_compile_mode ..."` compiles every run: the eager rows would be mislabelled, so only the
     compiled ones run (the first launch's flags recorded, then the table stopped)."""

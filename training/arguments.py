@@ -20,7 +20,6 @@ from data import check_data_file
 from models.language import first_line
 from training.checkpoint import check_output_dir
 from training.strategy import Strategy, requested_strategy
-from training.compile import check_compile_flags
 from training.flags import (ALL_ARGUMENT_CLASSES, KNOWN_KEYS, ArgumentError, DataArguments, ModelArguments,
                             TrainArguments, build_parser)
 from training.metrics import resolve_trackers
@@ -115,7 +114,6 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     if data_args.validation_file and not data_args.train_file:
         raise ArgumentError("--validation_file needs --train_file")
     check_task_flags(model_args, data_args)
-    check_compile_flags(train_args)
     each("check_flags", model_args, data_args, train_args)  # the parts' (training/parts.py)
     if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
         # absolute: an exported adapter names its base model by this path, to be found from anywhere

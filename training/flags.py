@@ -25,7 +25,6 @@ class FlagParser(HfArgumentParser):
 
 
 INTERVALS = ["steps", "epoch", "no"]
-COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]  # torch.compile(mode=...)
 
 
 @dataclass
@@ -126,14 +125,6 @@ class CoreTrainArguments:
         "help": "A checkpoint directory, or 'latest' for the newest in output_dir."})
     ddp_timeout: int = field(default=1800, metadata={
         "help": "Seconds a collective may wait before every rank aborts (a stalled rank)."})
-    torch_compile: bool = field(default=False, metadata={
-        "help": "Compile with torch.compile (inductor): the model and its loss as one graph (training/compile.py)."})
-    torch_compile_mode: str | None = field(default=None, metadata={
-        "help": "torch.compile's mode; implies --torch_compile.", "choices": list(COMPILE_MODES)})
-    torch_compile_fullgraph: bool = field(default=False, metadata={"help": "--torch_compile: a graph break is an error."})
-    torch_compile_dynamic: bool | None = field(default=None, metadata={"help": "--torch_compile: dynamic shapes or not."})
-    torch_compile_regional: bool = field(default=False, metadata={
-        "help": "--torch_compile: one decoder block compiled, reused by every layer; the loss runs eagerly."})
     dataloader_num_workers: int | None = field(
         default=None,
         metadata={"help": "Worker processes loading batches per process; 0: in the main process. Default: 0 on CPU "

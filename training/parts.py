@@ -21,6 +21,7 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   set the core's DataLoader cannot read (a stream: no length); the loader keeps its own position.
 - `model_split(model_args, args) -> str | None`: the flag that splits one model over several processes
   or devices, if this part's does (other features refuse to combine with a split model).
+- `accelerator_settings(args) -> dict`: `Accelerator` keyword arguments (accelerate's dynamo plugin).
 - `processes_per_replica(args) -> int`: processes that read the same batches (a pipeline's stages).
 - `ddp_settings(args, on_cpu) -> dict`: DDP's settings (`DistributedDataParallelKwargs` fields).
 - `convert_model(model, accelerator, args) -> model`: the model as the task built it, before
@@ -32,7 +33,8 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   a checkpoint records and a resume must match; `held_parameters(model, args) -> int | None` is the
   most parameters one process then holds (the dry run's plan).
 - `training_objective(objective, accelerator, task, strategy, args) -> (objective, figures or None)`: the
-  micro-step's per-example loss sums `objective(model, batch)`, kept or replaced (distillation); after `prepare`.
+  micro-step's per-example loss sums `objective(model, batch)`, kept, compiled or replaced (distillation); after
+  `prepare`.
 - `micro_batch(prepared, accelerator, task, objective, train_set, args, prepare_training, loader_for, resumed)
   -> prepared`: the prepared (model, optimizer, train and eval loaders, scheduler, torch optimizer), kept or
   prepared again for another micro-batch (`prepare_training(module)`, `loader_for(micro_batch)`; the search for
@@ -146,6 +148,7 @@ class Part:
     text_source: Callable[[Any], TextSource | None] | None = None
     train_loader: Callable[..., object | None] | None = None
     model_split: Callable[[Any, Any], str | None] | None = None
+    accelerator_settings: Callable[[Any], dict] | None = None
     processes_per_replica: Callable[[Any], int] | None = None
     ddp_settings: Callable[[Any, bool], dict] | None = None
     convert_model: Callable[[torch.nn.Module, Accelerator, Any], torch.nn.Module] | None = None

@@ -25,7 +25,6 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from training.accelerator import build_accelerator, describe, idle_gpu_warning, model_construction
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
 from training.collectives import gather_scalars, preflight
-from training.compile import compiled_objective, dynamo_plugin
 from training.console import one_voice
 from training.cpu_accommodations import use_share_of_cores
 from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
@@ -130,8 +129,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         train_data = train_set = Subset(train_set, range(steps_per_epoch * global_batch))
     prepare_training = partial(prepared_for_training, accelerator, task, train_data, eval_set, args, loading, max_steps)
     prepared = prepare_training(model)
-    # per-example loss sums of a micro-batch; under --torch_compile one graph with the model; a part may replace it
-    objective, part_figures = compiled_objective(partial(label_loss_sums, task), args), []
+    # per-example loss sums of a micro-batch; a part may compile it with the model, or replace it
+    objective, part_figures = partial(label_loss_sums, task), []
     for hook in filled("training_objective"):
         objective, figures = hook(objective, accelerator, task, strategy, args)
         part_figures += [figures] if figures else []
@@ -245,7 +244,7 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
         ),
         log_with=args.report_to or None,  # TensorBoard writes to output_dir/runs/<run_name>
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "runs")),
-        dynamo_plugin=dynamo_plugin(args),
+        **merged("accelerator_settings", args),  # the parts' (accelerate's dynamo plugin under --torch_compile)
     )
     strategy = verify_strategy(accelerator)
     one_voice(accelerator.is_main_process)  # the other ranks report errors only

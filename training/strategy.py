@@ -62,12 +62,6 @@ def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
                 "(--optim, --learning_rate, --adam_beta1/2, --weight_decay) and the schedule (--lr_scheduler_type, "
                 "--warmup_steps) the same way on every strategy; remove the section and set those flags"
             )
-    if (backend := os.environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper()) != "NO":
-        raise StrategyError(
-            f"the launcher asks for torch.compile with dynamo backend {backend.lower()}, which train.py would replace: "
-            "it compiles with its own --torch_compile (inductor); drop --dynamo_backend (or dynamo_config in the yaml) "
-            "and pass --torch_compile to train.py"
-        )
     if on_cpu and strategy is Strategy.FSDP and os.environ.get("FSDP_VERSION", "1") != "2":
         raise StrategyError("FSDP1 cannot run on CPU; set `fsdp_version: 2` in the accelerate config")
     if on_cpu and os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16":

@@ -45,7 +45,7 @@ def check_pipeline_flags(model_args, data_args, args) -> None:
 
     unsupported = {"--use_peft": getattr(model_args, "use_peft", False),  # (a project may leave lora out)
                    "--task sft": model_args.task == "sft", "--packing false": not data_args.packing,
-                   "--torch_compile": args.torch_compile,
+                   "--torch_compile": getattr(args, "torch_compile", False),
                    "--gradient_checkpointing": model_args.gradient_checkpointing}
     found = [split for split in model_splits(model_args, args) if split != "--pipeline_parallel_size"]
     if found := found + [flag for flag, used in unsupported.items() if used]:

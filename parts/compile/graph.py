@@ -1,4 +1,4 @@
-"""--torch_compile and its options: what torch.compile covers, in one place.
+"""What torch.compile covers under --torch_compile and its options.
 
 accelerate compiles the prepared model (`TorchDynamoPlugin`, built here from the flags), which
 evaluation uses. Training compiles more: the micro-step's objective, the model's forward *and*
@@ -16,16 +16,6 @@ from collections.abc import Callable
 
 import torch
 from accelerate.utils import TorchDynamoPlugin
-
-from training.errors import ArgumentError
-
-
-def check_compile_flags(args) -> None:
-    """--torch_compile_mode implies --torch_compile (as in transformers); the other options need it."""
-    args.torch_compile = args.torch_compile or args.torch_compile_mode is not None
-    options = {"torch_compile_fullgraph": False, "torch_compile_dynamic": None, "torch_compile_regional": False}
-    if not args.torch_compile and (given := [name for name, off in options.items() if getattr(args, name) != off]):
-        raise ArgumentError(f"--{given[0]} is an option of --torch_compile: add --torch_compile, or drop it")
 
 
 def dynamo_plugin(args) -> TorchDynamoPlugin:

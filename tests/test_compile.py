@@ -1,0 +1,58 @@
+"""parts/compile: --torch_compile trains what eager trains, its options, and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from parts.compile import check_launch
+from parts.compile.graph import compile_options, dynamo_plugin
+from tests.test_performance import SHORT_RUN
+from training.arguments import ArgumentError, parse_args
+from training.errors import StrategyError
+from training.metrics import read_metrics
+from training.strategy import requested_strategy
+
+
+def test_torch_compile_trains_the_same_model_on_ddp(cached_run) -> None:
+    eager, compiled = cached_run("ddp", *SHORT_RUN), cached_run("ddp", *SHORT_RUN, "--torch_compile")
+    assert "model wrapped as OptimizedModule" in (compiled / "launch.log").read_text()  # compiled, around DDP
+    losses = [[m["loss"] for m in read_metrics(run) if "loss" in m] for run in (eager, compiled)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-3)  # inductor reorders float math, nothing more
+    # final/ holds the model's own weight names (not torch.compile's `_orig_mod.` ones): it loads whole,
+    # with the weights the eager run trained
+    models = [AutoModelForCausalLM.from_pretrained(run / "final", output_loading_info=True) for run in (eager, compiled)]
+    assert models[1][1]["missing_keys"] == set() and models[1][1]["unexpected_keys"] == set()
+    for name, weight in models[1][0].state_dict().items():
+        torch.testing.assert_close(weight, models[0][0].state_dict()[name], rtol=0, atol=1e-4)
+
+
+@pytest.mark.quick
+def test_a_compile_mode_switches_compilation_on_as_in_transformers(tmp_path) -> None:
+    _, _, train_args = parse_args(["--torch_compile_mode", "max-autotune-no-cudagraphs", "--torch_compile_fullgraph",
+                                   "--output_dir", str(tmp_path)])
+    assert train_args.torch_compile and train_args.torch_compile_fullgraph
+    assert compile_options(train_args) == {"mode": "max-autotune-no-cudagraphs", "fullgraph": True, "dynamic": None}
+    plugin = dynamo_plugin(train_args)
+    assert (plugin.backend.value, plugin.mode, plugin.fullgraph) == ("INDUCTOR", "max-autotune-no-cudagraphs", True)
+    _, _, eager = parse_args(["--output_dir", str(tmp_path)])
+    assert dynamo_plugin(eager).backend.value == "NO"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--torch_compile_fullgraph"], "--torch_compile_fullgraph is an option of --torch_compile: add "),
+    (["--torch_compile_regional"], "--torch_compile_regional is an option of --torch_compile"),
+    (["--torch_compile_mode", "fast"], "argument --torch_compile_mode.*: invalid choice: 'fast'"),
+])
+def test_compile_options_without_compilation_are_refused(tmp_path, argv, message) -> None:
+    with pytest.raises(ArgumentError, match=message):
+        parse_args([*argv, "--output_dir", str(tmp_path / "out")])
+
+
+@pytest.mark.quick
+def test_the_launchers_own_torch_compile_is_refused_before_any_process_group(monkeypatch) -> None:
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
+    with pytest.raises(StrategyError, match="dynamo backend inductor, which train.py would replace"):
+        check_launch(None, requested_strategy(), 1, True)
