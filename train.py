@@ -181,7 +181,7 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
     """Export the model, gather the run's figures from every rank, close the process group, and
     (main process) write summary.json and the report, and print the summary."""
     accelerator, state = run.accelerator, run.state
-    final_dir = export_final(accelerator, run.model, run.task.processor, run.args.output_dir)
+    final_dir = export_final(accelerator, run.model, run.task, run.args.output_dir)
     steps_run = state.completed_steps - run.first_step
     summary = {  # gathered from every rank: before end_training closes the process group
         "strategy": run.strategy.value,

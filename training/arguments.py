@@ -25,7 +25,7 @@ from training.flags import (ALL_ARGUMENT_CLASSES, KNOWN_KEYS, ArgumentError, Dat
 from training.metrics import resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
 from training.parts import each, found, run_inputs
-from training.task_registry import tasks
+from training.task_registry import task_entry, tasks
 
 
 # Flags naming files or directories the run reads: --overwrite_output_dir must not delete them (a part marks its own)
@@ -173,13 +173,13 @@ def flags_set(settings, names: tuple[str, ...]) -> list[str]:
 
 def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> None:
     """The named config belongs to the task (default: the task's own), and no flag is meant for the other task."""
-    task = model_args.task
-    every = tasks()
-    configs = every[task].configs
-    model_args.model_config = model_args.model_config or every[task].default_config
-    if not model_args.model_name_or_path and model_args.model_config not in configs:
-        raise ArgumentError(f"unknown model_config {model_args.model_config!r} for --task {task}; choose one of {sorted(configs)}")
-    for flag in sorted({flag for entry in every.values() for flag in entry.own_flags} - set(every[task].own_flags)):
+    task, every = model_args.task, tasks()
+    chosen = task_entry(task)
+    model_args.model_config = model_args.model_config or chosen.default_config
+    if not model_args.model_name_or_path and chosen.configs and model_args.model_config not in chosen.configs:
+        raise ArgumentError(f"unknown model_config {model_args.model_config!r} for --task {task}; choose one of "
+                            f"{sorted(chosen.configs)}")
+    for flag in sorted({flag for entry in every.values() for flag in entry.own_flags} - set(chosen.own_flags)):
         if getattr(model_args, flag, getattr(data_args, flag, None)) != FIELD_DEFAULTS[flag]:
             owners = [name for name, entry in every.items() if flag in entry.own_flags]
             raise ArgumentError(f"--{flag} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")

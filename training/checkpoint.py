@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
-from transformers.utils import PushToHubMixin
 
 from training.batchnorm import average_running_statistics
 from training.errors import ArgumentError, ResumeError
@@ -30,6 +29,7 @@ from training.safe_loading import safe_unpickling
 from training.strategy_adapters import own_class_while_saving
 
 TRAINER_STATE = "trainer_state.json"
+PLAIN_MODEL = "model.json"  # in final/: how to rebuild a plain nn.Module (its class and constructor arguments)
 DEEPSPEED_DIR = "pytorch_model"  # what accelerate's save_state writes for a DeepSpeed engine
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -238,28 +238,48 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
     return state
 
 
-def export_final(accelerator: Accelerator, model, processor: PushToHubMixin, output_dir: str) -> Path:
-    """Write full safetensors weights, config and the processor (tokenizer or image processor)
-    that `transformers` loads alone.
+def export_final(accelerator: Accelerator, model, task, output_dir: str) -> Path:
+    """Write the whole model as safetensors into `output_dir/final`, with what rebuilds it: a `transformers`
+    model's config and the task's processor (tokenizer or image processor), which `transformers` loads alone; a plain
+    `nn.Module`'s class and constructor arguments (`model.json`, `load_plain_model`).
 
     `get_state_dict` gathers the shards (ZeRO-3, FSDP2) and must run on every rank.
     """
     final_dir = Path(output_dir) / "final"
     average_running_statistics(model, accelerator)
     if isinstance(model, ModelRunner):  # a part's model that exports itself (pipeline stages: merged on rank 0)
-        return model.export(accelerator, processor, final_dir)
+        return model.export(accelerator, task.processor, final_dir)
     # --torch_compile wraps the strategy's wrapper, and accelerate's unwrapping keeps it: the weights
     # would be saved as `_orig_mod.model...`, which transformers drops on loading (a random model).
     model = getattr(model, "_orig_mod", model)
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
-    # A peft model saves its adapter alone (peft's format), taken from the gathered state dict.
     with own_class_while_saving(unwrapped):
-        unwrapped.save_pretrained(
-            final_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
-        )
-    if accelerator.is_main_process:
-        processor.save_pretrained(final_dir)
+        if not hasattr(unwrapped, "save_pretrained"):  # neither transformers' nor peft's
+            accelerator.save_model(model, final_dir)  # model.safetensors
+            if accelerator.is_main_process:
+                rebuild = {"class": f"{type(unwrapped).__module__}:{type(unwrapped).__qualname__}",
+                           "kwargs": task.model_kwargs or {}}
+                (final_dir / PLAIN_MODEL).write_text(json.dumps(rebuild, indent=2) + "\n")
+        else:  # a peft model saves its adapter alone (peft's format), taken from the gathered state dict
+            state_dict = accelerator.get_state_dict(model)
+            unwrapped.save_pretrained(final_dir, is_main_process=accelerator.is_main_process,
+                                      save_function=accelerator.save, state_dict=state_dict)
+    if accelerator.is_main_process and task.processor is not None:
+        task.processor.save_pretrained(final_dir)
     accelerator.wait_for_everyone()
     return final_dir
+
+
+def load_plain_model(final_dir: str | Path) -> torch.nn.Module:
+    """A plain `nn.Module` from its `final/`: its class (imported from where you run) built with the recorded
+    constructor arguments, then its weights."""
+    import importlib
+
+    from safetensors.torch import load_model
+
+    rebuild = json.loads((Path(final_dir) / PLAIN_MODEL).read_text())
+    module, name = rebuild["class"].split(":")
+    model = getattr(importlib.import_module(module), name)(**rebuild["kwargs"])
+    load_model(model, Path(final_dir) / "model.safetensors")
+    return model

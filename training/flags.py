@@ -11,7 +11,7 @@ from typing import NoReturn
 
 from transformers.hf_argparser import HfArgumentParser
 
-from training.task_registry import tasks
+from training.task_registry import TaskChoices, tasks
 from training.errors import ArgumentError
 from training.optim import OPTIMIZERS
 from training.parts import part_flags
@@ -30,7 +30,8 @@ INTERVALS = ["steps", "epoch", "no"]
 @dataclass
 class CoreModelArguments:
     task: str = field(default="causal-lm", metadata={
-        "help": "What to learn: the core's next-token text, or a task an installed part adds.", "choices": list(tasks())})
+        "help": "What to learn: the core's next-token text, a task an installed part adds, or your own Task subclass "
+                "as module:Class (recipes/).", "choices": TaskChoices(tasks())})
     model_name_or_path: str | None = field(default=None, metadata={
         "help": "Hub id or local directory of a pretrained model for --task. Unset: train from scratch."})
     model_config: str | None = field(

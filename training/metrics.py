@@ -107,7 +107,7 @@ def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
     for key, held in summary.items():  # models a part runs beside the trained one (a distillation teacher)
         if key.endswith("_state_bytes_per_rank") and key != "model_state_bytes_per_rank":
             state += f", {key.removesuffix('_state_bytes_per_rank')} weights {held['parameters'] / 2**20:,.1f} MiB"
-    mfu = f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (unknown device peak)"
+    mfu = f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (unknown device peak or model FLOPs)"
     per_device = "".join(f", {key.removeprefix('peak_memory_gb_')} {gb:.2f}" for key, gb in summary.items()
                          if key.startswith("peak_memory_gb_"))
     evaluation, at_start = (", ".join(f"{key.removesuffix('_at_start')} {value:.4f}" for key, value in summary.items()

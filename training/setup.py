@@ -104,6 +104,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     with accelerator.main_process_first():  # the main process downloads; the others then read its cache
         raw = task.load_raw_datasets(args.seed)
     model = build_model(accelerator, task, raw, model_args, args)
+    # a transformers model by its name or named config; your own plain nn.Module by its class
+    model_name = model_args.model_name_or_path or (model_args.model_config if hasattr(model, "config") else type(model).__name__)
     num_parameters = parameter_count(model)
     model = through("wrap_model", model, accelerator, args)  # a part may lay the model out (layers over GPUs, tp slices) or run it itself
     # (pipeline stages: a ModelRunner). Several devices: a part split the layers over this process's GPUs
@@ -183,7 +185,6 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit,
                        replica_processes,  # ranks that read each batch
                        memory_devices=devices if len(devices) > 1 else None)
-    model_name = model_args.model_name_or_path or model_args.model_config
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
                f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args, part_figures,

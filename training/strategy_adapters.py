@@ -100,7 +100,7 @@ def _answer_none_for_missing_embeddings(model: torch.nn.Module) -> None:
     expecting None from models without any (image models); `transformers` raises instead."""
     try:
         model.get_input_embeddings()
-    except NotImplementedError:
+    except (NotImplementedError, AttributeError):  # (a plain nn.Module has no such method: accelerate then skips it)
         model.get_input_embeddings = lambda: None
 
 def _reduce_gradients_in_fp32(accelerator: Accelerator) -> None:

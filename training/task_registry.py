@@ -1,8 +1,9 @@
 """Owns the one registry of tasks (`--task`): implementation, named configs, default config, own flags.
 
 Adding a task is one entry in `CORE_TASKS` (and its `Task` subclass, see training/tasks.py), or a part's
-`tasks` (training/parts.py); `tasks()` holds both. The classes are imported when a task is built, not with this module:
-`train.py --help` lists the tasks and their configs before torch loads.
+`tasks` (training/parts.py); `tasks()` holds both. Your own task needs neither: `--task module:Class` names a
+`Task` subclass in a file of your project (recipes/ holds examples). The classes are imported when a task is
+built, not with this module: `train.py --help` lists the tasks and their configs before torch loads.
 """
 
 from __future__ import annotations
@@ -42,6 +43,30 @@ def task_for_columns(columns: set[str]) -> str | None:
     return next((name for name, entry in tasks().items() if any(marks <= columns for marks in entry.data_columns)), None)
 
 
+class TaskChoices(list):
+    """--task's choices: the registered names, and any `module:Class` (argparse asks `in`; its message lists these)."""
+
+    def __contains__(self, value: object) -> bool:
+        return super().__contains__(value) or ":" in str(value)
+
+
+def task_entry(name: str) -> TaskEntry:
+    """The registered task `name`, or your own `module:Class`: a subclass of a registered task's class takes that
+    task's configs and flags, with its own `own_flags` (the core flags it reads) added."""
+    if name in tasks():
+        return tasks()[name]
+    own = TaskEntry(name, {}, "")
+    try:
+        task_class = own.load()
+    except (ImportError, AttributeError, ValueError) as error:
+        from training.errors import ArgumentError
+
+        raise ArgumentError(f"--task {name}: cannot import it ({error}); give a registered task or module:Class, "
+                            "a Task subclass importable from where you launch") from None
+    base = next((entry for entry in tasks().values() if issubclass(task_class, entry.load())), own)
+    return dataclasses.replace(base, implementation=name, own_flags=base.own_flags + tuple(task_class.own_flags))
+
+
 def build_task(model_args, data_args) -> Task:
     """The `Task` that `--task` names, built from the parsed flags."""
-    return tasks()[model_args.task].load()(model_args, data_args)
+    return task_entry(model_args.task).load()(model_args, data_args)

@@ -1,17 +1,16 @@
 """What is learned (`--task`): the model, its data and its loss. The training loop is the same for every task.
 
-A task
-- builds its processor (tokenizer or image processor), model and datasets, from `models/`
-  and `data/`;
-- runs the model on a batch (`forward`) and turns the logits into per-example loss sums and
-  target counts (`loss_sums`), so a step's loss is the mean over the global batch's
-  targets however the batch is split;
-- counts right answers (`correct`) for `eval_accuracy`, and the units throughput is
-  counted in (tokens, or samples);
-- shows what the exported model does, loaded with plain `transformers`, at the end.
+A task supplies three things (the abstract methods): its model (`build_model`: any `nn.Module` whose forward
+returns logits, or an output with `.logits`), its training and evaluation sets (`build_datasets`: any map-style
+`torch.utils.data.Dataset`), and its loss as per-example sums with their target counts (`loss_sums`), so a step's
+loss is the mean over the global batch's targets however the batch is split. Everything else has a default:
+how the model runs on a batch (`forward`), what training minimises (`objective_sums`: the loss, or label smoothing
+or a z-loss) apart from what evaluation reports (`eval_sums`, `eval_metrics`: named sums, any metric), and the
+units throughput counts.
 
-Adding a task: subclass `Task` and add an entry for it to `CORE_TASKS` in training/task_registry.py, or register it
-from a part (`Part.tasks`: parts/images/ adds `--task image-classification`).
+Adding a task: a `Task` subclass in one file of your project, run with `--task module:Class` (recipes/ holds worked
+examples); or an entry in `CORE_TASKS` of training/task_registry.py, or a part's (`Part.tasks`: parts/images/
+adds `--task image-classification`).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from transformers import (
 from data import build_lm_datasets, load_raw_datasets, make_collator
 from models.language import build_model, build_tokenizer, resolve_block_size
 from training.parts import found
-from training.loss import correct_next_tokens, count_target_tokens, token_loss_sums
+from training.loss import IGNORE_INDEX, correct_next_tokens, count_target_tokens, token_loss_sums
 from training.performance import flops_per_token
 
 Batch = dict[str, torch.Tensor]
@@ -43,36 +42,45 @@ Batch = dict[str, torch.Tensor]
 class Task(ABC):
     """The interface train.py uses; see the module docstring."""
 
-    unit: str  # what throughput counts: "tokens" or "samples"
-    auto_model: type  # the transformers Auto class that loads this task's models (e.g. a distillation teacher)
-    model_input: str  # the batch key the model's first layer reads (a pipeline's first stage is fed it)
+    unit = "samples"  # what throughput counts (`count_units`): "samples", or "tokens"
+    model_input = "input_ids"  # the batch key `forward` feeds the model (a pipeline's first stage is fed it)
+    auto_model: type | None = None  # a transformers Auto class that loads this task's models (a distillation teacher)
     fixed_input_shapes = False  # every batch the same shape: cuDNN may tune its convolutions once (GPUs)
-    can_build_empty = True  # build_model honours `empty` (training/accelerator.py `model_construction`)
+    can_build_empty = False  # build_model honours `empty` (training/accelerator.py `model_construction`)
+    own_flags: tuple[str, ...] = ()  # core flags a `--task module:Class` reads (e.g. "train_file"); others are refused
 
     def __init__(self, model_args, data_args) -> None:
-        self.name = model_args.task  # its key in training/task_registry.py
+        self.name = model_args.task  # its key in training/task_registry.py, or module:Class
         self.model_args, self.data_args = model_args, data_args
         self.processor = None  # tokenizer or image processor, saved beside the exported model
         self.collator = default_data_collator
         self.flops_per_unit: float | None = None  # training FLOPs per unit, for MFU; set by build_model
         self.settings: dict[str, int] = {}  # shape settings for the logs and trackers; set by build_model
+        # a plain nn.Module's constructor arguments: final/model.json records them beside its weights
+        self.model_kwargs: dict | None = None
 
     @abstractmethod
-    def load_raw_datasets(self, seed: int) -> DatasetDict: ...
+    def build_model(self, raw, empty: bool = False) -> torch.nn.Module:
+        """The model, fp32; `raw`: what `load_raw_datasets` read; `empty` (only with `can_build_empty`): not
+        initialised, its weights to come from rank 0 in `prepare`."""
 
     @abstractmethod
-    def build_model(self, raw: DatasetDict, empty: bool = False) -> PreTrainedModel:
-        """The model, fp32; `empty`: not initialised, its weights to come from rank 0 in `prepare`."""
-
-    @abstractmethod
-    def build_datasets(self, raw: DatasetDict, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]: ...
-
-    @abstractmethod
-    def forward(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor: ...
+    def build_datasets(self, raw, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]:
+        """The training and evaluation sets (`main_process_first`: a context in which the main process goes
+        first, e.g. to tokenise and cache, the others then read its cache)."""
 
     @abstractmethod
     def loss_sums(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-example sums of the label loss over the targets, and the targets counted: `eval_loss`."""
+
+    def load_raw_datasets(self, seed: int):
+        """What is read before the model is built (by the main process first), handed to both builders."""
+        return None
+
+    def forward(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """The logits of `batch`: the model run on its `model_input`."""
+        output = model(batch[self.model_input])
+        return getattr(output, "logits", output)
 
     def objective_sums(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Per-example sums of what training minimises (divided by the global batch's target count). The label
@@ -80,36 +88,42 @@ class Task(ABC):
         and `eval_loss` stays the label loss."""
         return self.loss_sums(logits, batch)[0]
 
-    @abstractmethod
-    def correct(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor: ...
+    def correct(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """Per-example counts of right answers, for `eval_accuracy`; None: no accuracy."""
+        return None
 
-    @abstractmethod
-    def count_targets(self, batch: Batch) -> torch.Tensor: ...
+    def count_targets(self, batch: Batch) -> torch.Tensor:
+        """The targets in a batch, as `loss_sums` counts them: by default every label but ignored ones."""
+        return (batch["labels"] != IGNORE_INDEX).sum()
 
-    @abstractmethod
-    def count_units(self, batch: Batch) -> int: ...
+    def count_units(self, batch: Batch) -> int:
+        """What throughput counts in a batch (`unit`): its examples by default."""
+        return len(batch[self.model_input])
 
-    @abstractmethod
-    def describe_data(self, train_set: Dataset) -> str: ...
+    def describe_data(self, train_set: Dataset) -> str:
+        return f"{len(train_set)} training examples"
 
-    @abstractmethod
-    def sample(self, final_dir: Path) -> str: ...
+    def sample(self, final_dir: Path) -> str:
+        """What the exported model does, shown at the end (loaded from `final_dir`); nothing by default."""
+        return "(none: the task shows no sample)"
 
     def eval_sums(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         """Named per-example sums that evaluation adds up over the whole validation set, on every rank; a task
         adds its own (a top-5 count) and turns them into metrics in `eval_metrics`."""
         loss, targets = self.loss_sums(logits, batch)
-        return {"loss": loss, "targets": targets, "correct": self.correct(logits, batch)}
+        correct = self.correct(logits, batch)
+        return {"loss": loss, "targets": targets, **({"correct": correct} if correct is not None else {})}
 
     def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
         """The metrics (named eval_*) from `eval_sums`' totals over the validation set."""
-        return {"eval_loss": totals["loss"] / totals["targets"], "eval_accuracy": totals["correct"] / totals["targets"]}
+        accuracy = {"eval_accuracy": totals["correct"] / totals["targets"]} if "correct" in totals else {}
+        return {"eval_loss": totals["loss"] / totals["targets"], **accuracy}
 
     def generation_metrics(self, model: torch.nn.Module, accelerator) -> dict[str, float]:
         """Metrics of what the model generates, run on every rank in evaluation; none by default."""
         return {}
 
-    def datasets(self, raw: DatasetDict, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]:
+    def datasets(self, raw, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]:
         """`build_datasets`, cut to the first --max_train_samples / --max_eval_samples examples."""
         train_set, eval_set = self.build_datasets(raw, main_process_first)
         return _first(train_set, self.data_args.max_train_samples), _first(eval_set, self.data_args.max_eval_samples)
@@ -125,7 +139,7 @@ class CausalLM(Task):
 
     unit = "tokens"
     auto_model = AutoModelForCausalLM
-    model_input = "input_ids"
+    can_build_empty = True
 
     def __init__(self, model_args, data_args) -> None:
         super().__init__(model_args, data_args)
