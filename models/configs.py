@@ -2,8 +2,8 @@
 
 `NAMED_CONFIGS` are Llama-style decoders for `--task causal-lm`, each sized for one job (a part
 adds its own task's: parts/images/configs.py). To add your own, add an entry that returns any
-`transformers.PretrainedConfig` whose model type `AutoModelForCausalLM` knows; `conv-lm` shows how a
-model that is not a `transformers` architecture becomes one (models/conv_lm.py).
+`transformers.PretrainedConfig` whose model type `AutoModelForCausalLM` knows (a model that is not a
+`transformers` architecture: recipes/conv_lm.py, or a plain `nn.Module`: recipes/plain_model.py).
 
 The config classes are imported when a config is made, not with this module: `train.py
 --help` lists these names without loading transformers' models (and with them torch).
@@ -38,25 +38,11 @@ def _llama(hidden: int, layers: int, heads: int, intermediate: int, positions: i
     return make
 
 
-def _conv_lm(hidden: int, layers: int, kernel: int, positions: int) -> Callable[[int, int], PretrainedConfig]:
-    def make(vocab_size: int, eos_token_id: int) -> PretrainedConfig:
-        from models.conv_lm import ConvLMConfig, register_custom_model
-
-        register_custom_model()
-        return ConvLMConfig(vocab_size=vocab_size, hidden_size=hidden, num_layers=layers, kernel_size=kernel,
-                            max_position_embeddings=positions, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
-                            pad_token_id=eos_token_id)
-
-    return make
-
-
 NAMED_CONFIGS: dict[str, Callable[[int, int], PretrainedConfig]] = {
     "llama-tiny": _llama(hidden=64, layers=2, heads=4, intermediate=176, positions=128),  # tests: seconds
     "llama-small": _llama(hidden=256, layers=4, heads=4, intermediate=688, positions=256),  # the default job
     # GPU benchmarks: GPT-2-small's body (~86M parameters with the shipped tokenizer, ~125M with a 50k vocabulary)
     "llama-125m": _llama(hidden=768, layers=12, heads=12, intermediate=2048, positions=1024),
-    # A custom model, not a transformers architecture: the recipe in models/conv_lm.py
-    "conv-lm": _conv_lm(hidden=64, layers=2, kernel=4, positions=128),
 }
 
 

@@ -1,5 +1,5 @@
-"""A custom model (models/conv_lm.py: a plain nn.Module wrapped once) trains under a sharded
-strategy, and its export loads outside this repository through transformers' trust_remote_code."""
+"""A custom model (recipes/conv_lm.py: a plain nn.Module wrapped once, trained by recipes/conv_lm_task.py) trains
+under a sharded strategy, and its export loads outside this repository through transformers' trust_remote_code."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from models.conv_lm import ConvLMForCausalLM, register_custom_model
+from recipes.conv_lm import ConvLMForCausalLM, register_custom_model
 from tests.conftest import REPO
 from training.metrics import read_metrics
 
@@ -21,7 +21,7 @@ PROMPT_IDS = [[5, 17, 42, 8, 99, 3]]
 
 @pytest.fixture(scope="module")
 def fsdp_run(cached_run):
-    return cached_run("fsdp", "--model_config", "conv-lm", "--max_steps", "6", "--logging_steps", "1")
+    return cached_run("fsdp", "--task", "recipes.conv_lm_task:ConvLMTask", "--max_steps", "6", "--logging_steps", "1")
 
 
 def test_a_custom_model_trains_under_fsdp2_with_its_blocks_as_units(fsdp_run) -> None:
@@ -36,7 +36,7 @@ def test_the_export_loads_outside_the_repository_with_trust_remote_code(fsdp_run
     final = fsdp_run / "final"
     config = json.loads((final / "config.json").read_text())
     assert config["auto_map"] == {"AutoConfig": "conv_lm.ConvLMConfig", "AutoModelForCausalLM": "conv_lm.ConvLMForCausalLM"}
-    assert (final / "conv_lm.py").read_text() == (REPO / "models" / "conv_lm.py").read_text()  # the code travels along
+    assert (final / "conv_lm.py").read_text() == (REPO / "recipes" / "conv_lm.py").read_text()  # the code travels along
     # A fresh interpreter in another directory, without this repository on its path.
     outside = f"""
 import json, torch

@@ -149,7 +149,7 @@ def test_a_top5_metric_reaches_every_output_under_fsdp_and_changes_no_loss(recip
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("recipe", sorted(path.stem for path in (REPO / "recipes").glob("*.py") if path.stem != "__init__"))
+@pytest.mark.parametrize("recipe", ["plain_model", "npy_tokens", "csv_classification", "label_smoothing", "top5_accuracy"])
 def test_the_docs_quote_each_recipe_as_it_is(recipe: str) -> None:
     """docs/recipes.md shows each recipe's command and code; every quoted block is in the file, verbatim."""
     source = (REPO / "recipes" / f"{recipe}.py").read_text()

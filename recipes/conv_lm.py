@@ -1,15 +1,14 @@
-"""An example custom model: a plain `nn.Module` language model, wrapped once for `transformers`.
+"""Recipe: a plain `nn.Module` language model wrapped once for `transformers` (docs/models-and-data.md, "Custom
+models"), so that its export loads anywhere with `from_pretrained`. recipes/conv_lm_task.py trains it.
 
-The recipe for your own model (docs/models-and-data.md, "Custom models"):
 1. Write the `nn.Module`: token ids in, logits out (here `ConvLanguageModel`).
 2. Wrap it once: a `PretrainedConfig` holding its sizes, and a `PreTrainedModel` whose
    `forward` returns `CausalLMOutput(logits=...)` (here `ConvLMConfig`, `ConvLMForCausalLM`).
    `_no_split_modules` names the block FSDP2 and ZeRO-3 shard as a unit.
-3. Register it: `register_custom_model` below, and a named config in models/configs.py.
-Then `--model_config conv-lm` trains it under every strategy, and `final/` loads outside this
-repository with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`: the
-export carries this file (`register_for_auto_class`), which therefore imports only torch and
-transformers.
+3. Register it: `register_custom_model` below, called by the task that builds it.
+`final/` then loads outside this repository with `AutoModelForCausalLM.from_pretrained(path,
+trust_remote_code=True)`: the export carries this file (`register_for_auto_class`), which
+therefore imports only torch and transformers.
 """
 
 from __future__ import annotations
