@@ -194,10 +194,10 @@ def check_command(command: str) -> None:
 @pytest.mark.quick
 def test_every_command_on_the_front_page_parses() -> None:
     recipes = recipe_commands()
-    assert len(recipes) >= 9  # text data, ZeRO-3, FSDP2, multi-node, SLURM, custom model, optimizer, resume, ...
+    assert len(recipes) >= 9  # text data, ZeRO-3, FSDP2, multi-node, SLURM, your own model, optimizer, resume, ...
     joined = "\n".join(recipes)
     for needed in ("--train_file", "deepspeed_zero3.yaml", "fsdp.yaml", "--num_machines", "--machine_rank",
-                   "--main_process_ip", "scripts/slurm/train.sbatch", "--model_config", "--optim",
+                   "--main_process_ip", "scripts/slurm/train.sbatch", "--task recipes.", "--optim",
                    "--learning_rate", "--lr_scheduler_type", "--warmup_ratio", "--resume_from_checkpoint latest"):
         assert needed in joined, needed
     commands = front_page_commands()

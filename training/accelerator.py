@@ -6,8 +6,6 @@ whole fp32 copy when it need not (`model_construction`)."""
 from __future__ import annotations
 
 import os
-import sys
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -32,11 +30,9 @@ def build_accelerator(args, **accelerator_kwargs) -> Accelerator:
     `args` (TrainArguments): `--ddp_timeout` (seconds) bounds every collective of the process group, on
     every strategy; the parts' launch checks and DDP settings read their flags.
     """
-    strategy = requested_strategy()
-    if strategy is Strategy.DEEPSPEED:
-        skip_deepspeed_muon_check()
+    strategy, on_cpu = requested_strategy(), not has_accelerator_device()
+    each("at_start", strategy, on_cpu)  # the parts' (start-up work skipped: parts/fast_start), before DeepSpeed loads
     timeout = timedelta(seconds=args.ddp_timeout)
-    on_cpu = not has_accelerator_device()
     check_launch_config(strategy, on_cpu)
     each("check_launch", args, strategy, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
     if not on_cpu:
@@ -49,23 +45,6 @@ def build_accelerator(args, **accelerator_kwargs) -> Accelerator:
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False,
                                         **merged("ddp_settings", args, on_cpu))
     return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
-
-
-def skip_deepspeed_muon_check() -> None:
-    """ZeRO imports DeepSpeed's Muon optimizer to ask whether the optimizer is one, and its Muon update
-    in the gradient reduction whether it is used or not; that module compiles with torch's inductor as it
-    loads: 1.5 s of CPU per rank at every start (measured, DeepSpeed 0.19.8). train.py never builds Muon
-    (`--optim`): stand-in modules answer instead, with a class nothing is an instance of."""
-    def never_called(*_args, **_kwargs):
-        raise RuntimeError("DeepSpeed's Muon update was called, but train.py builds no Muon optimizer")
-
-    muon = type("MuonWithAuxAdam", (), {})
-    for name, names in {"muon_optimizer": {"MuonWithAuxAdam": muon},
-                        "original_muon": {"MuonWithAuxAdam": muon, "muon_update": never_called,
-                                          "adam_update": never_called}}.items():
-        stand_in = types.ModuleType(f"deepspeed.runtime.zero.muon.{name}")
-        stand_in.__dict__.update(names)
-        sys.modules.setdefault(stand_in.__name__, stand_in)
 
 
 def describe(accelerator: Accelerator, strategy: Strategy) -> str:

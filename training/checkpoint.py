@@ -48,13 +48,6 @@ class TrainerState:
     gradient_accumulation_steps: int = 0
 
 
-def recorded_micro_batch(path: Path) -> tuple[int, int] | None:
-    """The (micro-batch, accumulation) a checkpoint's run trained with, if it recorded them."""
-    saved = json.loads((path / TRAINER_STATE).read_text())
-    pair = (saved.get("per_device_train_batch_size", 0), saved.get("gradient_accumulation_steps", 0))
-    return pair if all(pair) else None
-
-
 def checkpoints_root(output_dir: str) -> Path:
     return Path(output_dir) / "checkpoints"
 

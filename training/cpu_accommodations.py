@@ -16,7 +16,6 @@ On a GPU machine none of this applies: the same config files run unmodified over
 
 from __future__ import annotations
 
-import importlib
 import os
 from datetime import timedelta
 from typing import NamedTuple
@@ -37,18 +36,8 @@ def cpu_process_group(strategy: Strategy, timeout: timedelta) -> CpuSettings:
     if strategy is Strategy.FSDP:
         state = PartialState(backend="gloo", timeout=timeout)  # a gloo process group on device cpu, type NO
         state.distributed_type = DistributedType.MULTI_GPU  # so AcceleratorState turns on the FSDP plugin
-    if strategy is Strategy.DEEPSPEED:
-        skip_deepspeed_inference_kernel()
     backend = "gloo" if strategy is Strategy.DEEPSPEED else InitProcessGroupKwargs.backend
     return CpuSettings(cpu=strategy in (Strategy.SINGLE, Strategy.DDP), backend=backend)
-
-
-def skip_deepspeed_inference_kernel() -> None:
-    """On CPU, DeepSpeed compiles a shared-memory all-reduce as it starts (45 to 60 s on the first
-    launch in each environment, and a line per rank), which only its inference engine uses
-    (`inference_all_reduce`); training collectives go through torch.distributed either way."""
-    backend = importlib.import_module("deepspeed.comm.torch")  # not `deepspeed.comm.torch`: that name is torch itself
-    backend.build_shm_op = lambda: None
 
 
 def use_share_of_cores(local_processes: int) -> str:

@@ -114,39 +114,13 @@ def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> to
 
 def prepare_cpu_adam() -> None:
     """Before DeepSpeed's CPU Adam loads (it compiles on first use, under torch's build lock). Every loader calls
-    this first (train.py's ranks, scripts/build_cpu_adam.py): the build flags are part of the build's identity."""
-    ask_cpuinfo_once()
-    build_without_debug_symbols()
+    this first (train.py's ranks, scripts/build_cpu_adam.py): the parts' start-up settings are part of the build's
+    identity (parts/fast_start builds it without debug symbols)."""
+    from training.parts import each
+    from training.strategy import Strategy
+
+    each("at_start", Strategy.DEEPSPEED, True)
     release_abandoned_build_lock("cpu_adam")
-
-
-def build_without_debug_symbols() -> None:
-    """DeepSpeed compiles CPU Adam with `-g`: debug symbols nobody here reads, which take a third of the build.
-    Measured on 2 cores (DeepSpeed 0.19.8, torch 2.13): its two sources compile in 55 s with `-g`, 39 s without."""
-    from deepspeed.ops.op_builder import CPUAdamBuilder  # the builder DeepSpeedCPUAdam loads with, on this machine
-
-    with_symbols = CPUAdamBuilder.cxx_args
-    if getattr(with_symbols, "without_debug_symbols", False):
-        return
-
-    def cxx_args(builder) -> list[str]:
-        return [flag for flag in with_symbols(builder) if flag != "-g"]
-
-    cxx_args.without_debug_symbols = True
-    CPUAdamBuilder.cxx_args = cxx_args
-
-
-def ask_cpuinfo_once() -> None:
-    """DeepSpeed's CPU Adam asks py-cpuinfo about the CPU three times as it loads (twice for its build
-    flags, once for the vendor), and py-cpuinfo answers each time from two new Python processes: 1.2 s
-    each, per rank (measured, DeepSpeed 0.19.8). The CPU does not change within a process: the first
-    answer is kept."""
-    import functools
-
-    import cpuinfo
-
-    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 def release_abandoned_build_lock(extension: str) -> bool:

@@ -11,6 +11,8 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
 - `check_flags(model_args, data_args, args)`: after the core's own checks of the flags; raises ArgumentError.
   (A part's `run_inputs` name its flags that point at files the run reads: `--overwrite_output_dir`
   refuses to delete them.)
+- `at_start(strategy, on_cpu)`: before the Accelerator and DeepSpeed start (start-up work skipped), and before
+  DeepSpeed's CPU Adam builds.
 - `check_launch(args, strategy, processes, on_cpu)`: before the process group (and in the dry run);
   raises StrategyError for a launch the part cannot run in.
 - `resuming(accelerator, args, checkpoint)`: a run about to resume from `checkpoint` (a directory), before the
@@ -143,6 +145,7 @@ class Part:
     files: tuple[str, ...] = ()  # other files it owns (scripts, figures, tests under other names)
     requirements: tuple[str, ...] = ()  # packages of requirements.txt only it needs
     check_flags: Callable[[Any, Any, Any], None] | None = None
+    at_start: Callable[[Strategy, bool], None] | None = None
     check_launch: Callable[[Any, Strategy, int, bool], None] | None = None
     resuming: Callable[[Accelerator, Any, Any], None] | None = None
     text_source: Callable[[Any], TextSource | None] | None = None

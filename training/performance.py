@@ -54,21 +54,6 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     return 6 * matmul_params + 12 * layers * heads * head_dim * seq_len
 
 
-def counted_flops_per_example(model: torch.nn.Module, example: torch.Tensor, input_name: str) -> float:
-    """Training FLOPs (forward and backward) per example, counted by torch on a meta-device copy
-    of the model (no memory, no compute): for models with no closed formula, such as CNNs.
-
-    Two examples: BatchNorm refuses to train on a batch of one.
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with torch.device("meta"):
-        meta_model = type(model)(model.config)
-    with FlopCounterMode(display=False) as counter:
-        meta_model(**{input_name: torch.zeros(2, *example.shape, device="meta")}).logits.sum().backward()
-    return counter.get_total_flops() / 2
-
-
 def peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool = False) -> float | None:
     """The device's peak FLOP/s for matmuls in `dtype` (fp32 as TF32 under `tf32`): the datasheet
     on known GPUs, a short probe on CPU."""

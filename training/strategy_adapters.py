@@ -34,7 +34,7 @@ def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_gr
     """Before the optimizer and `prepare`: make the strategy run what train.py asks for (see each helper)."""
     half = compute_dtype(accelerator.mixed_precision)
     if accelerator.distributed_type is DistributedType.FSDP:
-        _answer_none_for_missing_embeddings(model)
+        answer_none_for_missing_embeddings(model)
         if accelerator.state.fsdp_plugin.cpu_ram_efficient_loading and (buffers := persistent_buffers(model)):
             raise StrategyError(
                 f"fsdp_cpu_ram_efficient_loading broadcasts only parameters from rank 0, and this model has buffers "
@@ -42,60 +42,19 @@ def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_gr
                 "in the accelerate config (every rank then builds the whole model)"
             )
         if half is not torch.float32:
-            _keep_batch_norm_in_fp32(model, accelerator)
+            keep_batch_norm_in_fp32(model, accelerator)
             _reduce_gradients_in_fp32(accelerator)
     if accelerator.state.deepspeed_plugin is not None:
         align_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm, per_device_batch)
         if half is not torch.float32:
-            _batch_norm_statistics_in(model, half)
-
-def place_frozen_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
-    """A model that runs beside the trained one and is never trained (a distillation teacher), placed as
-    the strategy places the trained model, and not registered with accelerate: `save_state` saves what
-    `prepare` registered, and a teacher is an input, not state.
-
-    - DDP, one process: a whole replica on each rank's device (autocast gives it the compute dtype).
-    - FSDP2: sharded with the config's own settings (accelerate's `fsdp2_prepare_model`, which `prepare`
-      calls for the trained model).
-    - DeepSpeed: a ZeRO-3 inference engine whatever the student's stage (`deepspeed.initialize` without an
-      optimizer: parameters partitioned, gathered layer by layer in forward, as TRL places its reference
-      model). Not accelerate's second DeepSpeed plugin: `prepare` would register that engine, and every
-      checkpoint would save the teacher.
-    """
-    half = compute_dtype(accelerator.mixed_precision)
-    if accelerator.distributed_type is DistributedType.FSDP:
-        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-
-        _answer_none_for_missing_embeddings(model)
-        if half is not torch.float32:
-            _keep_batch_norm_in_fp32(model, accelerator)
-        return fsdp2_prepare_model(accelerator, model)
-    if accelerator.state.deepspeed_plugin is not None:
-        if half is not torch.float32:
-            _batch_norm_statistics_in(model, half)
-        return _zero3_inference_engine(accelerator, model)
-    return model.to(accelerator.device)
-
-def _zero3_inference_engine(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
-    import deepspeed
-
-    trained = accelerator.state.deepspeed_plugin.deepspeed_config  # resolved by `prepare`: no "auto" left
-    zero = {key: value for key, value in trained.get("zero_optimization", {}).items() if key.startswith("stage3_")
-            or key == "offload_param"} if trained.get("zero_optimization", {}).get("stage") == 3 else {}
-    config = {key: trained[key] for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                                             "gradient_accumulation_steps")}
-    config |= {"zero_optimization": zero | {"stage": 3}, "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
-               "fp16": {"enabled": accelerator.mixed_precision == "fp16"}}
-    engine, *_ = deepspeed.initialize(model=model, config=config)
-    engine.eval()
-    return engine
+            batch_norm_statistics_in(model, half)
 
 def persistent_buffers(model: torch.nn.Module) -> list[str]:
     """Names of the buffers in the model's state dict (BatchNorm statistics; not rotary tables)."""
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return [name for name in model.state_dict() if name not in parameters]
 
-def _answer_none_for_missing_embeddings(model: torch.nn.Module) -> None:
+def answer_none_for_missing_embeddings(model: torch.nn.Module) -> None:
     """accelerate 1.15's FSDP2 asks every model for its input embeddings, to shard them as a unit,
     expecting None from models without any (image models); `transformers` raises instead."""
     try:
@@ -121,7 +80,7 @@ def gradient_reduction_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
         return {state._mp_policy.reduce_dtype or state._mp_policy.param_dtype or torch.float32 for state in states}
     return {param.dtype for param in model.parameters() if param.requires_grad}
 
-def _keep_batch_norm_in_fp32(model: torch.nn.Module, accelerator: Accelerator) -> None:
+def keep_batch_norm_in_fp32(model: torch.nn.Module, accelerator: Accelerator) -> None:
     """FSDP2's mixed precision casts BatchNorm weights to bf16 while its running statistics stay
     fp32, which BatchNorm refuses (pytorch/torchtitan#674). Each BatchNorm becomes its own FSDP2
     unit computing in fp32, as autocast runs it under DDP; accelerate wraps the rest as usual."""
@@ -131,7 +90,7 @@ def _keep_batch_norm_in_fp32(model: torch.nn.Module, accelerator: Accelerator) -
     for layer in batch_norm_layers(model):
         fully_shard(layer, mp_policy=fp32, reshard_after_forward=accelerator.state.fsdp_plugin.reshard_after_forward)
 
-def _batch_norm_statistics_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+def batch_norm_statistics_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """DeepSpeed's bf16/fp16 engines cast the parameters but not the buffers, and BatchNorm needs
     its running statistics in its weights' dtype."""
     for buffer in running_statistics(model):
@@ -165,14 +124,6 @@ def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
     if isinstance(model, ModelRunner):  # a part's model that clips itself (pipeline stages: the norm over every stage)
         return model.clip_grad_norm_(max_norm)
     return accelerator.clip_grad_norm_(model.parameters(), max_norm)
-
-def floating_input_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype for floating-point inputs (pixels): DeepSpeed's bf16/fp16 engines hold the whole
-    model in that dtype and do not autocast, so inputs must match (as Trainer casts them); every
-    other strategy autocasts from fp32."""
-    if wrapped_strategy(model) is Strategy.DEEPSPEED and (model.bfloat16_enabled() or model.fp16_enabled()):
-        return torch.bfloat16 if model.bfloat16_enabled() else torch.float16
-    return torch.float32
 
 def held_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
     """Gradients a strategy keeps outside `param.grad`: DeepSpeed ZeRO's partitions (for measuring memory)."""

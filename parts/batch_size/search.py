@@ -16,6 +16,7 @@ the size its checkpoint recorded (`TrainerState`) instead of searching again.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +28,7 @@ from accelerate.utils import send_to_device
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 from torch.utils.data import DataLoader
 
-from training.checkpoint import recorded_micro_batch
+from training.checkpoint import TRAINER_STATE
 from training.collectives import max_over_ranks
 from training.errors import StrategyError
 from training.loss import forward_backward as data_parallel_forward_backward
@@ -189,3 +190,10 @@ def resize_deepspeed_batch(accelerator: Accelerator, per_device: int, accumulati
     config["train_micro_batch_size_per_gpu"] = per_device
     config["gradient_accumulation_steps"] = accumulation
     config["train_batch_size"] = per_device * accumulation * accelerator.num_processes
+
+
+def recorded_micro_batch(path: Path) -> tuple[int, int] | None:
+    """The (micro-batch, accumulation) a checkpoint's run trained with, if it recorded them."""
+    saved = json.loads((path / TRAINER_STATE).read_text())
+    pair = (saved.get("per_device_train_batch_size", 0), saved.get("gradient_accumulation_steps", 0))
+    return pair if all(pair) else None

@@ -12,20 +12,17 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification, Pr
 from parts.images.data import build_image_datasets, class_names, load_raw_image_datasets, pixel_values
 from parts.images.models import build_image_model, build_image_processor
 from training.loss import class_loss_sums
-from training.performance import counted_flops_per_example
-from training.strategy_adapters import floating_input_dtype
+from training.strategy import Strategy, wrapped_strategy
 from training.tasks import Batch, Task
 
 
 class ImageClassification(Task):
     """One label per image; targets are images."""
 
-    unit = "samples"
     auto_model = AutoModelForImageClassification
     model_input = "pixel_values"
     fixed_input_shapes = True
-    # Small models; and accelerate broadcasts parameters only, not BatchNorm's statistics.
-    can_build_empty = False
+    # (built whole on every rank: small models, and accelerate broadcasts parameters only, not BatchNorm's statistics)
     SAMPLE_IMAGES = 8
 
     def __init__(self, model_args, data_args) -> None:
@@ -83,3 +80,26 @@ class ImageClassification(Task):
         right = sum(p == t for p, t in pairs)
         return f"{right}/{len(pairs)} validation images right: " + ", ".join(f"{p} ({t})" if p != t else p for p, t in pairs)
 
+
+def floating_input_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype for floating-point inputs (pixels): DeepSpeed's bf16/fp16 engines hold the whole
+    model in that dtype and do not autocast, so inputs must match (as Trainer casts them); every
+    other strategy autocasts from fp32."""
+    if wrapped_strategy(model) is Strategy.DEEPSPEED and (model.bfloat16_enabled() or model.fp16_enabled()):
+        return torch.bfloat16 if model.bfloat16_enabled() else torch.float16
+    return torch.float32
+
+
+def counted_flops_per_example(model: torch.nn.Module, example: torch.Tensor, input_name: str) -> float:
+    """Training FLOPs (forward and backward) per example, counted by torch on a meta-device copy
+    of the model (no memory, no compute): for models with no closed formula, such as CNNs.
+
+    Two examples: BatchNorm refuses to train on a batch of one.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        meta_model = type(model)(model.config)
+    with FlopCounterMode(display=False) as counter:
+        meta_model(**{input_name: torch.zeros(2, *example.shape, device="meta")}).logits.sum().backward()
+    return counter.get_total_flops() / 2

@@ -1,0 +1,25 @@
+"""Start-up work skipped: what DeepSpeed and py-cpuinfo do at every start that train.py never uses, each with its
+measured saving (deepspeed.py). A project without this part trains the same, and starts slower: about 1.5 s of CPU
+per rank at every DeepSpeed start, 3.6 s per rank at every ZeRO offload start, 45-60 s at the first DeepSpeed launch
+on CPU in each environment, 16 s at the one CPU Adam build. See docs/fast_start.md.
+"""
+
+from training.parts import Part
+
+
+def at_start(strategy, on_cpu: bool) -> None:
+    """Before the Accelerator and DeepSpeed start: DeepSpeed's start-up work that train.py does not use, skipped."""
+    if strategy.value != "deepspeed":
+        return
+    from parts.fast_start.deepspeed import (ask_cpuinfo_once, build_without_debug_symbols, skip_deepspeed_inference_kernel,
+                                            skip_deepspeed_muon_check)
+
+    skip_deepspeed_muon_check()
+    if on_cpu:
+        skip_deepspeed_inference_kernel()
+    ask_cpuinfo_once()
+    build_without_debug_symbols()
+
+
+PART = Part("fast_start", "DeepSpeed's start-up work that train.py never uses, skipped (seconds per rank per start)",
+            at_start=at_start)
