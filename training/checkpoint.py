@@ -10,6 +10,7 @@ filesystem, as the main process renames them.)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import re
@@ -24,8 +25,7 @@ from accelerate.utils import broadcast_object_list
 
 from training.batchnorm import average_running_statistics
 from training.errors import ArgumentError, ResumeError
-from training.parts import ModelRunner
-from training.safe_loading import safe_unpickling
+from training.parts import ModelRunner, filled
 from training.strategy_adapters import own_class_while_saving
 
 TRAINER_STATE = "trainer_state.json"
@@ -216,7 +216,9 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
             "(the optimizer state is not carried over)"
         )
     try:
-        with safe_unpickling(path, deepspeed=(path / DEEPSPEED_DIR).is_dir()):
+        with contextlib.ExitStack() as loading:
+            for hook in filled("loading_checkpoint"):  # the parts' (parts/safe_loading: unpickling on an allow-list)
+                loading.enter_context(hook(path, (path / DEEPSPEED_DIR).is_dir()))
             accelerator.load_state(str(path))
     except pickle.UnpicklingError:
         raise ResumeError(

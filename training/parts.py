@@ -21,6 +21,8 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   choose a part's source (a stream, pre-tokenised shards) over the core's documents loaded whole.
 - `train_loader(accelerator, train_set, task, args, workers) -> loader | None`: the training batches of a
   set the core's DataLoader cannot read (a stream: no length); the loader keeps its own position.
+- `loading_checkpoint(checkpoint, deepspeed) -> context manager`: what a resume loads the checkpoint within
+  (an allow-list for unpickling).
 - `model_split(model_args, args) -> str | None`: the flag that splits one model over several processes
   or devices, if this part's does (other features refuse to combine with a split model).
 - `accelerator_settings(args) -> dict`: `Accelerator` keyword arguments (accelerate's dynamo plugin).
@@ -150,6 +152,7 @@ class Part:
     resuming: Callable[[Accelerator, Any, Any], None] | None = None
     text_source: Callable[[Any], TextSource | None] | None = None
     train_loader: Callable[..., object | None] | None = None
+    loading_checkpoint: Callable[[Any, bool], Any] | None = None
     model_split: Callable[[Any, Any], str | None] | None = None
     accelerator_settings: Callable[[Any], dict] | None = None
     processes_per_replica: Callable[[Any], int] | None = None
