@@ -33,8 +33,7 @@ def build_accelerator(args, **accelerator_kwargs) -> Accelerator:
     strategy, on_cpu = requested_strategy(), not has_accelerator_device()
     each("at_start", strategy, on_cpu)  # the parts' (start-up work skipped: parts/fast_start), before DeepSpeed loads
     timeout = timedelta(seconds=args.ddp_timeout)
-    check_launch_config(strategy, on_cpu)
-    each("check_launch", args, strategy, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
+    check_launch(args, strategy, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
     if not on_cpu:
         nccl_timeouts_raise()
     cpu, backend = cpu_process_group(strategy, timeout) if on_cpu else (False, InitProcessGroupKwargs.backend)
@@ -45,6 +44,12 @@ def build_accelerator(args, **accelerator_kwargs) -> Accelerator:
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False,
                                         **merged("ddp_settings", args, on_cpu))
     return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
+
+
+def check_launch(args, strategy: Strategy, processes: int, on_cpu: bool) -> None:
+    """The launcher's settings, checked by the core and by the parts, before any process group (and by the dry run)."""
+    check_launch_config(strategy, on_cpu)
+    each("check_launch", args, strategy, processes, on_cpu)
 
 
 def describe(accelerator: Accelerator, strategy: Strategy) -> str:

@@ -1,4 +1,5 @@
-"""`train.py --dry_run`: what a run checks and decides before its first step, without training.
+"""`train.py --dry_run`: what a run checks and decides before its first step, without training, with the functions
+set-up uses (the launch checks, the data-parallel replicas, the task's model and data, the batch and run length).
 
 Launch it exactly as the run (`accelerate launch --config_file ... train.py ... --dry_run`):
 rank 0 alone does the work, in one process, and the other processes exit at once. It
@@ -14,7 +15,6 @@ line (exit 2) the real run would give.
 
 from __future__ import annotations
 
-import math
 import os
 from contextlib import nullcontext
 
@@ -24,7 +24,9 @@ from training.errors import StrategyError
 from training.optim import global_batch_size, optimizer_for, run_length, warmup_steps
 from training.parts import each, through
 from training.performance import compute_dtype, parameter_count
-from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
+from training.accelerator import check_launch
+from training.setup import data_parallel
+from training.strategy import Strategy, has_accelerator_device, requested_strategy
 from training.strategy_adapters import align_deepspeed_config
 from training.task_registry import build_task
 
@@ -48,13 +50,11 @@ def dry_run(model_args, data_args, args) -> str | None:
         return None
     strategy, processes = requested_strategy(), int(os.environ.get("WORLD_SIZE", "1"))
     # Planned on a login node for GPU machines: check as on a GPU, and say what this machine would refuse.
-    check_launch_config(strategy, on_cpu=False)
-    each("check_launch", args, strategy, processes, False)  # the parts' (training/parts.py)
+    check_launch(args, strategy, processes, on_cpu=False)  # the core's and the parts', as a real launch checks
     cpu_note = ""
     if not has_accelerator_device():
         try:
-            check_launch_config(strategy, on_cpu=True)
-            each("check_launch", args, strategy, processes, True)
+            check_launch(args, strategy, processes, on_cpu=True)
         except StrategyError as error:
             cpu_note = f"\nnote:            no GPU here; on CPU machines the run would stop: {error}"
     launch, offloaded = launched(strategy, args)
@@ -65,19 +65,19 @@ def dry_run(model_args, data_args, args) -> str | None:
     raw = task.load_raw_datasets(args.seed)
     model = through("adapt_model", task.build_model(raw), model_args, args)  # the parts' (an adapter), as set-up does
     train_set, eval_set = task.datasets(raw, nullcontext())
-    data_parallel = processes // math.prod(each("processes_per_replica", args))  # a tp group, a pipeline read one batch
-    global_batch = global_batch_size(args, data_parallel)
+    _, replicas = data_parallel(processes, args)
+    global_batch = global_batch_size(args, replicas)
     steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     part_lines = each("dry_run_lines", task, model, model_args, args, strategy, processes, compute_dtype(mixed_precision))
     return (
         "\n===== dry run: checked, nothing trained =====\n"
-        f"launch:          {launch}, {processes} process(es), {data_parallel} data-parallel, "
+        f"launch:          {launch}, {processes} process(es), {replicas} data-parallel, "
         f"mixed precision {mixed_precision}\n"
         f"model:           {model_args.model_name_or_path or model_args.model_config}, "
         f"{parameter_count(model):,} parameters ({type(model).__name__}), {trainable:,} trained\n"
         f"data:            {task.describe_data(train_set)}, {len(eval_set)} examples for evaluation\n"
-        f"global batch:    {global_batch} = {args.per_device_train_batch_size} per device x {data_parallel} "
+        f"global batch:    {global_batch} = {args.per_device_train_batch_size} per device x {replicas} "
         f"data-parallel x {args.gradient_accumulation_steps} accumulation\n"
         f"steps:           {max_steps} ({steps_per_epoch} per epoch), warmup {warmup_steps(args, max_steps)}, "
         f"{args.lr_scheduler_type}, --optim {args.optim} ({optimizer_for(args.optim, offloaded).class_name})"

@@ -113,8 +113,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     if warning := idle_gpu_warning(accelerator, owns_every_gpu=len(devices) > 1):  # then none of them is idle
         logger.warning(warning, main_process_only=True)
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
-    replica_processes = math.prod(each("processes_per_replica", args))  # a pipeline's stages, a tp group read one batch
-    replicas = accelerator.num_processes // replica_processes  # processes that read different batches
+    replica_processes, replicas = data_parallel(accelerator.num_processes, args)
     global_batch = global_batch_size(args, replicas)
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking in start_accelerator).
     workers = loader_workers(args.dataloader_num_workers, accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -189,6 +188,13 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
                f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args, part_figures,
                forward_backward, replica_processes)
+
+
+def data_parallel(processes: int, args: TrainArguments) -> tuple[int, int]:
+    """The processes that read each batch (a tensor-parallel group, a pipeline's stages: the parts say), and the
+    data-parallel replicas, which read different batches."""
+    per_batch = math.prod(each("processes_per_replica", args))
+    return per_batch, processes // per_batch
 
 
 def prepared_for_training(accelerator: Accelerator, task: Task, train_data, eval_set, args: TrainArguments,
