@@ -35,8 +35,9 @@ class TextClassifier(nn.Module):
         self.classify = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, len(labels)))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        mask = attention_mask.unsqueeze(-1).float()
-        return self.classify((self.embed(input_ids) * mask).sum(dim=1) / mask.sum(dim=1))
+        embedded = self.embed(input_ids)
+        mask = attention_mask.unsqueeze(-1).to(embedded.dtype)  # (DeepSpeed's bf16 engine holds bf16 weights)
+        return self.classify((embedded * mask).sum(dim=1) / mask.sum(dim=1))
 
 
 def read_rows(path: str) -> list[tuple[str, str]]:

@@ -70,7 +70,8 @@ class TinyLMTask(CausalLM):
         return model
 
     def forward(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        return model(batch["input_ids"])
+        output = model(batch["input_ids"])
+        return getattr(output, "logits", output)  # (a transformers model run on this task: a distillation teacher)
 
     def sample(self, final_dir: Path) -> str:
         """Greedy continuation of --sample_prompt by the model rebuilt from final/."""

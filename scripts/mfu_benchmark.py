@@ -82,8 +82,10 @@ def mfu_table(args: argparse.Namespace, scratch: Path, train_run: Callable) -> t
     row's setting with the shipped tokenizer's vocabulary."""
     extra = tuple(shlex.split(args.train_flags))
     compiled_by_flags = any(flag.startswith("--torch_compile") for flag in extra)  # a compile option: compiled rows only
+    can_compile = (Path(__file__).resolve().parents[1] / "parts" / "compile").is_dir()  # a project may leave it out
     rows = [(config, compiled, ANCHOR_VOCABULARY, length) for length in args.block_sizes
-            for config, compiled in ROWS if config in args.configs and (compiled or not compiled_by_flags)]
+            for config, compiled in ROWS if config in args.configs and (compiled or not compiled_by_flags)
+            and (can_compile or not compiled)]
     if not rows:
         raise SystemExit(f"error: --mfu measures {sorted({c for c, _ in ROWS})}; --configs names none of them")
     if not args.no_tokenizer_row:

@@ -71,6 +71,8 @@ REFUSED = [  # (flags, launcher environment, what the one line says); a case tha
     pytest.param(["--teacher_model_name_or_path", "t"], {"PARALLELISM_CONFIG_TP_SIZE": "2"},
                  "--teacher_model_name_or_path with tensor parallelism (fsdp_tp.yaml) is not supported", id="fsdp_tp.yaml",
                  marks=pytest.mark.parts("tensor_parallel")),
+    pytest.param(["--teacher_model_name_or_path", "t", "--task", "recipes.csv_classification:CsvClassification"], {},
+                 "the task names no transformers class to load a teacher with", id="a task with no auto_model"),
     pytest.param(["--teacher_model_name_or_path", "t", "--pipeline_parallel_size", "2"], {},
                  "--teacher_model_name_or_path with --pipeline_parallel_size is not supported", id="pipeline stages",
                  marks=pytest.mark.parts("pipeline")),

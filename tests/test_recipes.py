@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 from scripts.compare_metrics import compare, worst_difference
 from tests.conftest import (REPO, TINY_RUN, assert_continues_exactly, assert_same_final_weights, parity_args,
-                            read_metrics, train)
+                            read_metrics, train, validation_batches)
+from training.loss import token_loss_sums
 from tests.test_parity import LOSS_TOLERANCE
 from training.arguments import ArgumentError, parse_args
 from training.checkpoint import load_plain_model
@@ -63,7 +64,8 @@ def from_scratch(config: str, base_model: Path) -> tuple[str, ...]:
     return parity_args(config, base_model)[2:]
 
 
-def test_a_plain_module_trains_under_ddp_as_on_one_process_and_rebuilds_from_final(recipe_run, base_model) -> None:
+def test_a_plain_module_trains_under_ddp_as_on_one_process_and_rebuilds_from_final(recipe_run, base_model,
+                                                                                   tmp_path) -> None:
     config, _ = documented_launch("plain_model")
     assert config == "ddp"
     reference, run = (recipe_run("plain_model", name, *from_scratch(name, base_model)) for name in ("single", config))
@@ -73,11 +75,13 @@ def test_a_plain_module_trains_under_ddp_as_on_one_process_and_rebuilds_from_fin
     assert json.loads((run / "summary.json").read_text())["model"] == "TinyLM"
     # final/: safetensors and what rebuilds the module, nothing from transformers
     assert sorted(p.name for p in (run / "final").glob("model*")) == ["model.json", "model.safetensors"]
-    model = load_plain_model(run / "final")
-    weights = load_file(run / "final" / "model.safetensors")
-    assert type(model).__name__ == "TinyLM" and model.state_dict().keys() == weights.keys()
-    for name, weight in weights.items():
-        torch.testing.assert_close(model.state_dict()[name], weight, rtol=0, atol=0)
+    model = load_plain_model(run / "final")  # rebuilt from model.json, then its weights: the run's last evaluation
+    assert type(model).__name__ == "TinyLM" and model.state_dict().keys() == load_file(run / "final" / "model.safetensors").keys()
+    with torch.no_grad():
+        sums = [token_loss_sums(model(batch["input_ids"]), batch["labels"])
+                for batch in validation_batches(tmp_path, "recipes.plain_model:TinyLMTask")]
+    final_eval = [m["eval_loss"] for m in read_metrics(run) if "eval_loss" in m][-1]
+    assert float(sum(s.sum() for s, _ in sums) / sum(c.sum() for _, c in sums)) == pytest.approx(final_eval, rel=1e-5)
     assert "sample:          'Once upon a time" in (run / "launch.log").read_text()  # greedy text from the rebuilt model
 
 
@@ -164,6 +168,8 @@ def test_the_docs_quote_each_recipe_as_it_is(recipe: str) -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--task", "recipes.no_such_file:Task"], r"--task recipes.no_such_file:Task: cannot import it \(No module named"),
     (["--task", "recipes.top5_accuracy:NoSuchTask"], "--task recipes.top5_accuracy:NoSuchTask: cannot import it"),
+    (["--task", "recipes.plain_model:TinyLM"], "--task recipes.plain_model:TinyLM is not a Task subclass"),  # the model
+    (["--task", "recipes.label_smoothing:SMOOTHING"], "--task recipes.label_smoothing:SMOOTHING is not a Task subclass"),
     (["--task", "recipes.csv_classification:CsvClassification", "--block_size", "64"], "--block_size is for --task causal-lm"),
 ])
 def test_a_task_given_as_module_and_class_is_checked_like_a_registered_one(tmp_path, argv, message) -> None:
@@ -180,3 +186,17 @@ def test_a_subclass_of_a_registered_task_takes_its_configs_and_flags(tmp_path) -
     _, data_args, _ = parse_args(["--task", "recipes.csv_classification:CsvClassification", "--train_file",
                                   str(tmp_path / "train.csv"), "--output_dir", str(tmp_path)])  # one of its own_flags
     assert data_args.train_file == str(tmp_path / "train.csv")
+
+
+@pytest.mark.quick
+@pytest.mark.parts("sft")
+def test_a_subclass_of_a_parts_task_is_that_task_not_the_core_one(tmp_path, monkeypatch) -> None:
+    """The registered task nearest in the class's ancestry decides: sft's subclass is sft (itself a CausalLM)."""
+    (tmp_path / "my_chat_task.py").write_text("from parts.sft.task import SupervisedFineTuning\n\n\n"
+                                              "class MyChat(SupervisedFineTuning):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model_args, data_args, _ = parse_args(["--task", "my_chat_task:MyChat", "--max_length", "64", "--output_dir",
+                                           str(tmp_path / "out")])
+    assert data_args.max_length == 64  # sft's own flag, refused for causal-lm
+    with pytest.raises(ArgumentError, match="--block_size is for --task causal-lm"):
+        parse_args(["--task", "my_chat_task:MyChat", "--block_size", "64", "--output_dir", str(tmp_path / "out")])

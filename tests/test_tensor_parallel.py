@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM
 
-from parts.tensor_parallel import check_launch
 from parts.tensor_parallel.slicing import tensor_parallel_plan
 from tests.conftest import GLOBAL_BATCH, read_metrics, tiny_resnet
 from tests.test_bad_input import FSDP_TP
 from training.errors import StrategyError
+from training.accelerator import check_launch
+from training.arguments import parse_args
 from training.strategy import requested_strategy
 
 GRID_CASES = {  # case -> (environment from accelerate launch, what the error line says)
@@ -29,11 +30,12 @@ GRID_CASES = {  # case -> (environment from accelerate launch, what the error li
 
 @pytest.mark.quick
 @pytest.mark.parametrize(("environment", "message"), GRID_CASES.values(), ids=GRID_CASES.keys())
-def test_a_grid_that_cannot_run_is_refused_before_any_process_group(environment, message, monkeypatch) -> None:
+def test_a_grid_that_cannot_run_is_refused_before_any_process_group(environment, message, monkeypatch, tmp_path) -> None:
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(StrategyError, match=message):
-        check_launch(None, requested_strategy(), int(environment["WORLD_SIZE"]), True)
+        check_launch(parse_args(["--output_dir", str(tmp_path)])[2], requested_strategy(), int(environment["WORLD_SIZE"]),
+                     True)
 
 
 @pytest.mark.quick

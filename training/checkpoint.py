@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from transformers import PreTrainedModel
 from accelerate.utils import broadcast_object_list
 
 from training.batchnorm import average_running_statistics
@@ -250,8 +251,8 @@ def export_final(accelerator: Accelerator, model, task, output_dir: str) -> Path
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     with own_class_while_saving(unwrapped):
-        if not hasattr(unwrapped, "save_pretrained"):  # neither transformers' nor peft's
-            accelerator.save_model(model, final_dir)  # model.safetensors
+        if not (isinstance(unwrapped, PreTrainedModel) or hasattr(unwrapped, "peft_config")):  # a plain nn.Module
+            accelerator.save_model(model, final_dir)  # model.safetensors (or shards of 10 GB and their index)
             if accelerator.is_main_process:
                 rebuild = {"class": f"{type(unwrapped).__module__}:{type(unwrapped).__qualname__}",
                            "kwargs": task.model_kwargs or {}}
@@ -271,10 +272,10 @@ def load_plain_model(final_dir: str | Path) -> torch.nn.Module:
     constructor arguments, then its weights."""
     import importlib
 
-    from safetensors.torch import load_model
+    from accelerate.utils import load_checkpoint_in_model
 
     rebuild = json.loads((Path(final_dir) / PLAIN_MODEL).read_text())
     module, name = rebuild["class"].split(":")
     model = getattr(importlib.import_module(module), name)(**rebuild["kwargs"])
-    load_model(model, Path(final_dir) / "model.safetensors")
+    load_checkpoint_in_model(model, str(final_dir), strict=True)  # model.safetensors, or shards and their index
     return model

@@ -74,7 +74,7 @@ def dry_run(model_args, data_args, args) -> str | None:
         "\n===== dry run: checked, nothing trained =====\n"
         f"launch:          {launch}, {processes} process(es), {replicas} data-parallel, "
         f"mixed precision {mixed_precision}\n"
-        f"model:           {model_args.model_name_or_path or model_args.model_config}, "
+        f"model:           {task.model_name or type(model).__name__}, "
         f"{parameter_count(model):,} parameters ({type(model).__name__}), {trainable:,} trained\n"
         f"data:            {task.describe_data(train_set)}, {len(eval_set)} examples for evaluation\n"
         f"global batch:    {global_batch} = {args.per_device_train_batch_size} per device x {replicas} "

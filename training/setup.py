@@ -5,6 +5,7 @@ the model built and laid out, the data loaders, `prepare`, a resumed state, the 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -28,6 +29,7 @@ from training.collectives import gather_scalars, preflight
 from training.console import one_voice
 from training.cpu_accommodations import use_share_of_cores
 from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
+from training.errors import ModelError
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
@@ -104,8 +106,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     with accelerator.main_process_first():  # the main process downloads; the others then read its cache
         raw = task.load_raw_datasets(args.seed)
     model = build_model(accelerator, task, raw, model_args, args)
-    # a transformers model by its name or named config; your own plain nn.Module by its class
-    model_name = model_args.model_name_or_path or (model_args.model_config if hasattr(model, "config") else type(model).__name__)
+    model_name = task.model_name or type(model).__name__  # a pretrained model or named config, else the class
+    check_rebuildable(task)
     num_parameters = parameter_count(model)
     model = through("wrap_model", model, accelerator, args)  # a part may lay the model out (layers over GPUs, tp slices) or run it itself
     # (pipeline stages: a ModelRunner). Several devices: a part split the layers over this process's GPUs
@@ -188,6 +190,16 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
                f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args, part_figures,
                forward_backward, replica_processes)
+
+
+def check_rebuildable(task: Task) -> None:
+    """A plain nn.Module's constructor arguments go into final/model.json: refused now, not after training, if they
+    are not JSON."""
+    try:
+        json.dumps(task.model_kwargs)
+    except (TypeError, ValueError) as error:
+        raise ModelError(f"the task's model_kwargs cannot be written to final/model.json ({error}); give the model's "
+                         "constructor plain numbers, strings, lists and dicts") from None
 
 
 def data_parallel(processes: int, args: TrainArguments) -> tuple[int, int]:

@@ -55,15 +55,21 @@ def task_entry(name: str) -> TaskEntry:
     task's configs and flags, with its own `own_flags` (the core flags it reads) added."""
     if name in tasks():
         return tasks()[name]
+    from training.errors import ArgumentError
+    from training.tasks import Task
+
     own = TaskEntry(name, {}, "")
     try:
         task_class = own.load()
     except (ImportError, AttributeError, ValueError) as error:
-        from training.errors import ArgumentError
-
         raise ArgumentError(f"--task {name}: cannot import it ({error}); give a registered task or module:Class, "
                             "a Task subclass importable from where you launch") from None
-    base = next((entry for entry in tasks().values() if issubclass(task_class, entry.load())), own)
+    if not (isinstance(task_class, type) and issubclass(task_class, Task)):
+        raise ArgumentError(f"--task {name} is not a Task subclass (training/tasks.py); name the task class, not "
+                            "its model or another object")
+    # the registered task closest in its ancestry (a subclass of a part's fine-tuning task is that task, not causal-lm)
+    registered = {entry.load(): entry for entry in tasks().values()}
+    base = next((registered[ancestor] for ancestor in task_class.__mro__ if ancestor in registered), own)
     return dataclasses.replace(base, implementation=name, own_flags=base.own_flags + tuple(task_class.own_flags))
 
 

@@ -58,6 +58,7 @@ class Task(ABC):
         self.settings: dict[str, int] = {}  # shape settings for the logs and trackers; set by build_model
         # a plain nn.Module's constructor arguments: final/model.json records them beside its weights
         self.model_kwargs: dict | None = None
+        self.model_name: str | None = None  # how logs and summary.json name the model (its class when unset)
 
     @abstractmethod
     def build_model(self, raw, empty: bool = False) -> torch.nn.Module:
@@ -161,6 +162,7 @@ class CausalLM(Task):
         m, d = self.model_args, self.data_args
         model = build_model(m.model_name_or_path, m.model_config, self.processor, m.trust_remote_code,
                             m.gradient_checkpointing, empty, m.config_overrides)
+        self.model_name = m.model_name_or_path or m.model_config
         self.block_size = resolve_block_size(d.block_size or (self.source and self.source.block_size()), model.config)
         self.flops_per_unit = flops_per_token(model, self.block_size)
         self.settings = {"block_size": self.block_size}

@@ -45,6 +45,11 @@ def check_flags(model_args, data_args, args) -> None:
                             f"got {args.distillation_alpha}")
     if args.distillation_temperature <= 0:
         raise ArgumentError(f"--distillation_temperature must be > 0, got {args.distillation_temperature}")
+    from training.task_registry import task_entry
+
+    if task_entry(model_args.task).load().auto_model is None:
+        raise ArgumentError(f"--teacher_model_name_or_path with --task {model_args.task}: the task names no transformers "
+                            "class to load a teacher with (its auto_model); distil a causal LM or an image classifier")
     if split := split_model(model_args, args):
         raise ArgumentError(f"--teacher_model_name_or_path with {split} is not supported; distil under a data-parallel "
                             "config (ddp.yaml, fsdp.yaml or a ZeRO config), which places the teacher as it places the student")

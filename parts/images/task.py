@@ -38,6 +38,7 @@ class ImageClassification(Task):
 
     def build_model(self, raw: DatasetDict, empty: bool = False) -> PreTrainedModel:
         m, d = self.model_args, self.data_args
+        self.model_name = m.model_name_or_path or m.model_config
         self.labels, self.raw_validation = class_names(raw, d.label_column), raw["validation"]
         model = build_image_model(m.model_name_or_path, m.model_config, self.labels, m.trust_remote_code,
                                   m.gradient_checkpointing, d.ignore_mismatched_sizes)

@@ -316,7 +316,7 @@ def launch_memory(task, model: torch.nn.Module, model_args, args, strategy: Stra
     memory = (f"model state {(state['parameters'] + state['gradients'] + state['optimizer']) / MIB:,.1f} MiB "
               f"(parameters {state['parameters'] / MIB:,.1f}, gradients {state['gradients'] / MIB:,.1f}, "
               f"optimizer {state['optimizer'] / MIB:,.1f}; {state['offloaded'] / MIB:,.1f} of it in CPU memory)")
-    if hasattr(task, "block_size"):  # the activation estimate traces a causal LM
+    if hasattr(task, "block_size") and hasattr(model, "config"):  # the activation estimate traces a transformers causal LM
         shape = model_shape(model.config, compute_dtype, model_args.trust_remote_code)
         activations = activation_bytes(shape, args.per_device_train_batch_size, task.block_size,
                                        model_args.gradient_checkpointing)
