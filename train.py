@@ -44,7 +44,6 @@ from training.parts import each
 from training.preemption import install_stop_handlers
 from training.prelude import after_imports
 from training.process_exit import exit_process
-from training.report import write_report
 from training.setup import Run, epoch_batches, set_up
 from training.strategy_adapters import clip_gradients
 
@@ -139,8 +138,8 @@ def train(run: Run) -> dict[str, float]:
                     break
                 if stop_signal:
                     end_collectives(accelerator)  # flush the trackers
-                    if accelerator.is_main_process and args.report_png:
-                        write_report(args.output_dir, run.title)
+                    if accelerator.is_main_process:
+                        each("run_ended", args, run.title)  # the parts' (report.png)
                     raise Preempted(f"{stop_signal} received: stopped after step {step} and saved {saved}; "
                                     "continue with --resume_from_checkpoint latest")
             else:  # the epoch ran out before max_steps
@@ -206,8 +205,7 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
     release_model_construction_hooks()
     if accelerator.is_main_process:
         write_summary(run.args.output_dir, summary)
-        if run.args.report_png:
-            write_report(run.args.output_dir, run.title)
+        each("run_ended", run.args, run.title)  # the parts' (report.png)
         each("after_export", final_dir, run.task.processor, run.model_args, run.args)  # the parts' (a merged adapter)
         print_summary(summary, final_dir, run.task)
 

@@ -106,7 +106,7 @@ def train_run(config: str, args: argparse.Namespace, output_dir: Path, flags: tu
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
                "--num_processes", str(processes or args.num_processes), "--mixed_precision", args.mixed_precision,
                "--main_process_port", str(free_port()), "train.py", *(speed_flags(args) if flags is None else flags),
-               "--report_png", "false", "--output_dir", str(output_dir)]
+               *(["--report_png", "false"] if (REPO / "parts" / "report").is_dir() else []), "--output_dir", str(output_dir)]
     metrics = output_dir / "metrics.jsonl"
     launched = time.perf_counter()
     with (output_dir.parent / f"{output_dir.name}.log").open("w") as log:

@@ -54,11 +54,14 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
 # Small and fast: the tiny model trains a few steps in seconds per process. Each evaluation reads the
 # first 60 validation blocks: on 2 processes x 4 the last batch is uneven (7.5 batches). No report.png (a second
-# of the main process per run) but in the tests that look at it: `DRAW_REPORT`.
+# of the main process per run) but in the tests that look at it: `DRAW_REPORT` (the report part's flag: a project
+# without the part has neither).
 EVAL_SAMPLES = 60
+REPORTS = (REPO / "parts" / "report").is_dir()  # the report part: runs draw report.png
+NO_REPORT = ("--report_png", "false") if REPORTS else ()
 TINY_RUN = ["--model_config", "llama-tiny", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
-            "--learning_rate", "3e-3", "--warmup_steps", "2", "--max_eval_samples", str(EVAL_SAMPLES), "--report_png", "false"]
-DRAW_REPORT = ("--report_png", "true")
+            "--learning_rate", "3e-3", "--warmup_steps", "2", "--max_eval_samples", str(EVAL_SAMPLES), *NO_REPORT]
+DRAW_REPORT = ("--report_png", "true") if REPORTS else ()
 
 
 # Splits of one global batch of 8: name -> (config, per-device batch, accumulation steps).

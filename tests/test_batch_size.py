@@ -17,7 +17,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from models.language import SHIPPED_TOKENIZER
 from scripts.compare_metrics import compare, worst_difference
 from tests import forked_launcher
-from tests.conftest import LAUNCHER, REPO, assert_continues_exactly, flag_refusal, launch_command, rank_processes, wait_for
+from tests.conftest import (LAUNCHER, NO_REPORT, REPO, assert_continues_exactly, flag_refusal, launch_command,
+                            rank_processes, wait_for)
 from parts.batch_size.search import find_micro_batch
 from training.errors import StrategyError
 
@@ -51,7 +52,7 @@ def run_args(model: Path, per_device: int, accumulation: int = 1) -> tuple[str, 
     return ("--model_name_or_path", str(model), "--block_size", "128", "--per_device_train_batch_size", str(per_device),
             "--gradient_accumulation_steps", str(accumulation), "--max_steps", "2", "--logging_steps", "1",
             "--save_steps", "1", "--eval_strategy", "no", "--optim", "sgd", "--learning_rate", "0.5", "--warmup_steps", "0",
-            "--report_png", "false")
+            *NO_REPORT)
 
 
 def launch_run(config: str, output_dir: Path, *args: str, limited: str = "every rank") -> subprocess.CompletedProcess:

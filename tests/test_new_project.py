@@ -65,7 +65,7 @@ def test_the_core_alone_collects_passes_its_checks_and_trains(minimal, tmp_path)
     assert checks.returncode == 0 and " passed" in checks.stdout, checks.stdout[-3000:]
 
     command, env = launch_command("single", "train.py", "--model_config", "llama-tiny", "--max_steps", "3",
-                                  "--max_eval_samples", "8", "--report_png", "false", "--output_dir", str(tmp_path / "run"),
+                                  "--max_eval_samples", "8", "--output_dir", str(tmp_path / "run"),
                                   fresh=True)
     trained = subprocess.run(command, cwd=minimal, env=env, capture_output=True, text=True, timeout=300)
     assert trained.returncode == 0, trained.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""What a run shows and leaves behind: TensorBoard events, report.png, summary.json, one voice on the console."""
+"""What a run shows and leaves behind: TensorBoard events, summary.json, one voice on the console (report.png:
+tests/test_report.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import TRACKED_RUN, read_metrics, tracked_run_args, train
@@ -57,32 +57,13 @@ def test_a_resumed_run_replaces_what_tensorboard_had_after_its_checkpoint(tracke
     assert losses == [(step, pytest.approx(value, rel=1e-6)) for step, value in scalars(tracked, "loss")]
 
 
-def test_every_run_ends_with_a_report_picture_and_a_summary(tracked) -> None:
-    picture = imread(tracked / "report.png")
-    assert picture.shape == (800, 1800, 4)  # 18 x 8 inches at 100 dpi: the four core panels and held-out accuracy
-    assert len({tuple(pixel) for pixel in picture.reshape(-1, 4)[::97]}) > 20  # curves drawn, not a blank page
+def test_every_run_ends_with_a_summary(tracked) -> None:
     summary = json.loads((tracked / "summary.json").read_text())
     assert (summary["strategy"], summary["processes"], summary["steps"], summary["total_steps"]) == ("ddp", 2, 10, 10)
     assert summary["wall_time_s"] > 0 and summary["tokens_per_sec"] > 0
     assert summary["train_loss"] == pytest.approx([m["loss"] for m in read_metrics(tracked) if "loss" in m][-1])
     assert summary["eval_loss"] == pytest.approx(read_metrics(tracked)[-1]["eval_loss"])
     assert set(summary["versions"]) == {"torch", "accelerate", "deepspeed", "transformers", "datasets"}
-
-
-@pytest.mark.quick
-def test_the_report_draws_a_panel_for_every_metric_a_task_logs(tmp_path) -> None:
-    """No panel is hard-coded for a task: any eval_* metric but the loss gets its own, the core's accuracy as a
-    part's exact match or a recipe's top-5 accuracy."""
-    from training.report import CORE_PANELS, metric_panels, write_report
-
-    records = [{"step": 0, "eval_loss": 2.0, "eval_accuracy": 0.1, "eval_top5_accuracy": 0.3},
-               {"step": 5, "loss": 1.5, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 9.0},
-               {"step": 5, "eval_loss": 1.0, "eval_accuracy": 0.2, "eval_top5_accuracy": 0.6, "perplexity": 2.7}]
-    assert [(title, series) for title, series, _ in metric_panels(records)] == [
-        ("held out: accuracy", [("eval_accuracy", "eval_accuracy", "o-")]),
-        ("held out: top5 accuracy", [("eval_top5_accuracy", "eval_top5_accuracy", "o-")])]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(record) for record in records))
-    assert len(CORE_PANELS) == 4 and imread(write_report(tmp_path)).shape == (800, 1800, 4)  # 6 panels, 3 columns
 
 
 def test_the_console_has_one_progress_bar_and_one_voice(tracked) -> None:

@@ -141,11 +141,6 @@ class CoreTrainArguments:
         default_factory=lambda: ["none"],
         metadata={"help": "Trackers: tensorboard, wandb, trackio, mlflow (one or more), all (every one installed) or none."},
     )
-    report_png: bool = field(
-        default=True,
-        metadata={"help": "Draw output_dir/report.png at the end of the run (about 1 s on the main process); false for "
-                          "sweeps of many short runs (`python -m training.report DIR` draws it later from metrics.jsonl)."},
-    )
     dry_run: bool = field(
         default=False,
         metadata={"help": "Check the flags, the launcher config, the data and the model, and print the plan (strategy, "

@@ -48,6 +48,8 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   adds to summary.json.
 - `after_export(final_dir, processor, model_args, args)`: on the main process, once `final/` is written
   (a merged model beside an adapter).
+- `run_ended(args, title)`: on the main process when a run ends, finished or stopped by a signal, once metrics.jsonl
+  and summary.json are written (report.png).
 - `dry_run_lines(task, model, model_args, args, strategy, processes, compute_dtype) -> list[str]`: lines the
   dry run's plan adds (the memory per rank, a teacher's, the pipeline's stages).
 """
@@ -166,6 +168,7 @@ class Part:
     micro_batch: Callable[..., tuple] | None = None
     after_prepare: Callable[[Accelerator, torch.nn.Module, Any], Callable[[int], dict] | None] | None = None
     after_export: Callable[[Any, Any, Any, Any], None] | None = None
+    run_ended: Callable[[Any, str], None] | None = None
     dry_run_lines: Callable[..., list[str]] | None = None
 
 

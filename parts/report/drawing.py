@@ -2,7 +2,7 @@
 against step, then one panel per other evaluation metric the run logged (`eval_accuracy`, and any
 a task adds), drawn from `output_dir/metrics.jsonl` at the end of every run.
 
-    python -m training.report outputs/default      # redraw it for any run directory
+    python -m parts.report.drawing outputs/default      # redraw it for any run directory
 """
 
 from __future__ import annotations

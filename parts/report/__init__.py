@@ -1,0 +1,28 @@
+"""`output_dir/report.png`: the run's metrics drawn at its end (drawing.py), finished or stopped by a signal
+(`--report_png`, default on). See docs/report.md.
+"""
+
+from dataclasses import dataclass, field
+
+from training.parts import Part
+
+
+@dataclass
+class ReportFlags:
+    report_png: bool = field(
+        default=True,
+        metadata={"help": "Draw output_dir/report.png at the end of the run (about 1 s on the main process); false for "
+                          "sweeps of many short runs (`python -m parts.report.drawing DIR` draws it later from metrics.jsonl)."},
+    )
+
+
+def run_ended(args, title: str) -> None:
+    """Draw the report from metrics.jsonl (main process, the trackers flushed)."""
+    if args.report_png:
+        from parts.report.drawing import write_report
+
+        write_report(args.output_dir, title)
+
+
+PART = Part("report", "report.png: loss, learning rate, throughput, gradient norm and every evaluation metric against "
+            "the step", ReportFlags, run_ended=run_ended, files=("docs/report.png",))
