@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO))  # the template's modules: metrics, the planner, d
 from scripts.data_benchmark import data_table  # noqa: E402
 from scripts.mfu_benchmark import CPU_DEFAULTS, GPU_DEFAULTS, mfu_table  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
+from training.parts import installed  # noqa: E402
 
 CONFIGS = ["ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"]
 SCALING_CONFIGS = ["ddp", "fsdp", "deepspeed_zero2"]
@@ -58,7 +59,7 @@ RUN_TIMEOUT_S = 1800  # a run that takes longer is stuck: stop it rather than ha
 def planned_model_state_bytes(config: str, args: argparse.Namespace, processes: int) -> float:
     """What the memory planner predicts per rank for `config`: parameters + gradients + optimizer state (nan in a
     project without the memory_plan part)."""
-    if not (REPO / "parts" / "memory_plan").is_dir():
+    if not installed("memory_plan"):
         return math.nan
     from models.configs import build_named_config
     from models.language import build_tokenizer
@@ -106,7 +107,7 @@ def train_run(config: str, args: argparse.Namespace, output_dir: Path, flags: tu
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
                "--num_processes", str(processes or args.num_processes), "--mixed_precision", args.mixed_precision,
                "--main_process_port", str(free_port()), "train.py", *(speed_flags(args) if flags is None else flags),
-               *(["--report_png", "false"] if (REPO / "parts" / "report").is_dir() else []), "--output_dir", str(output_dir)]
+               *(["--report_png", "false"] if installed("report") else []), "--output_dir", str(output_dir)]
     metrics = output_dir / "metrics.jsonl"
     launched = time.perf_counter()
     with (output_dir.parent / f"{output_dir.name}.log").open("w") as log:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from training.metrics import read_metrics
+from training.parts import installed
 
 ROWS = [("ddp", False), ("ddp", True), ("fsdp", False), ("deepspeed_zero2", False)]  # (config, --torch_compile)
 ANCHOR_VOCABULARY = 50304  # GPT-2's 50,257 tokens padded to a multiple of 64, as llm.c and modded-nanogpt do
@@ -82,10 +83,9 @@ def mfu_table(args: argparse.Namespace, scratch: Path, train_run: Callable) -> t
     row's setting with the shipped tokenizer's vocabulary."""
     extra = tuple(shlex.split(args.train_flags))
     compiled_by_flags = any(flag.startswith("--torch_compile") for flag in extra)  # a compile option: compiled rows only
-    can_compile = (Path(__file__).resolve().parents[1] / "parts" / "compile").is_dir()  # a project may leave it out
     rows = [(config, compiled, ANCHOR_VOCABULARY, length) for length in args.block_sizes
             for config, compiled in ROWS if config in args.configs and (compiled or not compiled_by_flags)
-            and (can_compile or not compiled)]
+            and (installed("compile") or not compiled)]  # a project may leave the compile part out
     if not rows:
         raise SystemExit(f"error: --mfu measures {sorted({c for c, _ in ROWS})}; --configs names none of them")
     if not args.no_tokenizer_row:

@@ -49,6 +49,7 @@ from safetensors.torch import load_file
 from data.default_corpus import generate_documents
 from tests import forked_launcher
 from training.metrics import read_metrics
+from training.parts import installed
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
@@ -57,7 +58,7 @@ CONFIGS = REPO / "accelerate_configs"
 # of the main process per run) but in the tests that look at it: `DRAW_REPORT` (the report part's flag: a project
 # without the part has neither).
 EVAL_SAMPLES = 60
-REPORTS = (REPO / "parts" / "report").is_dir()  # the report part: runs draw report.png
+REPORTS = installed("report")  # the report part: runs draw report.png
 NO_REPORT = ("--report_png", "false") if REPORTS else ()
 TINY_RUN = ["--model_config", "llama-tiny", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
             "--learning_rate", "3e-3", "--warmup_steps", "2", "--max_eval_samples", str(EVAL_SAMPLES), *NO_REPORT]
@@ -224,16 +225,11 @@ def assert_continues_exactly(uninterrupted: Path, resumed: Path, from_step: int,
     assert_same_final_weights(uninterrupted, resumed, atol=0 if bit_exact else 1e-6, weights=weights)
 
 
-def has_part(name: str) -> bool:
-    """Whether this project holds the part `name` (a fork may not: scripts/new_project.py)."""
-    return (REPO / "parts" / name).is_dir()
-
-
 def assert_planned_model_state(measured: dict[str, int], config: str, processes: int, mixed_precision: str) -> None:
     """Parameters, gradients and optimizer state per rank of a llama-tiny run (summary.json) each within 10% of what
     scripts/plan_memory.py plans for `config` (in-process). A project without the memory_plan part has no planner
     to hold the run to: its assertions leave with it (scripts/new_project.py)."""
-    if not has_part("memory_plan"):
+    if not installed("memory_plan"):
         return
     from scripts.plan_memory import parse_args, plan
 

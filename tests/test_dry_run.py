@@ -17,10 +17,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from data import DataError
 from models.configs import build_named_config
 from models.language import SHIPPED_TOKENIZER, ModelError
-from tests.conftest import REPO, TINY_RUN, bad_input_errors, has_part, launch
+from tests.conftest import REPO, TINY_RUN, bad_input_errors, launch
 from training.arguments import ArgumentError, parse_args
 from training.dry_run import dry_run as plan_dry_run
 from training.errors import StrategyError
+from training.parts import installed
 from training.task_registry import tasks
 
 MIB = 2**20
@@ -42,7 +43,7 @@ def test_dry_run_of_a_two_process_offload_launch_prints_its_plan_and_trains_noth
     # against what a real run of the same model and config held, counted from its tensors (test_memory_plan's 10%)
     measured = json.loads((strategy_run("deepspeed_zero3_offload") / "summary.json").read_text())
     assert measured["parameters"] == parameters and measured["processes"] == 2
-    if has_part("memory_plan"):  # its line, planned for this launch
+    if installed("memory_plan"):  # its line, planned for this launch
         planned = float(plan["memory/rank"].split("model state ")[1].split(" MiB")[0].replace(",", ""))
         assert planned == pytest.approx(sum(measured["model_state_bytes_per_rank"].values()) / MIB, rel=0.10)
         assert "activations ~" in plan["memory/rank"] and "(estimates)" in plan["memory/rank"]

@@ -184,6 +184,11 @@ def installed_parts() -> tuple[Part, ...]:
     return tuple(found)
 
 
+def installed(name: str) -> bool:
+    """Whether the part `name` is in this project (a fork may have left it out: scripts/new_project.py)."""
+    return any(part.name == name for part in installed_parts())
+
+
 def part_flags(kind: str = "flags") -> tuple[type, ...]:
     """The parts' flag dataclasses of one `kind` (`flags`, `model_flags`, `data_flags`), mixed into TrainArguments,
     ModelArguments and DataArguments (training/flags.py)."""
