@@ -50,9 +50,11 @@ class TaskChoices(list):
         return super().__contains__(value) or ":" in str(value)
 
 
+@functools.cache
 def task_entry(name: str) -> TaskEntry:
     """The registered task `name`, or your own `module:Class`: a subclass of a registered task's class takes that
-    task's configs and flags, with its own `own_flags` (the core flags it reads) added."""
+    task's configs and flags, with its own `own_flags` (the core flags it reads) added. Once per name: checking
+    the flags, a part's check and building the task all ask, and a class's entry imports every registered task."""
     if name in tasks():
         return tasks()[name]
     from training.errors import ArgumentError
