@@ -10,9 +10,8 @@ add `1e-4 * logits.float().logsumexp(-1).square()` summed over each sequence's t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from training.loss import IGNORE_INDEX
+from training.loss import token_loss_sums
 from training.tasks import CausalLM
 
 SMOOTHING = 0.1
@@ -23,7 +22,4 @@ class LabelSmoothedLM(CausalLM):
 
     def objective_sums(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
         """Per-sequence sums of the smoothed next-token loss (the step divides by the global batch's targets)."""
-        targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)  # each position predicts the next token
-        losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                 reduction="none", label_smoothing=SMOOTHING)
-        return losses.view(targets.shape).sum(dim=1)
+        return token_loss_sums(logits, batch["labels"], label_smoothing=SMOOTHING)[0]
