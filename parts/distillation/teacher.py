@@ -235,6 +235,7 @@ def place_frozen_model(accelerator: Accelerator, model: torch.nn.Module) -> torc
         return _zero3_inference_engine(accelerator, model)
     return model.to(accelerator.device)
 
+
 def _zero3_inference_engine(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
     import deepspeed
 
