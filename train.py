@@ -14,7 +14,7 @@ never does either: training/tasks.py builds the model and data and turns logits 
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first of all, before the libraries load: stop handlers, --help (training/prelude.py)
+if __name__ == "__main__":  # first of all, before the libraries load: the parts' first calls, --help (training/prelude.py)
     from training.prelude import before_imports
 
     before_imports()
@@ -33,15 +33,14 @@ from tqdm.auto import tqdm
 from training.accelerator import release_model_construction_hooks
 from training.arguments import parse_args
 from training.checkpoint import export_final, save_checkpoint
-from training.collectives import collective_timeouts_reported, end_collectives, gather_scalars, max_over_ranks
+from training.collectives import collective_timeouts_reported, end_collectives, gather_scalars
 from training.console import only_the_training_bar, quiet_third_party_output
 from training.dry_run import dry_run
 from training.errors import EXIT_UNEXPECTED, Preempted, ending
 from training.evaluation import evaluate
 from training.loss import NonFiniteGuard, accumulation_windows
 from training.metrics import MetricsLogger, print_summary, write_summary
-from training.parts import each
-from training.preemption import install_stop_handlers
+from training.parts import each, found
 from training.prelude import after_imports
 from training.process_exit import exit_process
 from training.setup import Run, epoch_batches, set_up
@@ -51,14 +50,13 @@ logger = get_logger(__name__)
 
 
 def main() -> None:
-    stop_requests = install_stop_handlers()  # SIGTERM/SIGUSR1 (already, as __main__): finish the step, save, exit 75
     model_args, data_args, args = parse_args()
     quiet_third_party_output()
     if args.dry_run:  # one process, no process group: see training/dry_run.py
         if plan := dry_run(model_args, data_args, args):
             print(plan)
         return
-    run = set_up(model_args, data_args, args, stop_requests)
+    run = set_up(model_args, data_args, args)
     outcome = train(run)
     finish(run, outcome)
 
@@ -106,9 +104,9 @@ def train(run: Run) -> dict[str, float]:
                 # the device's queued work is this step's: waited for inside its clock before logging, evaluating or saving
                 run.speed.end_step(sum(task.count_units(batch) for batch in window), synchronize=log_now or eval_now or save_due)
                 progress.update(1)
-                # every rank stops after the same step: agreed every few steps, and on the steps that wait anyway
-                stop_signal = run.stop_requests.agreed(step, now=log_now or eval_now or save_due or epoch_end)
-                save_now = save_due or stop_signal is not None
+                # a part may ask every rank to save and stop after this step (parts/preemption: a signal)
+                stop = found("stop_requested", step, log_now or eval_now or save_due or epoch_end, args)
+                save_now = save_due or bool(stop)
                 if log_now or eval_now or save_now:
                     # One collective and one wait for the device: the non-finite check, and the logged figures.
                     logged = {"loss": interval_loss, "grad_norm": grad_norm} | run.speed.interval() if log_now else {}
@@ -136,11 +134,11 @@ def train(run: Run) -> dict[str, float]:
                     run.speed.resume()  # logging, evaluation and saving are not training time
                 if step >= run.max_steps:
                     break
-                if stop_signal:
+                if stop:
                     end_collectives(accelerator)  # flush the trackers
                     if accelerator.is_main_process:
                         each("run_ended", args, run.title)  # the parts' (report.png)
-                    raise Preempted(f"{stop_signal} received: stopped after step {step} and saved {saved}; "
+                    raise Preempted(f"{stop[0]} received: stopped after step {step} and saved {saved}; "
                                     "continue with --resume_from_checkpoint latest")
             else:  # the epoch ran out before max_steps
                 state.epoch, state.steps_in_epoch = state.epoch + 1, 0
@@ -197,7 +195,6 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
         **run.speed.report(gather_scalars(accelerator, run.speed.whole_run())),
         **run.speed.steady_state(),  # the whole-run figures above keep the intervals' warm-up
         **({f"flops_per_{run.task.unit.removesuffix('s')}": run.task.flops_per_unit} if run.task.flops_per_unit else {}),
-        "model_state_bytes_per_rank": max_over_ranks(run.model_state, accelerator),
         **{key: value for figures in run.part_figures for key, value in figures(steps_run).items()},
         **outcome,
     }

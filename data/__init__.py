@@ -1,17 +1,5 @@
-"""Datasets for causal LM training: where text comes from, and how it becomes blocks.
-
-Sources, in order of precedence:
-- `--dataset_name` (+ `--dataset_config_name`): a dataset on the Hugging Face Hub, or a
-  local dataset directory that `datasets.load_dataset` understands;
-- `--train_file` / `--validation_file`: local txt, json/jsonl, csv or parquet files;
-- nothing: the embedded default corpus (`data/default_corpus.py`).
-
-Documents are packed into full `block_size` blocks (the default), or, with
-`--packing false`, kept one per sequence and padded per batch. Tokenization runs once,
-on the main process first, and is cached under `datasets`' cache directory
-(`HF_DATASETS_CACHE`); every other rank, and every later run with the same data,
-tokenizer and settings, reads the cache.
-"""
+"""Causal LM datasets: documents from the Hub, local files or the embedded corpus, packed into blocks (or padded per
+batch with --packing false); tokenized once, main process first, and cached under HF_DATASETS_CACHE for the rest."""
 
 from __future__ import annotations
 
@@ -37,8 +25,7 @@ PACKING_VERSION = "2"  # bump when packing changes, so old caches are not reused
 
 
 def check_data_file(path: str) -> str:
-    """The `datasets` builder for a local data file, or a glob pattern of such files (`shards/train-*.jsonl`);
-    a clear error if it cannot be used."""
+    """The `datasets` builder for a local data file or glob pattern of them; a clear error if it cannot be used."""
     suffix = Path(path).suffix.lower()
     if suffix not in FILE_BUILDERS:
         raise ValueError(f"unsupported data file type {suffix!r} ({path}); use one of {sorted(FILE_BUILDERS)}")
@@ -59,14 +46,8 @@ def local_files(train_file: str, validation_file: str | None) -> tuple[str, dict
     return builders.pop(), files
 
 
-def load_raw_datasets(
-    dataset_name: str | None,
-    dataset_config_name: str | None,
-    train_file: str | None,
-    validation_file: str | None,
-    validation_split_percentage: int,
-    seed: int,
-) -> DatasetDict:
+def load_raw_datasets(dataset_name: str | None, dataset_config_name: str | None, train_file: str | None,
+                      validation_file: str | None, validation_split_percentage: int, seed: int) -> DatasetDict:
     """A `DatasetDict` with `train` and `validation` splits of raw documents."""
     if dataset_name:
         raw = load_dataset(dataset_name, dataset_config_name)
@@ -84,8 +65,7 @@ def load_raw_datasets(
 
 
 def hold_out(train: Dataset, percentage: int, seed: int, stratify_by_column: str | None = None) -> DatasetDict:
-    """`percentage` of `train` as the validation split; the same share of every class when a
-    `stratify_by_column` is given and every class is large enough to give some."""
+    """`percentage` of `train` held out for validation, stratified if every `stratify_by_column` class can give some."""
     try:
         split = train.train_test_split(test_size=percentage / 100, seed=seed, stratify_by_column=stratify_by_column)
     except ValueError:  # a class too small to split, or a split that would leave either side empty
@@ -99,9 +79,8 @@ def hold_out(train: Dataset, percentage: int, seed: int, stratify_by_column: str
 
 
 def cache_key(split: Dataset, embedded: str, tokenizer: PreTrainedTokenizerBase, *settings) -> str:
-    """Identify a tokenized split by everything that changes its content: its source (a file's or Hub
-    dataset's fingerprint, or `embedded`, the version of a set the repository makes), the tokenizer,
-    its chat template and `settings`."""
+    """Identifies a tokenized split by all that changes it: its source (a fingerprint, or `embedded`: the version of a
+    set made here), the tokenizer, its chat template and `settings`."""
     source = split._fingerprint if split.cache_files else f"{embedded}-{len(split)}"
     parts = [source, tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template, *settings]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
@@ -127,21 +106,11 @@ def check_plain_text(split: Dataset, text_column: str) -> None:
     raise DataError(f"--text_column {text_column!r} holds {type(first).__name__} values, not text; choose a column of strings")
 
 
-def build_lm_datasets(
-    raw: DatasetDict,
-    tokenizer: PreTrainedTokenizerBase,
-    text_column: str,
-    block_size: int,
-    main_process_first: AbstractContextManager | None = None,
-    packing: bool = True,
-    num_proc: int | None = None,
-) -> tuple[Dataset, Dataset]:
-    """Tokenize both splits into sequences of at most `block_size` tokens, cached on disk.
-
-    `main_process_first` is `accelerator.main_process_first()`: the main process builds
-    the cache while the other ranks wait, then they load it. `num_proc` worker processes
-    tokenise (a cache made with another count is reused as it is: datasets' rule).
-    """
+def build_lm_datasets(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, text_column: str, block_size: int,
+                      main_process_first: AbstractContextManager | None = None, packing: bool = True,
+                      num_proc: int | None = None) -> tuple[Dataset, Dataset]:
+    """Both splits as sequences of at most `block_size` tokens, cached on disk by the main process while the other ranks
+    wait. A cache made with another `num_proc` is reused as it is (datasets' rule)."""
     for split in raw.values():
         if text_column not in split.column_names:
             hint = task_hint(set(split.column_names))
@@ -156,14 +125,10 @@ def build_lm_datasets(
             key = cache_key(split, f"default-corpus-{CORPUS_VERSION}", tokenizer, text_column, block_size, packing,
                             PACKING_VERSION)
             packed[name] = split.map(
-                tokenize_and_pack if packing else tokenize_documents,
-                batched=True,
-                batch_size=1000,
+                tokenize_and_pack if packing else tokenize_documents, batched=True, batch_size=1000,
                 remove_columns=split.column_names,
                 fn_kwargs={"tokenizer": tokenizer, "text_column": text_column, "block_size": block_size},
-                cache_file_name=str(cache_dir / f"{key}.arrow"),
-                new_fingerprint=key,
-                num_proc=num_proc,
+                cache_file_name=str(cache_dir / f"{key}.arrow"), new_fingerprint=key, num_proc=num_proc,
                 desc=f"Tokenizing {name}",
             )
             if packing:  # equal lengths: tensors straight from the dataset
@@ -175,13 +140,11 @@ PAD_TO_MULTIPLE_OF = 8
 
 
 def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool):
-    """Packed blocks stack as they are; documents are padded, with padding labelled -100, to a
-    multiple of PAD_TO_MULTIPLE_OF tokens: tensor cores want matrix sizes in multiples of 8, and
-    under --torch_compile fewer distinct lengths mean fewer recompilations."""
+    """Packed blocks stack as they are; documents are padded (labels -100) to a multiple of 8 tokens: tensor cores want
+    it, and under --torch_compile fewer distinct lengths mean fewer recompilations."""
     if packing:
         return default_data_collator
-    # Padding on the right, whatever the tokenizer's own side: on the left it would shift each
-    # sequence's positions by its batch's padding, so a loss would depend on how batches are split.
+    # Right padding whatever the tokenizer's side: left padding shifts positions, so the loss would depend on batching.
     right_padding = copy.copy(tokenizer)
     right_padding.padding_side = "right"
     return DataCollatorForSeq2Seq(right_padding, label_pad_token_id=-100, pad_to_multiple_of=PAD_TO_MULTIPLE_OF)

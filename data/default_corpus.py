@@ -1,10 +1,5 @@
-"""The embedded default corpus: short generated stories, made here, never downloaded.
-
-The text comes from a small seeded grammar, so every machine builds the same corpus
-byte for byte. It is structured enough for a small model to learn (characters keep
-their name, species and pronoun through a story; arithmetic lines are correct), and
-varied enough that the validation stories are not copies of training ones.
-"""
+"""The embedded default corpus: stories and arithmetic from a seeded grammar, the same on every machine, never
+downloaded. Characters keep name, species and pronoun through a story and sums are right: a small model can learn it."""
 
 from __future__ import annotations
 
@@ -24,14 +19,8 @@ COLORS = ["red", "blue", "green", "yellow", "silver", "golden", "white", "black"
 SPOTS = ["a tree", "a rock", "the bridge", "a bush", "the old well", "a log", "the fence", "a pile of leaves"]
 FRIENDS_DO = ["played a game", "shared a meal", "sang a song", "built a tower", "watched the stars", "went for a walk"]
 FEELINGS = ["happy", "tired", "surprised", "proud", "excited", "calm"]
-MORALS = [
-    "it is good to share",
-    "friends make every day better",
-    "small things can matter a lot",
-    "asking for help is brave",
-    "patience brings good things",
-    "kindness comes back to you",
-]
+MORALS = ["it is good to share", "friends make every day better", "small things can matter a lot",
+          "asking for help is brave", "patience brings good things", "kindness comes back to you"]
 WORD_NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
 
@@ -65,10 +54,8 @@ def _story(rng: random.Random) -> str:
 def _arithmetic(rng: random.Random) -> str:
     a, b = rng.randint(0, 5), rng.randint(0, 5)
     x, y = rng.randint(10, 99), rng.randint(10, 99)
-    return (
-        f"{WORD_NUMBERS[a].capitalize()} plus {WORD_NUMBERS[b]} is {WORD_NUMBERS[a + b]}. "
-        f"{x} + {y} = {x + y}. {max(x, y)} - {min(x, y)} = {max(x, y) - min(x, y)}."
-    )
+    return (f"{WORD_NUMBERS[a].capitalize()} plus {WORD_NUMBERS[b]} is {WORD_NUMBERS[a + b]}. "
+            f"{x} + {y} = {x + y}. {max(x, y)} - {min(x, y)} = {max(x, y) - min(x, y)}.")
 
 
 def generate_documents(num_documents: int, seed: int) -> list[str]:
@@ -79,7 +66,5 @@ def generate_documents(num_documents: int, seed: int) -> list[str]:
 
 def default_splits(num_train: int = 8_000, num_validation: int = 400) -> dict[str, list[str]]:
     """Train and validation documents, drawn from differently seeded generators."""
-    return {
-        "train": generate_documents(num_train, seed=1234),
-        "validation": generate_documents(num_validation, seed=5678),
-    }
+    return {"train": generate_documents(num_train, seed=1234),
+            "validation": generate_documents(num_validation, seed=5678)}

@@ -1,9 +1,5 @@
-"""Where a local data file stops parsing: its 1-based line and why, for a one-line error.
-
-`datasets` reports a malformed JSON Lines file as pyarrow's "Invalid encoding in string ... in row
-10" (0-based, and often the wrong cause) inside a long traceback; these readers find the line
-with Python's own parsers once loading has failed, so the cost is paid only then.
-"""
+"""Where a local data file stops parsing, as its 1-based line and why: `datasets` gives pyarrow's 0-based row, often
+with the wrong cause, deep in a traceback. Python's own parsers look only once loading has failed."""
 
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ from pathlib import Path
 
 
 def first_bad_line(path: str, builder: str) -> tuple[int, str] | None:
-    """(line, reason) of the first line of `path` that the `datasets` `builder` ("json" or "csv")
-    cannot parse; None if Python's parser finds nothing wrong, or for other formats."""
+    """(line, reason) of the first line `builder` ("json" or "csv") cannot parse; None if none, or for other formats."""
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     if builder == "json":
         return _json_error(text)

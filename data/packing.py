@@ -9,37 +9,24 @@ from transformers import PreTrainedTokenizerBase
 
 
 def pack_sequences(sequences: list[list[int]], block_size: int) -> list[list[int]]:
-    """Concatenate token sequences and cut them into `block_size` blocks.
-
-    The tail shorter than one block is dropped, so every block is full and no
-    padding (and no attention mask) is needed.
-    """
+    """Concatenated and cut into `block_size` blocks; the short tail is dropped, so no padding or attention mask."""
     stream = list(chain.from_iterable(sequences))
     usable = len(stream) // block_size * block_size
     return [stream[i : i + block_size] for i in range(0, usable, block_size)]
 
 
-def tokenize_and_pack(
-    batch: dict[str, list[Any]], tokenizer: PreTrainedTokenizerBase, text_column: str, block_size: int
-) -> dict[str, list[list[int]]]:
-    """`datasets.map` function: documents in, `input_ids`/`labels` blocks out.
-
-    Each document ends with EOS so the model learns where one stops and the next starts.
-    """
+def tokenize_and_pack(batch: dict[str, list[Any]], tokenizer: PreTrainedTokenizerBase, text_column: str,
+                      block_size: int) -> dict[str, list[list[int]]]:
+    """`datasets.map` function: documents in, `input_ids`/`labels` blocks out; EOS ends each to mark where it stops."""
     texts = [text for text in batch[text_column] if text]
     token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     blocks = pack_sequences([ids + [tokenizer.eos_token_id] for ids in token_ids], block_size)
     return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
 
 
-def tokenize_documents(
-    batch: dict[str, list[Any]], tokenizer: PreTrainedTokenizerBase, text_column: str, block_size: int
-) -> dict[str, list[list[int]]]:
-    """`datasets.map` function without packing: one sequence per document, cut at `block_size`.
-
-    Sequences keep their own lengths; the collator pads them per batch and masks the
-    padding out of the loss, which train.py averages over real tokens only.
-    """
+def tokenize_documents(batch: dict[str, list[Any]], tokenizer: PreTrainedTokenizerBase, text_column: str,
+                       block_size: int) -> dict[str, list[list[int]]]:
+    """`datasets.map` function without packing: one sequence per document, cut at `block_size`; padded per batch."""
     texts = [text for text in batch[text_column] if text]
     token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     sequences = [(ids + [tokenizer.eos_token_id])[:block_size] for ids in token_ids]

@@ -1,13 +1,6 @@
-"""Named model configs for training from scratch (`--model_config NAME`).
-
-`NAMED_CONFIGS` are Llama-style decoders for `--task causal-lm`, each sized for one job (a part
-adds its own task's: parts/images/configs.py). To add your own, add an entry that returns any
-`transformers.PretrainedConfig` whose model type `AutoModelForCausalLM` knows (a model that is not a
-`transformers` architecture: recipes/conv_lm.py, or a plain `nn.Module`: recipes/plain_model.py).
-
-The config classes are imported when a config is made, not with this module: `train.py
---help` lists these names without loading transformers' models (and with them torch).
-"""
+"""Named Llama-style configs for `--model_config NAME`; a part adds its own (parts/images/configs.py), and yours may
+return any `PretrainedConfig` that `AutoModelForCausalLM` knows (other models: recipes/conv_lm.py, plain_model.py).
+Config classes are imported only when a config is made: `train.py --help` lists the names without loading torch."""
 
 from __future__ import annotations
 
@@ -22,17 +15,9 @@ def _llama(hidden: int, layers: int, heads: int, intermediate: int, positions: i
         from transformers import LlamaConfig
 
         return LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            intermediate_size=intermediate,
-            max_position_embeddings=positions,
-            bos_token_id=eos_token_id,
-            eos_token_id=eos_token_id,
-            pad_token_id=eos_token_id,
-            tie_word_embeddings=False,
+            vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=heads, intermediate_size=intermediate, max_position_embeddings=positions,
+            bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id, tie_word_embeddings=False,
         )
 
     return make
@@ -47,8 +32,7 @@ NAMED_CONFIGS: dict[str, Callable[[int, int], PretrainedConfig]] = {
 
 
 def build_named_config(name: str, tokenizer: PreTrainedTokenizerBase, overrides: str | None = None) -> PretrainedConfig:
-    """The config called `name`, with a vocabulary that fits `tokenizer` (padded to a multiple of 64), then
-    `overrides` (--config_overrides, "key=value,key=value" as in transformers' run_clm.py)."""
+    """The config `name`, its vocabulary fitting `tokenizer`, then `overrides` (--config_overrides: "key=value,...")."""
     if name not in NAMED_CONFIGS:
         raise ValueError(f"unknown --model_config {name!r}; choose one of {sorted(NAMED_CONFIGS)}")
     vocab_size = -(-len(tokenizer) // 64) * 64  # a multiple of 64 keeps the output matmul fast

@@ -1,10 +1,5 @@
-"""Causal language models and their tokenizer: the one place that knows where their weights come from.
-
-- `--model_name_or_path`: a Hub id or a local directory holding any `AutoModelForCausalLM`
-  (continued pre-training or fine-tuning).
-- `--model_config NAME`: a named small config from `models/configs.py`, trained from
-  scratch with the tokenizer shipped in `models/tokenizer/` (the default job).
-"""
+"""Causal language models and their tokenizer: a Hub id or local directory (--model_name_or_path), or a named config
+from models/configs.py trained from scratch with the tokenizer shipped in models/tokenizer/ (the default job)."""
 
 from __future__ import annotations
 
@@ -41,9 +36,8 @@ def loading(what: str, source: str) -> Iterator[None]:
         raise ModelError(f"cannot load {what} {source}: {first_line(error)}") from None
 
 
-def build_tokenizer(
-    model_name_or_path: str | None, tokenizer_name: str | None, trust_remote_code: bool = False
-) -> PreTrainedTokenizerBase:
+def build_tokenizer(model_name_or_path: str | None, tokenizer_name: str | None,
+                    trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer named explicitly, else the pretrained model's own, else the shipped one."""
     source = tokenizer_name or model_name_or_path or str(SHIPPED_TOKENIZER)
     with loading("tokenizer", source):
@@ -53,22 +47,12 @@ def build_tokenizer(
     return tokenizer
 
 
-def build_model(
-    model_name_or_path: str | None,
-    model_config: str,
-    tokenizer: PreTrainedTokenizerBase,
-    trust_remote_code: bool = False,
-    gradient_checkpointing: bool = False,
-    empty: bool = False,
-    config_overrides: str | None = None,
-) -> PreTrainedModel:
-    """Load pretrained weights, or initialise a named config from scratch (seed first).
-
-    Weights are always fp32: mixed precision is applied by the strategy, which keeps
-    fp32 master weights (loading bf16 weights and training them directly learns worse).
-    `empty`: the architecture only, no weights read or initialised (they arrive later from
-    another rank: training/accelerator.py `model_construction`).
-    """
+def build_model(model_name_or_path: str | None, model_config: str, tokenizer: PreTrainedTokenizerBase,
+                trust_remote_code: bool = False, gradient_checkpointing: bool = False, empty: bool = False,
+                config_overrides: str | None = None) -> PreTrainedModel:
+    """Pretrained weights, or a named config initialised from scratch (seed first); fp32 always, as the strategy keeps
+    fp32 master weights (bf16 weights trained directly learn worse). `empty`: architecture only, its weights to come
+    from another rank (training/accelerator.py `model_construction`)."""
     if model_name_or_path and not empty:
         with loading("model", model_name_or_path):
             model = AutoModelForCausalLM.from_pretrained(
@@ -109,8 +93,7 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
 
 
 def resolve_block_size(requested: int | None, config: PretrainedConfig, flag: str = "--block_size") -> int:
-    """The requested length (`flag`: --block_size, or --max_length for fine-tuning), or the model's maximum
-    (at most 1024); never above the maximum."""
+    """The requested length (`flag`), or the model's maximum capped at 1024; never above the maximum."""
     model_max = getattr(config, "max_position_embeddings", None)
     if requested is None:
         return min(model_max or 1024, 1024)

@@ -90,7 +90,8 @@ def delivered(corpus: Path, shards: Path, args: argparse.Namespace) -> tuple[dic
     stream, _ = stream_datasets(streams, tokenizer, "text", args.block_size, True, 42, None)
     prepared, _ = load_shards(str(shards), tokenizer, args.block_size, packing=True)
     before = psutil.Process().memory_info().rss
-    streaming = tokens_per_sec(StreamLoader(OneRank(), stream, batch, default_data_collator, 0, 42, 1000, 60), count)
+    loading = {"collate_fn": default_data_collator, "num_workers": 0}
+    streaming = tokens_per_sec(StreamLoader(OneRank(), stream, batch, loading, 42, 1000, 60), count)
     return {
         "in memory": tokens_per_sec(training_loader(in_memory, batch, 42, collate_fn=default_data_collator), count),
         "streaming": streaming,

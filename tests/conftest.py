@@ -225,18 +225,30 @@ def assert_continues_exactly(uninterrupted: Path, resumed: Path, from_step: int,
     assert_same_final_weights(uninterrupted, resumed, atol=0 if bit_exact else 1e-6, weights=weights)
 
 
-def assert_planned_model_state(measured: dict[str, int], config: str, processes: int, mixed_precision: str) -> None:
+def assert_planned_model_state(summary: dict, config: str, mixed_precision: str) -> None:
     """Parameters, gradients and optimizer state per rank of a llama-tiny run (summary.json) each within 10% of what
-    scripts/plan_memory.py plans for `config` (in-process). A project without the memory_plan part has no planner
-    to hold the run to: its assertions leave with it (scripts/new_project.py)."""
+    scripts/plan_memory.py plans for `config` (in-process). A project without the memory_plan part neither measures
+    nor plans them: its assertions leave with it (scripts/new_project.py)."""
     if not installed("memory_plan"):
         return
+    measured, processes = summary["model_state_bytes_per_rank"], summary["processes"]
     from scripts.plan_memory import parse_args, plan
 
     planned = plan(parse_args(["--model_config", "llama-tiny", "--num_gpus", str(processes),
                                "--mixed_precision", mixed_precision]))["configs"][config]
     for part, value in measured.items():
         assert planned[part] == pytest.approx(value, rel=0.10), (config, part)
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> torch.nn.Module:
+    """llama-tiny with the embedded tokenizer, on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    from models.configs import build_named_config
+    from models.language import build_tokenizer
+
+    return AutoModelForCausalLM.from_config(build_named_config("llama-tiny", build_tokenizer(None, None)))
 
 
 def tiny_resnet() -> torch.nn.Module:

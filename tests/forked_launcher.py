@@ -322,7 +322,7 @@ def _run_rank(argv: list[str], unbuffered: bool, env: dict[str, str], outputs: t
     os.environ.clear()
     os.environ.update(env)
     for name, module in list(sys.modules.items()):  # the template's own code starts afresh (16 ms): its
-        # module-level state, such as the launcher's pid that training/preemption.py records, is this rank's
+        # module-level state, such as the launcher's pid that parts/preemption/signals.py records, is this rank's
         if _is_template_code(getattr(module, "__file__", None)):
             del sys.modules[name]
     script = os.path.abspath(argv[0])

@@ -181,9 +181,10 @@ def catches(process: psutil.Process, sig: int) -> bool:
                 & (1 << (sig - 1)))
 
 
+@pytest.mark.parts("preemption")  # its handlers hold the signal
 def test_a_fresh_launch_signalled_while_its_ranks_import_still_refuses_in_one_line(previous) -> None:
     """New interpreters, as a user's launch: the ranks import the libraries themselves (seconds), and a SIGTERM
-    that reaches them meanwhile is held by train.py's prelude (installed first), not fatal: the bad flag is then
+    that reaches them meanwhile is held by the preemption part's handler (installed first), not fatal: the bad flag is then
     reported in one line, exit 2 on each rank."""
     before = snapshot(previous)
     command, env = launch_command("ddp", "train.py", *TINY_RUN, "--output_dir", str(previous), "--learnin_rate", "0.1",

@@ -45,4 +45,4 @@ def test_bf16_keeps_fp32_master_weights_and_deepspeed_runs_our_values(config: st
                    launcher_args=("--mixed_precision", "bf16"))
     assert_runs_bf16_as_asked(config, tmp_path, result.stderr)
     measured = json.loads((tmp_path / "summary.json").read_text())
-    assert_planned_model_state(measured["model_state_bytes_per_rank"], config, measured["processes"], "bf16")
+    assert_planned_model_state(measured, config, "bf16")

@@ -1,4 +1,5 @@
-"""scripts/plan_memory.py: model state that agrees with measured runs, the pick it makes, and bad input."""
+"""The part memory_plan: the model state each rank holds, measured; scripts/plan_memory.py agreeing with measured runs,
+the pick it makes, and bad input."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import CONFIGS
+from parts.memory_plan.measured import model_state_bytes, model_state_probe
 from parts.memory_plan.planner import pick
+from tests.conftest import CONFIGS
+from tests.test_performance import SHORT_RUN
+from training.arguments import TrainArguments
+from training.optim import build_optimizer
 
 EVERY_CONFIG = sorted(path.stem for path in CONFIGS.glob("*.yaml") if path.stem != "fsdp_tp")  # 4 processes: below
 ORDER = ["ddp", "deepspeed_zero1", "deepspeed_zero2", "fsdp", "deepspeed_zero3", "deepspeed_zero3_offload"]
@@ -145,3 +151,42 @@ def test_activations_count_the_logits_and_the_loss_backward() -> None:
     for checkpointing in (False, True):
         estimate = activation_bytes(model_shape(config, torch.bfloat16), batch, seq_len, checkpointing)
         assert estimate > 3 * logits_fp32
+
+
+@pytest.mark.quick
+def test_model_state_bytes_are_counted_from_the_tensors(tiny_model) -> None:
+    """One process, fp32 AdamW: 4 bytes of weights, 4 of gradients, 8 of moments per parameter."""
+    optimizer = build_optimizer(tiny_model, TrainArguments(learning_rate=1e-3, weight_decay=0.1))
+    ids = torch.randint(0, 900, (2, 16))
+    tiny_model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    tiny_model(input_ids=ids, labels=ids).loss.backward()
+    psi = sum(p.numel() for p in tiny_model.parameters())
+    measured = model_state_bytes(tiny_model, optimizer)
+    assert measured["parameters"] == 4 * psi and measured["gradients"] == 4 * psi
+    assert 8 * psi <= measured["optimizer"] <= 8 * psi + 4 * len(optimizer.state)  # + one step counter each
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "sgd"])
+def test_model_state_is_measured_at_the_second_step_and_never_reported_as_zero(tiny_model, optim) -> None:
+    optimizer = build_optimizer(tiny_model, TrainArguments(optim=optim))
+    probe = model_state_probe(tiny_model, optimizer, list)
+    ids = torch.randint(0, 900, (2, 16))
+    for step in (1, 2):
+        tiny_model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            assert probe == {}  # one step: nothing to report yet (the summary says "not measured")
+    psi = sum(p.numel() for p in tiny_model.parameters())
+    assert probe["parameters"] == 4 * psi and probe["gradients"] == 4 * psi
+    assert probe["optimizer"] == pytest.approx(8 * psi if optim.startswith("adamw") else 0, rel=1e-3)  # + step counters
+
+
+def test_a_ddp_run_reports_what_each_rank_holds(cached_run) -> None:
+    summary = json.loads((cached_run("ddp", *SHORT_RUN) / "summary.json").read_text())  # test_performance.py's run
+    psi = summary["parameters"]  # fp32 DDP: 4 + 4 + 8 bytes per parameter, every rank
+    assert summary["model_state_bytes_per_rank"]["parameters"] == 4 * psi
+    assert summary["model_state_bytes_per_rank"]["gradients"] == 4 * psi
+    assert sum(summary["model_state_bytes_per_rank"].values()) == pytest.approx(16 * psi, rel=1e-3)  # ZeRO stage 0

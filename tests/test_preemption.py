@@ -1,4 +1,4 @@
-"""Preemption and crashes: a stop signal saves and resumes exactly; kill -9 mid-save loses only that save."""
+"""The part preemption: a stop signal saves and the next launch resumes exactly; ranks agree on the step."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 from tests.conftest import (
@@ -18,19 +17,13 @@ from tests.conftest import (
     REPORTS,
     SPLIT_OF,
     assert_continues_exactly,
-    end_launch,
     free_port,
-    rank_processes,
-    read_metrics,
-    split_args,
     split_run_args,
     start,
     stop_after_step,
     train,
-    wait_for,
 )
-from training.checkpoint import complete_checkpoints
-from training.preemption import StopRequests
+from parts.preemption.signals import StopRequests
 
 STEPS_PER_EPOCH = 6  # of `uneven_data` at the global batch of 8
 
@@ -75,61 +68,18 @@ def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
     assert_continues_exactly(uninterrupted, tmp_path, step)
 
 
-LAST_STEP = 20  # the killed run's: a save at every step, many chances to catch one (measured: the second save is)
-
-
-def test_kill_9_during_a_save_leaves_the_previous_checkpoint_to_resume_from(uneven_data, tmp_path) -> None:
-    args = (*split_args(uneven_data, per_device=4, accumulation=1), "--max_steps", str(LAST_STEP), "--eval_steps", "1000",
-            "--save_steps", "1", "--save_total_limit", "1")
-    checkpoints = tmp_path / "checkpoints"
-    launcher = start("ddp", tmp_path, *args)
-    ranks = {}
-
-    def frozen_mid_save() -> bool:
-        """Freeze both ranks; keep them frozen only if a save is in progress."""
-        for rank in ranks.values():
-            rank.suspend()
-        if any(checkpoints.glob("*.tmp")):
-            return True
-        for rank in ranks.values():
-            rank.resume()
-        return False
-
-    try:
-        wait_for(lambda: complete_checkpoints(str(tmp_path)), 120, "a first checkpoint", poll=0.005)
-        ranks = rank_processes(launcher)
-        wait_for(frozen_mid_save, 60, "a save in progress", poll=0.003)
-        for process in [*ranks.values(), psutil.Process(launcher.pid)]:  # kill -9, mid-save
-            process.kill()
-        launcher.wait(timeout=60)
-    finally:
-        end_launch(launcher, ranks.values())
-    (half_written,) = checkpoints.glob("*.tmp")
-    killed_at = int(half_written.name.removeprefix("step_").removesuffix(".tmp"))
-    # the previous checkpoint is complete and rotation (limit 1) did not remove it
-    assert [p.name for p in complete_checkpoints(str(tmp_path))] == [f"step_{killed_at - 1}"]
-    killed_loss = next(m["loss"] for m in read_metrics(tmp_path) if m["step"] == killed_at and "loss" in m)
-
-    result = train("ddp", tmp_path, *args, "--resume_from_checkpoint", "latest")
-    assert f"at step {killed_at - 1}" in result.stderr
-    resumed_loss = next(m["loss"] for m in read_metrics(tmp_path) if m["step"] == killed_at and "loss" in m)
-    assert resumed_loss == pytest.approx(killed_loss, rel=1e-6)  # the step redone from the checkpoint is the same step
-    assert [p.name for p in complete_checkpoints(str(tmp_path))] == [f"step_{LAST_STEP}"]  # the half-written save was replaced
-
-
 AGREEMENT = """
 import json, signal, sys, torch.distributed as dist
-from training.preemption import StopRequests
+from parts.preemption.signals import StopRequests
 from training.process_exit import exit_process
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2)
 requests = StopRequests()
-requests.distributed, requests.timeout_s = True, 60
 seen = {}
 for step in range(1, 13):
     if rank == 1 and step == 2:
         requests.handle(signal.SIGUSR1, None)  # rank 1 alone is signalled during step 2
-    seen[step] = requests.agreed(step, now=step == 7)
+    seen[step] = requests.agreed(step, now=step == 7, timeout_s=60)
 print(json.dumps(seen))
 dist.destroy_process_group()
 exit_process(0)  # as train.py's ranks end: gloo's threads would otherwise race the interpreter's teardown

@@ -1,17 +1,36 @@
-"""Checkpoints resume exactly where they left off and rotate; a non-finite loss stops before any save."""
+"""Checkpoints resume exactly where they left off and rotate; kill -9 mid-save loses only that save; a non-finite loss
+stops before any save."""
 
 from __future__ import annotations
 
 import math
 import shutil
 
+import psutil
 import pytest
 
-from tests.conftest import SPLIT_OF, assert_continues_exactly, launch, read_metrics, split_run_args, train
-from tests.test_preemption import CASES as STOP_CASES
+from tests.conftest import (
+    SPLIT_OF,
+    assert_continues_exactly,
+    end_launch,
+    launch,
+    rank_processes,
+    read_metrics,
+    split_args,
+    split_run_args,
+    start,
+    train,
+    wait_for,
+)
+from training.checkpoint import complete_checkpoints
+from training.parts import installed
 
 RESUME_STEP = 8  # mid-epoch, in the second epoch (6 steps per epoch on `uneven_data`)
-# The other configs resume the same way in test_preemption.py, from a stop in the second epoch.
+# The other configs resume the same way in test_preemption.py (parts/preemption), from a stop in the second epoch.
+if installed("preemption"):
+    from tests.test_preemption import CASES as STOP_CASES
+else:
+    STOP_CASES = {}
 RESUMED_AFTER_A_STOP = {config for config, *_ in STOP_CASES.values()}
 
 
@@ -29,6 +48,48 @@ def test_resume_latest_in_a_fresh_launch_continues_exactly(config, split_run, un
 def test_rotation_keeps_the_newest_checkpoints(tmp_path) -> None:
     train("single", tmp_path, "--max_steps", "8", "--eval_steps", "100", "--save_steps", "2", "--save_total_limit", "3")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_4", "step_6", "step_8"]
+
+
+LAST_STEP = 20  # the killed run's: a save at every step, many chances to catch one (measured: the second save is)
+
+
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_to_resume_from(uneven_data, tmp_path) -> None:
+    args = (*split_args(uneven_data, per_device=4, accumulation=1), "--max_steps", str(LAST_STEP), "--eval_steps", "1000",
+            "--save_steps", "1", "--save_total_limit", "1")
+    checkpoints = tmp_path / "checkpoints"
+    launcher = start("ddp", tmp_path, *args)
+    ranks = {}
+
+    def frozen_mid_save() -> bool:
+        """Freeze both ranks; keep them frozen only if a save is in progress."""
+        for rank in ranks.values():
+            rank.suspend()
+        if any(checkpoints.glob("*.tmp")):
+            return True
+        for rank in ranks.values():
+            rank.resume()
+        return False
+
+    try:
+        wait_for(lambda: complete_checkpoints(str(tmp_path)), 120, "a first checkpoint", poll=0.005)
+        ranks = rank_processes(launcher)
+        wait_for(frozen_mid_save, 60, "a save in progress", poll=0.003)
+        for process in [*ranks.values(), psutil.Process(launcher.pid)]:  # kill -9, mid-save
+            process.kill()
+        launcher.wait(timeout=60)
+    finally:
+        end_launch(launcher, ranks.values())
+    (half_written,) = checkpoints.glob("*.tmp")
+    killed_at = int(half_written.name.removeprefix("step_").removesuffix(".tmp"))
+    # the previous checkpoint is complete and rotation (limit 1) did not remove it
+    assert [p.name for p in complete_checkpoints(str(tmp_path))] == [f"step_{killed_at - 1}"]
+    killed_loss = next(m["loss"] for m in read_metrics(tmp_path) if m["step"] == killed_at and "loss" in m)
+
+    result = train("ddp", tmp_path, *args, "--resume_from_checkpoint", "latest")
+    assert f"at step {killed_at - 1}" in result.stderr
+    resumed_loss = next(m["loss"] for m in read_metrics(tmp_path) if m["step"] == killed_at and "loss" in m)
+    assert resumed_loss == pytest.approx(killed_loss, rel=1e-6)  # the step redone from the checkpoint is the same step
+    assert [p.name for p in complete_checkpoints(str(tmp_path))] == [f"step_{LAST_STEP}"]  # the half-written save was replaced
 
 
 def test_a_non_finite_loss_stops_the_run_before_anything_is_saved(tmp_path) -> None:

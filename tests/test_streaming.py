@@ -93,11 +93,12 @@ def stream_args(stream_files) -> tuple[str, ...]:
             "--dataloader_num_workers", "2")
 
 
+@pytest.mark.parts("preemption")
 @pytest.mark.parametrize("config", SHARDED)
 def test_a_stream_stopped_by_sigterm_resumes_exactly(config, stream_files, cached_run, tmp_path) -> None:
     args = stream_args(stream_files)
     uninterrupted = cached_run(config, *args)
-    launcher = start(config, tmp_path, *args, fork_ranks=True)  # signalled once training (the handlers: test_preemption)
+    launcher = start(config, tmp_path, *args, fork_ranks=True)  # signalled once training (parts/preemption)
     stop_after_step(launcher, tmp_path, STOP_AFTER, signal.SIGTERM)
     log = (tmp_path / "launch.log").read_text()
     step = int(re.search(r"SIGTERM received: stopped after step (\d+)", log).group(1))
@@ -129,7 +130,7 @@ def test_a_stream_too_short_for_one_sequence_and_a_stream_without_validation_are
     with pytest.raises(DataError, match="no validation split to evaluate on"):
         stream_datasets(raw, tokenizer, "text", 64, True, 0, max_eval_samples=8)
     train, _ = stream_datasets(raw, tokenizer, "text", 64, True, 0, max_eval_samples=None)
-    loader = StreamLoader(OneRank(), train, 2, default_data_collator, 0, 0, 4, 60)
+    loader = StreamLoader(OneRank(), train, 2, {"collate_fn": default_data_collator, "num_workers": 0}, 0, 4, 60)
     with pytest.raises(DataError, match="holds no complete sequence"):
         next(iter(loader))
 

@@ -1,7 +1,4 @@
-"""Owns building the Accelerator for the configured strategy, and the model within it.
-
-Also the start-up lines that describe the run. The model is built so that no rank holds a
-whole fp32 copy when it need not (`model_construction`)."""
+"""Owns building the Accelerator for the configured strategy, the model within it, and the run's start-up lines."""
 
 from __future__ import annotations
 
@@ -25,11 +22,7 @@ logger = get_logger(__name__)
 
 
 def build_accelerator(args, **accelerator_kwargs) -> Accelerator:
-    """An `Accelerator` for the configured strategy, on GPUs or, for real, on CPU.
-
-    `args` (TrainArguments): `--ddp_timeout` (seconds) bounds every collective of the process group, on
-    every strategy; the parts' launch checks and DDP settings read their flags.
-    """
+    """An `Accelerator` for the configured strategy, on GPUs or, for real, on CPU."""
     strategy, on_cpu = requested_strategy(), not has_accelerator_device()
     each("at_start", strategy, on_cpu)  # the parts' (start-up work skipped: parts/fast_start), before DeepSpeed loads
     timeout = timedelta(seconds=args.ddp_timeout)
@@ -38,9 +31,8 @@ def build_accelerator(args, **accelerator_kwargs) -> Accelerator:
         nccl_timeouts_raise()
     cpu, backend = cpu_process_group(strategy, timeout) if on_cpu else (False, InitProcessGroupKwargs.backend)
     handler = InitProcessGroupKwargs(backend=backend, timeout=timeout)
-    # DDP: gradients live in its communication buckets instead of beside them (one copy, not two),
-    # and buffers are not copied from rank 0 before each forward: BatchNorm statistics are
-    # averaged instead, on every strategy alike (training/batchnorm.py). Then the parts' settings.
+    # DDP: gradients live in its buckets (one copy, not two), and buffers are not copied from rank 0 before each
+    # forward: BatchNorm statistics are averaged instead, on every strategy alike (training/batchnorm.py).
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False,
                                         **merged("ddp_settings", args, on_cpu))
     return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
@@ -63,13 +55,11 @@ def describe(accelerator: Accelerator, strategy: Strategy) -> str:
     backend = accelerator.state.backend or "none"
     return (
         f"strategy={strategy.value}{detail} processes={accelerator.num_processes} "
-        f"backend={backend} device={accelerator.device.type} mixed_precision={accelerator.mixed_precision}"
-    )
+        f"backend={backend} device={accelerator.device.type} mixed_precision={accelerator.mixed_precision}")
 
 def idle_gpu_warning(accelerator: Accelerator, owns_every_gpu: bool) -> str | None:
-    """A warning when this machine has more GPUs than processes on it (every config says
-    `num_processes: 2`, which leaves 6 of an 8-GPU node idle unless the launch says otherwise).
-    `owns_every_gpu`: one process spreads the model over all of them (parts/layer_split)."""
+    """A warning when this machine has more GPUs than processes (every config says `num_processes: 2`: 6 of an 8-GPU
+    node idle unless the launch says otherwise); `owns_every_gpu`: one process spreads the model over all of them."""
     if accelerator.device.type == "cpu" or owns_every_gpu:
         return None
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -85,23 +75,10 @@ def idle_gpus(local_processes: int, local_gpus: int, machines: int) -> str | Non
 
 @contextmanager
 def model_construction(accelerator: Accelerator, pretrained: bool, can_build_empty: bool) -> Iterator[bool]:
-    """Build the model so that no rank holds the whole fp32 model in host memory when it need
-    not (a 7B model is 28 GB per rank, 224 GB on an 8-GPU node); yields whether this rank
-    builds it empty (allocated, never written, so not resident).
-
-    - FSDP2 with `fsdp_cpu_ram_efficient_loading` (fsdp.yaml): rank 0 loads or initialises
-      the model, every other rank builds it empty; `prepare` shards it and broadcasts rank
-      0's weights (accelerate's `fsdp2_load_full_state_dict`). Every rank ends with the
-      weights rank 0 built, which seeded ranks build identically anyway. A task that cannot
-      build empty (`can_build_empty` false: image models) is built whole on every rank, and
-      nothing is broadcast.
-    - ZeRO-3: pretrained weights load partitioned (`deepspeed.zero.Init`: each rank keeps its
-      partition), the same weights. A model initialised from scratch is built whole on every
-      rank, as DDP and FSDP build it, unless the config's `zero3_init_flag` asks for
-      zero.Init: random weights built partitioned differ from the other strategies'.
-      (accelerate 1.15 registers the DeepSpeed config with `transformers` even when the flag
-      is false, which would partition every model: that registration is lifted meanwhile.)
-    """
+    """Build the model so that no rank holds a whole fp32 copy in host memory when it need not (7B: 28 GB per rank);
+    yields whether this rank builds it empty. FSDP2 with cpu_ram_efficient_loading: rank 0 builds it, `prepare`
+    broadcasts. ZeRO-3: pretrained weights load partitioned; a model from scratch only under `zero3_init_flag`
+    (random weights built partitioned differ from the other strategies')."""
     from transformers.integrations import unset_hf_deepspeed_config
 
     fsdp = accelerator.state.fsdp_plugin if accelerator.distributed_type is DistributedType.FSDP else None
@@ -117,18 +94,15 @@ def model_construction(accelerator: Accelerator, pretrained: bool, can_build_emp
             logger.info("model built partitioned over the ranks (deepspeed.zero.Init)")
         yield False
         return
-    unset_hf_deepspeed_config()
+    unset_hf_deepspeed_config()  # accelerate 1.15 registers it even with zero3_init_flag false: every model partitioned
     try:
         yield False
     finally:
         plugin.set_deepspeed_weakref()
 
 def release_model_construction_hooks() -> None:
-    """After training: let one process alone build `transformers` models again.
-
-    With ZeRO-3's config registered, `transformers` builds every new model partitioned,
-    a collective that needs all ranks; the summary loads the export on one process.
-    """
+    """After training, let one process alone build `transformers` models again (the summary loads the export): with
+    ZeRO-3's config registered, every new model is built partitioned, a collective that needs all ranks."""
     from transformers.integrations import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()

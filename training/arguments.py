@@ -1,8 +1,5 @@
-"""Command-line flags (Hugging Face `TrainingArguments` and example-script names) and `--config recipe.yaml`.
-
-Precedence: built-in defaults < recipe YAML < command line. A key the template does not
-know is an error, in the recipe as on the command line, with the nearest valid name.
-"""
+"""Command-line flags and `--config recipe.yaml`: defaults < recipe YAML < command line. A key the template does not
+know is an error, in the recipe as on the command line, with the nearest valid name."""
 
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ from training.task_registry import task_entry, tasks
 
 
 # Flags naming files or directories the run reads: --overwrite_output_dir must not delete them (a part marks its own)
-RUN_INPUTS = ("model_name_or_path", "tokenizer_name", "dataset_name", "train_file", "validation_file",
-              *run_inputs())
+RUN_INPUTS = ("model_name_or_path", "tokenizer_name", "dataset_name", "train_file", "validation_file", *run_inputs())
 
 
 # TrainingArguments flags that the launcher owns here: the accelerate config or `accelerate launch` sets them.
@@ -83,8 +79,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         raise ArgumentError(f"unexpected arguments {unknown}; see train.py --help")
     values = vars(namespace)
     model_args, data_args, train_args = (
-        cls(**{f.name: values[f.name] for f in fields(cls)}) for cls in ALL_ARGUMENT_CLASSES
-    )
+        cls(**{f.name: values[f.name] for f in fields(cls)}) for cls in ALL_ARGUMENT_CLASSES)
     validate(model_args, data_args, train_args)
     return model_args, data_args, train_args
 
@@ -198,5 +193,4 @@ def model_splits(model_args: ModelArguments, train_args: TrainArguments) -> list
 
 
 def split_model(model_args: ModelArguments, train_args: TrainArguments) -> str | None:
-    """The first of `model_splits`, if any."""
     return next(iter(model_splits(model_args, train_args)), None)

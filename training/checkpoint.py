@@ -1,12 +1,6 @@
-"""Resumable checkpoints (`output_dir/checkpoints/step_N`) and the final export (`output_dir/final`).
-
-A checkpoint is accelerate's `save_state` (model, optimizer, scheduler, RNG and sampler
-state, in each strategy's native sharded format) plus `trainer_state.json`. It is written
-to `step_N.tmp` and renamed to `step_N` only after every rank has finished and the state
-file is in place, so a save killed halfway never looks complete: `latest` and rotation
-only ever consider complete checkpoints. (Checkpoints of multi-node runs need a shared
-filesystem, as the main process renames them.)
-"""
+"""Resumable checkpoints (`checkpoints/step_N`: accelerate's `save_state` plus `trainer_state.json`) and `final/`.
+Each is saved to `step_N.tmp` and renamed once every rank is done, so a killed save never counts for `latest` or
+rotation; multi-node runs need a shared filesystem, as the main process renames."""
 
 from __future__ import annotations
 
@@ -66,8 +60,7 @@ RUN_OUTPUTS = ("checkpoints", "final", "runs", "metrics.jsonl", "summary.json", 
 
 
 def check_output_dir(output_dir: str, resume: str | None, overwrite: bool, inputs: dict[str, str | None]) -> None:
-    """Before any process group starts: a run that resumes, starts afresh or refuses to overwrite as asked,
-    an --overwrite_output_dir that deletes nothing the run reads (`inputs`: flag -> path), a writable output_dir."""
+    """Before any process group: resume/overwrite flags agree, overwriting deletes no input (flag -> path), writable."""
     if resume and resume != "latest":
         try:
             require_complete_checkpoint(Path(resume))
@@ -79,15 +72,15 @@ def check_output_dir(output_dir: str, resume: str | None, overwrite: bool, input
     if resume and overwrite:
         raise ArgumentError("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues: give one")
     if not resume and not overwrite and (complete_checkpoints(output_dir) or (Path(output_dir) / "final").exists()):
-        raise ArgumentError(
-            f"{output_dir} already holds a run (checkpoints or final/); continue it with --resume_from_checkpoint "
-            "latest, start afresh with --overwrite_output_dir, or choose another --output_dir")
+        raise ArgumentError(f"{output_dir} already holds a run (checkpoints or final/); continue it with "
+                            "--resume_from_checkpoint latest, start afresh with --overwrite_output_dir, or choose "
+                            "another --output_dir")
     deleted = [(Path(output_dir) / name).resolve() for name in RUN_OUTPUTS] if overwrite else []
     for flag, path in inputs.items():
         if path and (inside := next((d for d in deleted if Path(path).resolve().is_relative_to(d)), None)):
             raise ArgumentError(f"--overwrite_output_dir would delete {inside}, which --{flag} {path} reads; nothing "
                                 "was deleted: give this run another --output_dir")
-    try:  # created if needed, and written to by this process, before any training
+    try:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".write-test-"):
             pass
@@ -105,14 +98,9 @@ def clear_previous_run(output_dir: str) -> None:
             path.unlink()
 
 
-def resolve_resume_path(
-    resume_from_checkpoint: str | None, output_dir: str, accelerator: Accelerator | None = None
-) -> Path | None:
-    """`latest` means the newest complete checkpoint in output_dir (none yet: start fresh).
-
-    With an accelerator, the main process decides and every rank gets its answer, so all
-    ranks take the same path (resume or fresh start) even while a save is being renamed.
-    """
+def resolve_resume_path(resume_from_checkpoint: str | None, output_dir: str,
+                        accelerator: Accelerator | None = None) -> Path | None:
+    """`latest`: the newest complete checkpoint or None, broadcast so all ranks agree while a save is renamed."""
     if not resume_from_checkpoint:
         return None
     if resume_from_checkpoint == "latest":
@@ -133,20 +121,15 @@ def newer_checkpoints(path: Path, output_dir: str) -> list[Path]:
 
 
 def require_complete_checkpoint(path: Path) -> Path:
-    """`path` if it is a complete checkpoint; a clear error otherwise."""
     if not (path / TRAINER_STATE).is_file():
         raise FileNotFoundError(f"no complete checkpoint at {path} (missing {TRAINER_STATE}); check --resume_from_checkpoint")
     return path
 
 
-def save_checkpoint(
-    accelerator: Accelerator, model: torch.nn.Module, output_dir: str, state: TrainerState, save_total_limit: int | None
-) -> Path:
-    """Save on every rank (sharded strategies need all of them), then complete it atomically and rotate.
-
-    BatchNorm running statistics are averaged first: a resumed run starts from what every
-    rank of an uninterrupted one holds.
-    """
+def save_checkpoint(accelerator: Accelerator, model: torch.nn.Module, output_dir: str, state: TrainerState,
+                    save_total_limit: int | None) -> Path:
+    """On every rank (sharded strategies need all), then rename atomically and rotate. BatchNorm statistics are
+    averaged first so a resume matches what every rank of an uninterrupted run holds."""
     average_running_statistics(model, accelerator)
     path = checkpoints_root(output_dir) / f"step_{state.completed_steps}"
     staging = path.with_name(path.name + ".tmp")
@@ -167,10 +150,7 @@ def save_checkpoint(
 
 
 def rotate_checkpoints(output_dir: str, newest: Path, limit: int) -> None:
-    """Keep `newest` (the one just written) and the `limit - 1` highest-step others.
-
-    `newest` is kept even when a run resumed from an older checkpoint left higher steps behind.
-    """
+    """Keep `newest` (even below higher steps left by a resumed run) and the `limit - 1` highest others."""
     others = [path for path in complete_checkpoints(output_dir) if path != newest]
     for old in others[: max(len(others) - (limit - 1), 0)]:
         shutil.rmtree(old)
@@ -178,10 +158,7 @@ def rotate_checkpoints(output_dir: str, newest: Path, limit: int) -> None:
 
 def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max_steps: int,
                     layout: dict[str, int] | None = None) -> TrainerState:
-    """Restore model, optimizer, scheduler and RNG state; return where training stood.
-
-    Checks first, on every rank, that the checkpoint can continue this run exactly.
-    """
+    """Check on every rank that `path` continues this run exactly, then restore it."""
     try:
         saved = json.loads((path / TRAINER_STATE).read_text())
         if (stages := saved.pop("pipeline_stages", 1)) > 1:  # how checkpoints before 2026-11-27 recorded a pipeline
@@ -190,63 +167,46 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
     except (TypeError, ValueError):
         raise ResumeError(f"{path / TRAINER_STATE} was not written by this version of train.py; cannot resume it")
     if state.completed_steps >= max_steps:
-        raise ResumeError(
-            f"{path} is at step {state.completed_steps} and --max_steps is {max_steps}: nothing left to train; "
-            "raise --max_steps (the learning-rate schedule then stretches to the new length)"
-        )
+        raise ResumeError(f"{path} is at step {state.completed_steps} and --max_steps is {max_steps}: nothing left "
+                          "to train; raise --max_steps (the learning-rate schedule then stretches to the new length)")
     if state.global_batch != global_batch:
-        raise ResumeError(
-            f"{path} was trained with a global batch of {state.global_batch}, this run has {global_batch}; "
-            "keep per_device_train_batch_size x processes x gradient_accumulation_steps the same to resume"
-        )
+        raise ResumeError(f"{path} was trained with a global batch of {state.global_batch}, this run has {global_batch}; "
+                          "keep per_device_train_batch_size x processes x gradient_accumulation_steps the same to resume")
     if state.layout != (layout or {}):
         def shown(cut: dict[str, int]) -> str:
             return ", ".join(f"{key} {value}" for key, value in sorted(cut.items())) or "one whole model per process"
 
-        raise ResumeError(
-            f"{path} holds a model laid out as {shown(state.layout)} and this run lays it out as {shown(layout or {})}; "
-            "resume with the flags that laid it out so, or start a new run from that run's final/ with "
-            "--model_name_or_path (the optimizer state is not carried over)"
-        )
+        raise ResumeError(f"{path} holds a model laid out as {shown(state.layout)} and this run lays it out as "
+                          f"{shown(layout or {})}; resume with the flags that laid it out so, or start a new run from "
+                          "that run's final/ with --model_name_or_path (the optimizer state is not carried over)")
     if (path / DEEPSPEED_DIR).is_dir() and state.num_processes != accelerator.num_processes:
-        raise ResumeError(
-            f"{path} is a DeepSpeed checkpoint of {state.num_processes} processes; DeepSpeed cannot resume it on "
-            f"{accelerator.num_processes}. Resume on {state.num_processes} processes, or convert it to full weights with "
-            f"`python {path}/zero_to_fp32.py {path} <out_dir> --safe_serialization`, copy config.json and the "
-            "tokenizer files from final/ into <out_dir>, and start a new run from --model_name_or_path <out_dir> "
-            "(the optimizer state is not carried over)"
-        )
+        raise ResumeError(f"{path} is a DeepSpeed checkpoint of {state.num_processes} processes; DeepSpeed cannot "
+                          f"resume it on {accelerator.num_processes}. Resume on {state.num_processes} processes, or "
+                          f"convert it to full weights with `python {path}/zero_to_fp32.py {path} <out_dir> "
+                          "--safe_serialization`, copy config.json and the tokenizer files from final/ into <out_dir>, "
+                          "and start a new run from --model_name_or_path <out_dir> (the optimizer state is not carried over)")
     try:
         with contextlib.ExitStack() as loading:
             for hook in filled("loading_checkpoint"):  # the parts' (parts/safe_loading: unpickling on an allow-list)
                 loading.enter_context(hook(path, (path / DEEPSPEED_DIR).is_dir()))
             accelerator.load_state(str(path))
     except pickle.UnpicklingError:
-        raise ResumeError(
-            f"{path} holds pickled objects that are not plain tensors or data; refused to load them, as unpickling "
-            "can run code. Resume only checkpoints this template wrote"
-        ) from None
-    # accelerate restores its micro-step counter, which decides when gradients sync. We always
-    # resume at an optimizer-step boundary, so it must restart at 0: the saved value is wrong
-    # when accumulation or the process count changed (a missing rank file leaves it at 0 on
-    # some ranks only, and mismatched syncs hang sharded strategies).
+        raise ResumeError(f"{path} holds pickled objects that are not plain tensors or data; refused to load them, "
+                          "as unpickling can run code. Resume only checkpoints this template wrote") from None
+    # We resume at an optimizer-step boundary; the restored micro-step counter (when gradients sync) is wrong if
+    # accumulation or process count changed, or 0 on some ranks only, and mismatched syncs hang sharded strategies.
     accelerator.step = 0
     return state
 
 
 def export_final(accelerator: Accelerator, model, task, output_dir: str) -> Path:
-    """Write the whole model as safetensors into `output_dir/final`, with what rebuilds it: a `transformers`
-    model's config and the task's processor (tokenizer or image processor), which `transformers` loads alone; a plain
-    `nn.Module`'s class and constructor arguments (`model.json`, `load_plain_model`).
-
-    `get_state_dict` gathers the shards (ZeRO-3, FSDP2) and must run on every rank.
-    """
+    """The whole model as safetensors in `final/`, with the processor and its config (plain modules: `model.json`).
+    Runs on every rank: gathering shards (ZeRO-3, FSDP2) needs all of them."""
     final_dir = Path(output_dir) / "final"
     average_running_statistics(model, accelerator)
     if isinstance(model, ModelRunner):  # a part's model that exports itself (pipeline stages: merged on rank 0)
         return model.export(accelerator, task.processor, final_dir)
-    # --torch_compile wraps the strategy's wrapper, and accelerate's unwrapping keeps it: the weights
-    # would be saved as `_orig_mod.model...`, which transformers drops on loading (a random model).
+    # unwrap_model keeps --torch_compile's wrapper: weights saved as `_orig_mod.*` load as a random model.
     model = getattr(model, "_orig_mod", model)
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
@@ -268,8 +228,7 @@ def export_final(accelerator: Accelerator, model, task, output_dir: str) -> Path
 
 
 def load_plain_model(final_dir: str | Path) -> torch.nn.Module:
-    """A plain `nn.Module` from its `final/`: its class (imported from where you run) built with the recorded
-    constructor arguments, then its weights."""
+    """Rebuild a plain `nn.Module` from `final/`; its class is imported from where you run."""
     import importlib
 
     from accelerate.utils import load_checkpoint_in_model

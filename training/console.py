@@ -28,8 +28,7 @@ def quiet_third_party_output() -> None:
 
 
 def one_voice(is_main_process: bool) -> None:
-    """Once the ranks are known: only the main process reports progress (downloads, data
-    preparation) and information."""
+    """Once the ranks are known, only the main process reports progress (downloads, data preparation) and info."""
     if not is_main_process:
         datasets.utils.logging.set_verbosity_error()
         datasets.disable_progress_bars()
@@ -38,7 +37,6 @@ def one_voice(is_main_process: bool) -> None:
 
 
 def only_the_training_bar() -> None:
-    """From the first step on, the training bar is the only one: no bars for loading or saving
-    weights at the export (instant next to training; they would interleave with it)."""
+    """From the first step on, the training bar is the only one (the export's load and save bars would interleave)."""
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()

@@ -1,17 +1,11 @@
 """Owns the CPU accommodations: what lets every strategy run for real without a GPU (gloo), and only there.
 
-Why each accommodation is needed (measured with accelerate 1.15.0):
-- DDP: accelerate only picks the gloo CPU backend when told `Accelerator(cpu=True)`;
-  otherwise each of the N launched processes trains alone with world size 1.
-- DeepSpeed: without `InitProcessGroupKwargs(backend="gloo")` accelerate counts one
-  process while DeepSpeed counts N, and batch-size checks fail.
-- FSDP: accelerate's device detection refuses FSDP on CPU and falls back silently
-  (independent single-process runs, or plain DDP with `cpu=True`). FSDP2 itself trains
-  on gloo. So we start accelerate's process group on gloo with device `cpu`, then mark
-  the run as multi-device so that `AcceleratorState` activates the FSDP plugin exactly
-  as it does on GPUs. `tests/test_cpu_accommodation.py` fails loudly if a new accelerate
-  changes either the refusal or the behaviour this relies on.
-On a GPU machine none of this applies: the same config files run unmodified over NCCL.
+Why each is needed (measured with accelerate 1.15.0; tests/test_cpu_accommodation.py fails if that changes):
+- DDP: accelerate picks gloo only given `Accelerator(cpu=True)`; else each process trains alone, world size 1.
+- DeepSpeed: without `InitProcessGroupKwargs(backend="gloo")` accelerate counts one process, DeepSpeed N, and
+  batch-size checks fail.
+- FSDP: accelerate refuses FSDP on CPU and silently falls back, though FSDP2 trains on gloo: we start the gloo
+  group and mark the run multi-device, so `AcceleratorState` turns the FSDP plugin on exactly as on GPUs.
 """
 
 from __future__ import annotations
@@ -41,13 +35,9 @@ def cpu_process_group(strategy: Strategy, timeout: timedelta) -> CpuSettings:
 
 
 def use_share_of_cores(local_processes: int) -> str:
-    """Without a GPU, each process computes on its share of the cores it may run on, unless the user chose a
-    count (OMP_NUM_THREADS, or `accelerate launch --num_cpu_threads_per_process`); returns it for the log.
-
-    accelerate's launcher gives each process OMP_NUM_THREADS=1 unless told otherwise: the default job used
-    one of this machine's two cores (24,376 tokens/s, against 42,238 with both). The rank cannot tell the
-    launcher's 1 from the user's in its own environment, so it reads what its launcher was started with.
-    """
+    """Without a GPU, each process computes on its share of cores unless the user set a count; returns it for the log.
+    accelerate's launcher sets OMP_NUM_THREADS=1 (one of two cores: 24,376 tokens/s, against 42,238 with both), and
+    a rank cannot tell that 1 from the user's, so it reads the environment its launcher was started with."""
     import psutil
     import torch
 

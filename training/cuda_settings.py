@@ -1,14 +1,4 @@
-"""GPU defaults that a run would otherwise leave slow, decided in one place (no effect on CPU).
-
-- TF32 (`--tf32`, transformers' name): fp32 matmuls and convolutions on tensor cores, about 7x
-  faster than true fp32 on an H100 with a 10-bit mantissa. On by default when the run
-  computes in fp32 (no `--mixed_precision`); under bf16/fp16 autocast it only touches the
-  few fp32 operations left. MFU then counts against the TF32 peak (training/performance.py).
-- cuDNN's autotuner for fixed input shapes (images of one size): it picks the fastest
-  convolution algorithm once per shape. Off for text, whose batch shapes vary.
-- DataLoader workers: decoding and augmenting images in the training process starves the
-  GPU; up to 4 workers per process, within the CPUs this process may use.
-"""
+"""GPU defaults that a run would otherwise leave slow, decided in one place (no effect on CPU)."""
 
 from __future__ import annotations
 
@@ -20,7 +10,8 @@ MAX_DEFAULT_WORKERS = 4
 
 
 def use_tf32(requested: bool | None, device: torch.device, mixed_precision: str) -> bool:
-    """Whether fp32 matmuls run as TF32 in this run; applied to torch's settings."""
+    """Whether fp32 matmuls and convolutions run as TF32 (10-bit mantissa, about 7x true fp32 on an H100), applied.
+    Default: on when computing in fp32; under bf16/fp16 autocast it touches only the few fp32 operations left."""
     enabled = device.type == "cuda" and (requested if requested is not None else mixed_precision == "no")
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
@@ -28,11 +19,13 @@ def use_tf32(requested: bool | None, device: torch.device, mixed_precision: str)
 
 
 def tune_convolutions(device: torch.device, fixed_shapes: bool) -> None:
+    # cuDNN's autotuner picks the fastest algorithm once per shape: for images of one size, not text's varying batches
     torch.backends.cudnn.benchmark = device.type == "cuda" and fixed_shapes
 
 
 def loader_workers(requested: int | None, device: torch.device, local_processes: int) -> int:
-    """`--dataloader_num_workers`, or the default: 0 on CPU, where the ranks compute on every core."""
+    """`--dataloader_num_workers`, or the default: up to 4 per process on GPUs (decoding images in the training
+    process starves the GPU), 0 on CPU, where the ranks compute on every core."""
     if requested is not None:
         return requested
     if device.type == "cpu":
@@ -41,4 +34,3 @@ def loader_workers(requested: int | None, device: torch.device, local_processes:
     if cpus >= (os.cpu_count() or cpus):  # not bound to its own CPUs (SLURM's --cpus-per-task binds): share them
         cpus //= max(local_processes, 1)
     return max(0, min(MAX_DEFAULT_WORKERS, cpus - 1))  # one CPU for the training loop itself
-

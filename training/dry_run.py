@@ -1,17 +1,6 @@
-"""`train.py --dry_run`: what a run checks and decides before its first step, without training, with the functions
-set-up uses (the launch checks, the data-parallel replicas, the task's model and data, the batch and run length).
-
-Launch it exactly as the run (`accelerate launch --config_file ... train.py ... --dry_run`):
-rank 0 alone does the work, in one process, and the other processes exit at once. It
-reads the launcher's settings from the environment `accelerate launch` sets, so it starts
-no process group and needs no GPU (plan an 8-GPU job on a login node with
-`--num_processes 8`; what only a GPU can run, such as fp16, is then a note). It checks the
-flags (already parsed), the launcher config and its DeepSpeed JSON, loads and tokenizes the
-data, builds the model as rank 0 of the run does, in CPU memory (a pretrained 7B model
-needs about 28 GB), and prints the plan: strategy, global batch, steps, and the lines the
-parts add (parts/memory_plan: the memory per rank of this layout). Any problem is the error
-line (exit 2) the real run would give.
-"""
+"""`train.py --dry_run`: checks a launch and plans it without training. Launched exactly as the run, rank 0 alone works,
+from the environment `accelerate launch` sets: no process group or GPU (plan 8 GPUs on a login node). It builds the
+model in CPU memory (a pretrained 7B needs about 28 GB); any problem is the run's own error line (exit 2)."""
 
 from __future__ import annotations
 
@@ -32,9 +21,8 @@ from training.task_registry import build_task
 
 
 def launched(strategy: Strategy, args) -> tuple[str, bool]:
-    """The strategy as launched, for the plan, and whether ZeRO steps the optimizer on the CPU. DeepSpeed's config is
-    resolved and aligned with the flags as training does it, so a JSON value that disagrees with a flag is refused
-    here too."""
+    """The strategy as launched, and whether ZeRO steps the optimizer on the CPU; DeepSpeed's config is aligned with the
+    flags as in training, so a JSON value that disagrees with a flag is refused here too."""
     if strategy is not Strategy.DEEPSPEED:
         return strategy.value, False
     config = DeepSpeedPlugin().deepspeed_config

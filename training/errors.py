@@ -1,8 +1,5 @@
-"""Owns the ways a run ends early that train.py reports in one line, and their exit codes.
-
-Every other exception is a bug, here or in a library: train.py prints its traceback and exits 1.
-A new error that users should see as one line subclasses one of these, and train.py needs no edit.
-"""
+"""Owns the ways a run ends early that train.py reports in one line, and their exit codes. Any other exception is a
+bug: traceback, exit 1. A new one-line error subclasses one of these, and train.py needs no edit."""
 
 EXIT_UNEXPECTED = 1  # any other exception: its traceback is printed
 
@@ -12,8 +9,7 @@ class RunEnded(Exception):
 
     exit_code = EXIT_UNEXPECTED
     prefix = "error"
-    # The ranks of one machine read the same flags, files and data, so they fail alike: one line per machine.
-    every_rank = False
+    every_rank = False  # one machine's ranks read the same flags, files and data, so fail alike: one line per machine
 
 
 class BadInputError(RunEnded):
@@ -63,19 +59,16 @@ class Preempted(RunEnded):
 
 
 class PeerEnded(RunEnded, RuntimeError):
-    """Another process ended the run (its own line says why: bad input in a file only it reads, say) while this
-    one waited on it in a collective; this one's traceback of the lost connection would only bury that line."""
+    """Another process ended the run (its own line says why) while this one waited on it: a traceback would bury it."""
 
     exit_code = 4  # a collective failed, as for a timeout; torchrun's report names the first failure its root cause
 
 
-# What gloo raises in a collective whose peer process has exited.
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo's, in a collective whose peer exited
 
 
 def ending(error: BaseException) -> RunEnded | None:
-    """`error` as a documented end of the run: a missing file is bad input too, and a collective that lost a
-    process which ended first is that process's end; None for anything else."""
+    """`error` as a documented end (a missing file: bad input; a peer that ended first: its end), else None."""
     if isinstance(error, RunEnded):
         return error
     if isinstance(error, FileNotFoundError):

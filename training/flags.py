@@ -1,8 +1,5 @@
-"""Every flag of train.py: Hugging Face `TrainingArguments` and example-script names, defaults and help.
-
-This module imports nothing heavy, so that `train.py --help` prints at once (before torch
-loads). `training/arguments.py` parses these with a recipe YAML and checks the values.
-"""
+"""Every flag of train.py (Hugging Face `TrainingArguments` and example-script names), defaults and help. Imports
+nothing heavy, so `train.py --help` prints before torch loads; `training/arguments.py` parses and checks them."""
 
 from __future__ import annotations
 
@@ -17,8 +14,7 @@ from training.optim import OPTIMIZERS
 from training.parts import part_flags
 
 class FlagParser(HfArgumentParser):
-    """`HfArgumentParser` whose own errors (an unknown choice, a missing value) are ArgumentErrors:
-    train.py prints them as one `error:` line per machine, like every other bad input."""
+    """Its own errors (an unknown choice, a missing value) are ArgumentErrors: one `error:` line, as any bad input."""
 
     def error(self, message: str) -> NoReturn:
         raise ArgumentError(f"{message}; see train.py --help")
@@ -34,12 +30,10 @@ class CoreModelArguments:
                 "as module:Class (recipes/).", "choices": TaskChoices(tasks())})
     model_name_or_path: str | None = field(default=None, metadata={
         "help": "Hub id or local directory of a pretrained model for --task. Unset: train from scratch."})
-    model_config: str | None = field(
-        default=None,
-        metadata={"help": "Named config to train from scratch. Default: "
-                          + ", ".join(f"{entry.default_config} ({name})" for name, entry in tasks().items()) + ".",
-                  "choices": sorted({name for entry in tasks().values() for name in entry.configs})},
-    )
+    model_config: str | None = field(default=None, metadata={
+        "help": "Named config to train from scratch. Default: "
+                + ", ".join(f"{entry.default_config} ({name})" for name, entry in tasks().items()) + ".",
+        "choices": sorted({name for entry in tasks().values() for name in entry.configs})})
     config_overrides: str | None = field(default=None, metadata={
         "help": "Change the --model_config before it is built: e.g. vocab_size=50304,max_position_embeddings=2048."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
@@ -70,11 +64,9 @@ class CoreDataArguments:
 @dataclass
 class CoreTrainArguments:
     output_dir: str = field(default="outputs/default", metadata={"help": "Checkpoints, metrics and the final model."})
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={"help": "Start afresh in an output_dir that holds a run: its checkpoints, final model, metrics and "
-                          "tracker logs are deleted just before training starts."},
-    )
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Start afresh in an output_dir that holds a run: its checkpoints, final model, metrics and "
+                "tracker logs are deleted just before training starts."})
     max_steps: int = field(default=-1, metadata={"help": "Optimizer steps to run; -1 means --num_train_epochs."})
     num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs over the training set if max_steps is -1."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-step."})
@@ -82,10 +74,9 @@ class CoreTrainArguments:
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
     learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate."})
     weight_decay: float = field(default=0.1, metadata={"help": "Decoupled weight decay; never on biases and norms."})
-    optim: str = field(
-        default="adamw_torch_fused", metadata={"help": "The optimizer (transformers' names). Under ZeRO optimizer offload, the AdamW ones run as "
-                  "DeepSpeed's CPU Adam with the same settings.", "choices": list(OPTIMIZERS)}
-    )
+    optim: str = field(default="adamw_torch_fused", metadata={
+        "help": "The optimizer (transformers' names). Under ZeRO optimizer offload, the AdamW ones run as "
+                "DeepSpeed's CPU Adam with the same settings.", "choices": list(OPTIMIZERS)})
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.95, metadata={
         "help": "AdamW beta2: 0.95 as in LLM pretraining (transformers' default is 0.999)."})
@@ -94,58 +85,42 @@ class CoreTrainArguments:
         "help": "Linear warmup, in optimizer steps; overrides --warmup_ratio."})
     warmup_ratio: float = field(default=0.1, metadata={
         "help": "Linear warmup as a fraction of the run's steps (rounded down), in [0, 1), unless --warmup_steps is given."})
-    lr_scheduler_type: str = field(
-        default="cosine",
-        metadata={"help": "Decay after warmup: a transformers scheduler (SchedulerType), e.g. linear, cosine, constant, "
-                          "cosine_with_min_lr (with --lr_scheduler_kwargs), warmup_stable_decay."},
-    )
-    lr_scheduler_kwargs: str | None = field(
-        default=None,
-        metadata={"help": 'JSON object of the scheduler\'s own arguments, e.g. \'{"min_lr_rate": 0.1}\' for cosine_with_min_lr.'},
-    )
+    lr_scheduler_type: str = field(default="cosine", metadata={
+        "help": "Decay after warmup: a transformers scheduler (SchedulerType), e.g. linear, cosine, constant, "
+                "cosine_with_min_lr (with --lr_scheduler_kwargs), warmup_stable_decay."})
+    lr_scheduler_kwargs: str | None = field(default=None, metadata={
+        "help": 'JSON object of the scheduler\'s own arguments, e.g. \'{"min_lr_rate": 0.1}\' for cosine_with_min_lr.'})
     max_grad_norm: float = field(default=1.0, metadata={
         "help": "Clip the global gradient norm to this on every strategy; 0 disables."})
     seed: int = field(default=42, metadata={"help": "Seeds model init, data order and dropout."})
     logging_steps: int = field(default=10, metadata={"help": "Log training metrics every N optimizer steps."})
     logging_first_step: bool = field(default=False, metadata={"help": "Also log the run's first optimizer step."})
-    eval_strategy: str = field(
-        default="steps",
-        metadata={"help": "When to evaluate: every --eval_steps, at each epoch's end, or never; steps and epoch also at the end.",
-                  "choices": INTERVALS},
-    )
+    eval_strategy: str = field(default="steps", metadata={
+        "help": "When to evaluate: every --eval_steps, at each epoch's end, or never; steps and epoch also at the end.",
+        "choices": INTERVALS})
     eval_steps: int = field(default=100, metadata={"help": "Evaluate every N optimizer steps (and at the end)."})
     eval_on_start: bool = field(default=True, metadata={"help": "Evaluate before the first step (the step-0 baseline)."})
-    save_strategy: str = field(
-        default="steps",
-        metadata={"help": "When to save a checkpoint: every --save_steps, at each epoch's end, or never (a stop signal "
-                          "still saves).", "choices": INTERVALS},
-    )
+    save_strategy: str = field(default="steps", metadata={
+        "help": "When to save a checkpoint: every --save_steps, at each epoch's end, or never (a stop signal "
+                "still saves).", "choices": INTERVALS})
     save_steps: int = field(default=200, metadata={"help": "Save a resumable checkpoint every N optimizer steps."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
     resume_from_checkpoint: str | None = field(default=None, metadata={
         "help": "A checkpoint directory, or 'latest' for the newest in output_dir."})
     ddp_timeout: int = field(default=1800, metadata={
         "help": "Seconds a collective may wait before every rank aborts (a stalled rank)."})
-    dataloader_num_workers: int | None = field(
-        default=None,
-        metadata={"help": "Worker processes loading batches per process; 0: in the main process. Default: 0 on CPU "
-                          "(the ranks need the cores), up to 4 on GPUs (training/cuda_settings.py)."},
-    )
-    tf32: bool | None = field(
-        default=None,
-        metadata={"help": "TF32 tensor cores for fp32 matmuls and convolutions (Ampere and newer GPUs). Default: on "
-                          "when training on GPUs without --mixed_precision bf16/fp16; no effect on CPU."},
-    )
+    dataloader_num_workers: int | None = field(default=None, metadata={
+        "help": "Worker processes loading batches per process; 0: in the main process. Default: 0 on CPU "
+                "(the ranks need the cores), up to 4 on GPUs (training/cuda_settings.py)."})
+    tf32: bool | None = field(default=None, metadata={
+        "help": "TF32 tensor cores for fp32 matmuls and convolutions (Ampere and newer GPUs). Default: on "
+                "when training on GPUs without --mixed_precision bf16/fp16; no effect on CPU."})
     dataloader_pin_memory: bool = field(default=True, metadata={"help": "Pin batches in page-locked memory (GPUs only)."})
-    report_to: list[str] = field(
-        default_factory=lambda: ["none"],
-        metadata={"help": "Trackers: tensorboard, wandb, trackio, mlflow (one or more), all (every one installed) or none."},
-    )
-    dry_run: bool = field(
-        default=False,
-        metadata={"help": "Check the flags, the launcher config, the data and the model, and print the plan (strategy, "
-                          "global batch, steps, memory per rank) without training: rank 0 alone, no process group."},
-    )
+    report_to: list[str] = field(default_factory=lambda: ["none"], metadata={
+        "help": "Trackers: tensorboard, wandb, trackio, mlflow (one or more), all (every one installed) or none."})
+    dry_run: bool = field(default=False, metadata={
+        "help": "Check the flags, the launcher config, the data and the model, and print the plan (strategy, "
+                "global batch, steps, memory per rank) without training: rank 0 alone, no process group."})
     run_name: str | None = field(default=None, metadata={
         "help": "The run's name in the trackers (wandb project, ...). Default: output_dir's name."})
 
@@ -170,7 +145,6 @@ KNOWN_KEYS = {f.name for cls in ALL_ARGUMENT_CLASSES for f in fields(cls)}
 
 
 def build_parser() -> FlagParser:
-    """train.py's parser: the three dataclasses, and `--config` for a recipe YAML."""
     parser = FlagParser(ALL_ARGUMENT_CLASSES, allow_abbrev=False,  # --learning_rat is a typo, not --learning_rate
                         description="Train a causal LM or an image classifier with any accelerate strategy.")
     parser.add_argument("--config", help="Recipe YAML of flag values; the command line overrides it.")

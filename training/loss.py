@@ -1,8 +1,5 @@
-"""Losses as per-example sums and target counts, so that every split of a global batch agrees.
-
-A causal LM's targets are its tokens; an image classifier's, its images. Either way the
-loss of a step is (sum over the global batch) / (targets in the global batch).
-"""
+"""Losses as per-example sums and target counts (tokens, or images): a step's loss is the global batch's sum over its
+targets, so every split of the batch agrees."""
 
 from __future__ import annotations
 
@@ -18,11 +15,9 @@ IGNORE_INDEX = -100  # label of padding and of anything else that must not be le
 
 def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor,
                     label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence sum of next-token losses (cross-entropy, with `label_smoothing` if a task trains with it), and
-    per-sequence count of target tokens."""
-    # Each position's target is the next token; the last position has none (ignored). Over the logits as they
-    # are, one row per token: no copy of them, and 2.7x faster on CPU than over a (batch, vocab, tokens) view
-    # of them (measured at a 32k vocabulary).
+    """Per-sequence sums of next-token cross-entropy (with any `label_smoothing`), and counts of target tokens."""
+    # The last position has no next token. Over the logits as they are, one row per token: no copy, and 2.7x faster
+    # on CPU than over a (batch, vocab, tokens) view (measured at a 32k vocabulary).
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none",
                              label_smoothing=label_smoothing)
@@ -46,11 +41,8 @@ def class_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
 
 
 def accumulation_windows(batches: Iterable[dict], size: int) -> Iterator[list[dict]]:
-    """Group micro-batches into the windows of one optimizer step each.
-
-    The whole window is read first because the loss divides by its token count. train.py
-    only ever sees full windows (it drops the incomplete last global batch of an epoch).
-    """
+    """Micro-batches grouped into one optimizer step's windows, read whole as the loss divides by their token count
+    (train.py drops an epoch's incomplete last global batch)."""
     window = []
     for batch in batches:
         window.append(batch)
@@ -62,18 +54,10 @@ def accumulation_windows(batches: Iterable[dict], size: int) -> Iterator[list[di
 
 
 class NonFiniteGuard:
-    """Remembers the first step whose loss was not finite, without a host sync per step.
-
-    `check`, on every rank's `local()` state gathered, runs before anything is logged, saved or
-    exported, so poisoned weights never reach a checkpoint.
-
-    Under fp16 (`loss_scaling`) an infinite gradient norm is normal now and then: the loss
-    scaler (torch's GradScaler, or DeepSpeed's) found the scaled gradients overflowed, skipped
-    the update (the fused AdamW inside its kernel, so `optimizer_step_was_skipped` cannot
-    see it) and halved its scale. Those steps are counted (`skipped_steps`) and stop the
-    run only MAX_SKIPPED_IN_A_ROW times in a row: by then the scale has fallen from 2**16
-    to below 2**-4, and the gradients themselves are not finite. A non-finite loss always stops it.
-    """
+    """Remembers the first non-finite step without a host sync per step; `check` runs before anything is logged, saved
+    or exported, so poisoned weights never reach a checkpoint. Under fp16 an infinite gradient norm is the loss scaler
+    skipping an overflowed step (inside the fused AdamW kernel: `optimizer_step_was_skipped` misses it): counted, and
+    fatal only MAX_SKIPPED_IN_A_ROW in a row (scale down from 2**16 to below 2**-4), as a non-finite loss always is."""
 
     NONE = 2**62
     MAX_SKIPPED_IN_A_ROW = 20
@@ -106,8 +90,7 @@ class NonFiniteGuard:
         return {"first_bad_step": self.first_bad_step, "skipped_steps": self.skipped_steps}
 
     def logged(self, ranks: dict[str, torch.Tensor]) -> dict[str, int]:
-        """What goes with the training metrics: under fp16, the steps the loss scaler skipped so far.
-        `ranks`: `gather_scalars` of `local()`."""
+        """Under fp16, the steps the loss scaler skipped so far, for the training metrics; `ranks`: as in `check`."""
         return {"skipped_steps": int(ranks["skipped_steps"].max())} if self.loss_scaling else {}
 
     def check(self, ranks: dict[str, torch.Tensor]) -> None:
@@ -123,23 +106,17 @@ class NonFiniteGuard:
 
 
 def label_loss_sums(task, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """The task's own objective (`Task.objective_sums`: its label loss unless it trains on another), per example
-    (a part may replace it: training/parts.py)."""
+    """The task's objective per example (`Task.objective_sums`); a part may replace it (training/parts.py)."""
     return task.objective_sums(task.forward(model, batch), batch)
 
 
 def forward_backward(accelerator, objective: Callable[[torch.nn.Module, dict], torch.Tensor], model: torch.nn.Module,
                      accumulation: int, batch: dict, window_targets: torch.Tensor) -> torch.Tensor:
-    """One micro-step under every data-parallel strategy: forward, loss, backward; returns this process's
-    share of the step's loss. (A part's ModelRunner runs its own: training/parts.py.)
-
-    `objective` gives per-example loss sums. The loss is the mean over every target (token, or image)
-    of the global batch (all micro-batches on all ranks), not a mean of per-batch means, so padded
-    batches weigh by their tokens. The logits live only inside `objective` (e.g. tokens x vocabulary
-    floats: freed before the backward's gradients pile up)."""
+    """One micro-step under every data-parallel strategy; returns this process's share of the step's loss: the mean
+    over every target of the global batch, not of per-batch means, so padded batches weigh by their tokens. The logits
+    live only inside `objective`, freed before backward's gradients pile up. (A part's ModelRunner runs its own.)"""
     loss = objective(model, batch).sum() / window_targets
-    # Every strategy averages gradients over micro-steps and processes; scale back up so the
-    # update is the gradient of the global token mean. (Tensor parallelism averages over
-    # data-parallel ranks only, and its tp ranks each counted the window's targets.)
+    # Strategies average gradients over micro-steps and processes; scale up to the global token mean's gradient.
+    # (Tensor parallelism averages over data-parallel ranks only, and its tp ranks each counted the targets.)
     accelerator.backward(loss * accumulation * accelerator.num_processes)
     return loss.detach()

@@ -17,8 +17,7 @@ if TYPE_CHECKING:
     from training.tasks import Task
 
 
-# --report_to name -> the package it needs. TensorBoard is pinned in requirements.txt; the
-# others are optional installs.
+# --report_to name -> its package (tensorboard is pinned in requirements.txt; the others are optional installs)
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
 
 
@@ -31,11 +30,8 @@ def _installed(package: str) -> bool:
 
 
 def resolve_trackers(names: list[str]) -> list[str]:
-    """The trackers to start for `--report_to`: `none` is none, `all` is every one installed.
-
-    accelerate skips a tracker whose package is missing with only a debug message; asking for
-    one by name must not silently log nowhere.
-    """
+    """The trackers to start for `--report_to` (`all`: every one installed). accelerate skips a missing one with only
+    a debug message: one asked for by name must not silently log nowhere."""
     unknown = [name for name in names if name not in (*TRACKER_PACKAGES, "all", "none")]
     if unknown:
         raise ArgumentError(f"unknown --report_to {unknown}; choose from {[*TRACKER_PACKAGES, 'all', 'none']}")
@@ -49,8 +45,7 @@ def resolve_trackers(names: list[str]) -> list[str]:
         if not _installed(TRACKER_PACKAGES[name]):
             raise ArgumentError(
                 f"--report_to {name} needs the {TRACKER_PACKAGES[name]} package, which is not installed: "
-                f"pip install {TRACKER_PACKAGES[name]} (tensorboard is installed and works offline)"
-            )
+                f"pip install {TRACKER_PACKAGES[name]} (tensorboard is installed and works offline)")
     return list(dict.fromkeys(names))
 
 
@@ -70,11 +65,8 @@ def read_metrics(run: str | Path) -> list[dict]:
 
 
 class MetricsLogger:
-    """Appends metrics on the main process only; every rank may call it.
-
-    A run that resumes at step k keeps the records up to k and drops later ones (the run it
-    continues may have logged past its last checkpoint); a fresh run starts a new file.
-    """
+    """Appends metrics on the main process only; every rank may call it. A run resuming at step k drops later records
+    (the run it continues may have logged past its last checkpoint); a fresh run starts a new file."""
 
     def __init__(self, accelerator: Accelerator, output_dir: str, resumed_step: int | None) -> None:
         self.accelerator = accelerator
@@ -102,11 +94,10 @@ def write_summary(output_dir: str, summary: dict) -> None:
 def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
     """Load the export with plain `transformers` (proving it loads) and show what it does."""
     sample = task.sample(final_dir)
-    model_state = summary["model_state_bytes_per_rank"]
-    state = f"{sum(model_state.values()) / 2**20:,.1f} MiB" if model_state else "not measured (needs 2 optimizer steps)"
-    for key, held in summary.items():  # models a part runs beside the trained one (a distillation teacher)
-        if key.endswith("_state_bytes_per_rank") and key != "model_state_bytes_per_rank":
-            state += f", {key.removesuffix('_state_bytes_per_rank')} weights {held['parameters'] / 2**20:,.1f} MiB"
+    # bytes of state the parts measured per rank (parts/memory_plan: the model's; parts/distillation: a teacher's)
+    held = "".join(f", {key.removesuffix('_bytes_per_rank').replace('_', ' ')} "
+                   + (f"{sum(state.values()) / 2**20:,.1f} MiB" if state else "not measured (needs 2 optimizer steps)")
+                   for key, state in summary.items() if key.endswith("_state_bytes_per_rank"))
     mfu = f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (unknown device peak or model FLOPs)"
     per_device = "".join(f", {key.removeprefix('peak_memory_gb_')} {gb:.2f}" for key, gb in summary.items()
                          if key.startswith("peak_memory_gb_"))
@@ -117,9 +108,8 @@ def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
         "\n===== training summary =====\n"
         f"steps:           {summary['steps']}\n"
         f"{task.unit + '/s:':<17}{summary[f'{task.unit}_per_sec']:,.0f} ({summary['step_time'] * 1000:,.0f} ms/step, MFU {mfu})\n"
-        f"memory/rank:     peak {summary['peak_memory_gb']:.2f} GiB{per_device}, model state {state}\n"
+        f"memory/rank:     peak {summary['peak_memory_gb']:.2f} GiB{per_device}{held}\n"
         f"final eval:      {evaluation or 'none (--eval_strategy no)'}\n"
         + (f"eval at start:   {at_start}\n" if at_start else "") +
         f"model:           {final_dir}\n"
-        f"sample:          {sample}"
-    )
+        f"sample:          {sample}")

@@ -1,16 +1,6 @@
-"""The optimizer and learning-rate schedule: the same torch objects on every strategy.
-
-`--optim` picks an entry of OPTIMIZERS (transformers' names); a new optimizer is one more
-entry. Defaults follow LLM pretraining rather than transformers: AdamW betas (0.9, 0.95).
-
-Under ZeRO optimizer offload the AdamW update runs on the CPU, and there DeepSpeed's
-vectorised `DeepSpeedCPUAdam` (the same AdamW, C++ with SIMD; built on first use, about a
-minute, then cached in ~/.cache/torch_extensions) takes the place of the torch AdamW, with
-the same betas, epsilon, weight decay groups and schedule.
-
-torch, transformers and DeepSpeed are imported inside the functions: `train.py --help`
-lists OPTIMIZERS without loading them.
-"""
+"""The optimizer and learning-rate schedule: the same torch objects on every strategy. Under ZeRO optimizer offload
+AdamW runs as DeepSpeed's `DeepSpeedCPUAdam` (compiled on first use, about a minute, then cached in
+~/.cache/torch_extensions). torch, transformers and DeepSpeed load inside functions, so `--help` stays instant."""
 
 from __future__ import annotations
 
@@ -27,9 +17,8 @@ from training.errors import ArgumentError, StrategyError
 if TYPE_CHECKING:
     import torch
 
-# Hugging Face Trainer's rule: no weight decay on biases and normalisation weights. It goes
-# by name, not by tensor shape, because ZeRO-3 builds the model already partitioned (every
-# parameter is a flat 1-D shard by the time we see it).
+# Trainer's rule: no weight decay on biases and norm weights, by name, not by shape: ZeRO-3 builds the model
+# already partitioned (every parameter a flat 1-D shard).
 NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 
 
@@ -39,9 +28,7 @@ class OptimizerChoice:
 
     class_path: str  # "module.Class"
     settings: Callable[[Any], dict[str, Any]]  # args -> keyword arguments
-    # Factors each weight matrix's second moment into row and column statistics: FSDP2 and
-    # ZeRO hand the optimizer shards (ZeRO: flat 1-D partitions), where it would compute
-    # something else than on one process.
+    # factors each matrix's second moment by rows and columns: on FSDP2/ZeRO shards it would compute something else
     needs_whole_tensors: bool = False
     offloaded: OptimizerChoice | None = None  # what runs instead under ZeRO optimizer offload
 
@@ -79,11 +66,7 @@ def optimizer_for(name: str, offloaded: bool = False) -> OptimizerChoice:
 
 
 def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> torch.optim.Optimizer:
-    """`args.optim` over two groups: weights that decay, and biases/norm scales that do not.
-
-    `args` holds the TrainArguments names: optim, learning_rate, weight_decay, adam_beta1,
-    adam_beta2, adam_epsilon. `offloaded`: ZeRO steps the optimizer on the CPU.
-    """
+    """`args.optim` over weights that decay and biases/norm scales that do not; `offloaded`: ZeRO steps on the CPU."""
     import torch
     from transformers.trainer_pt_utils import get_parameter_names
 
@@ -93,8 +76,7 @@ def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> to
         {"params": [p for name, p in named if name in decay], "weight_decay": args.weight_decay},
         {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0},
     ]
-    # An adapter has no trainable biases or norms; DeepSpeed drops an empty group, and the
-    # scheduler built on the groups given would then step one group too many.
+    # An adapter has no trainable biases/norms: DeepSpeed drops an empty group, then the scheduler steps one too many
     groups = [group for group in groups if group["params"]]
     choice = optimizer_for(args.optim, offloaded)
     if choice is DEEPSPEED_CPU_ADAMW:
@@ -108,14 +90,12 @@ def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> to
         raise StrategyError(
             f"DeepSpeed's CPU Adam, which steps the optimizer under ZeRO optimizer offload, failed to build ({cause}); "
             "it compiles on first use: install a C++ compiler and ninja (`pip install ninja`), or use a config "
-            "without offload_optimizer (accelerate_configs/deepspeed_zero3.yaml)"
-        ) from error
+            "without offload_optimizer (accelerate_configs/deepspeed_zero3.yaml)") from error
 
 
 def prepare_cpu_adam() -> None:
-    """Before DeepSpeed's CPU Adam loads (it compiles on first use, under torch's build lock). Every loader calls
-    this first (train.py's ranks, scripts/build_cpu_adam.py): the parts' start-up settings are part of the build's
-    identity (parts/fast_start builds it without debug symbols)."""
+    """Every loader calls this before DeepSpeed's CPU Adam compiles or loads: the parts' start-up settings are part
+    of the build's identity (parts/fast_start builds it without debug symbols)."""
     from training.parts import each
     from training.strategy import Strategy
 
@@ -124,15 +104,9 @@ def prepare_cpu_adam() -> None:
 
 
 def release_abandoned_build_lock(extension: str) -> bool:
-    """Remove the lock file of a build that no process holds any more; whether there was one.
-
-    torch builds an extension, or checks that its build is current, holding `<build dir>/lock`
-    (torch.utils.file_baton), and every other load waits while that file exists, with no timeout.
-    A process killed while it held the file (a rank killed at start-up, a session ended mid-build)
-    leaves it behind, and every later offload run, and the setup's build, then waits forever. The
-    holder keeps the file open: one that no process has open, still there a second later (a holder
-    closes it just before removing it), is abandoned. Only this user's processes are seen, as
-    ~/.cache is this user's."""
+    """Remove a build's lock file that no process holds any more; whether there was one. torch waits on
+    `<build dir>/lock` with no timeout, so one left by a killed process hangs every later load. Its holder keeps it
+    open: a file no (own) process has open, still there a second later, is abandoned."""
     import time
 
     import psutil
@@ -162,8 +136,7 @@ def release_abandoned_build_lock(extension: str) -> bool:
 
 
 def check_optimization(args) -> None:
-    """Build the optimizer and schedule once on a dummy parameter, so that a setting they reject
-    (a beta of 1, a scheduler keyword that does not exist) fails before any model is built."""
+    """Build both on a dummy parameter: a setting they reject (a beta of 1, a bad keyword) fails before the model."""
     import torch
     from transformers import get_scheduler
 
@@ -173,22 +146,17 @@ def check_optimization(args) -> None:
 
 
 def global_batch_size(args, data_parallel: int) -> int:
-    """Examples per optimizer step: per device x data-parallel ranks x accumulation."""
     return args.per_device_train_batch_size * data_parallel * args.gradient_accumulation_steps
 
 
 def run_length(train_examples: int, eval_examples: int, global_batch: int, args) -> tuple[int, int]:
-    """Optimizer steps per epoch, and in the run (`--max_steps`, else `--num_train_epochs`).
-
-    Every step sees one full global batch: a partial last one would weigh less under
-    accumulation, so the last `train_examples % global_batch` examples are left out every epoch.
-    """
+    """Optimizer steps per epoch, and in the run. Every step sees a full global batch (a partial one would weigh
+    less under accumulation): the last `train_examples % global_batch` examples are left out every epoch."""
     steps_per_epoch = train_examples // global_batch
     if steps_per_epoch == 0 or eval_examples == 0:
         raise ArgumentError(
             f"{train_examples} training and {eval_examples} validation examples: need at least one global batch of "
-            f"{global_batch} and one validation example; use more data or smaller batches"
-        )
+            f"{global_batch} and one validation example; use more data or smaller batches")
     return steps_per_epoch, args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
 
 
@@ -199,11 +167,8 @@ def warmup_steps(args, total_steps: int) -> int:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
-    """Linear warmup, then `args.lr_scheduler_type` decay (with `args.lr_scheduler_kwargs`), in optimizer steps.
-
-    train.py steps it once per optimizer step (`step_scheduler_with_optimizer=False`), so
-    the schedule does not depend on the number of processes or on accumulation.
-    """
+    """Linear warmup, then `args.lr_scheduler_type` decay, in optimizer steps: train.py steps it once per optimizer
+    step, so the schedule depends on neither the number of processes nor accumulation."""
     from accelerate.logging import get_logger
     from transformers import get_scheduler
 
@@ -216,9 +181,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args, total_steps: int) ->
 
 
 def idle_steps_warning(scheduler: torch.optim.lr_scheduler.LRScheduler, total_steps: int, warmup: int) -> str | None:
-    """What a schedule that trains steps at learning rate 0 wastes (a 1-step run under a 30-step warmup learned
-    nothing, and exported its initial weights without a word), or None. A warmup's first step, at 0 in
-    transformers' schedules, is the one exception."""
+    """What a schedule training steps at learning rate 0 wastes (a 1-step run under a 30-step warmup once exported
+    its initial weights without a word), or None; a warmup's first step, at 0 in transformers, is exempt."""
     if not hasattr(scheduler, "lr_lambdas"):  # reduce_lr_on_plateau, greedy: no rate known in advance
         return None
     factors = [scheduler.lr_lambdas[0](step) for step in range(total_steps)]  # the rate of step k + 1, relative

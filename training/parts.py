@@ -8,6 +8,7 @@ out by deleting its folder. As torchtitan's model converters and transformers' c
 a named point of the fixed run, not a second loop.
 
 Hook points, in the order a run meets them (`args`: TrainArguments):
+- `before_imports()`: train.py's first call, before the libraries load (stop signals handled).
 - `check_flags(model_args, data_args, args)`: after the core's own checks of the flags; raises ArgumentError.
   (A part's `run_inputs` name its flags that point at files the run reads: `--overwrite_output_dir`
   refuses to delete them.)
@@ -19,8 +20,9 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   model is built: settings the checkpoint recorded (the micro-batch a search found).
 - `text_source(data_args) -> TextSource | None`: where a text task's sequences come from, when the flags
   choose a part's source (a stream, pre-tokenised shards) over the core's documents loaded whole.
-- `train_loader(accelerator, train_set, task, args, workers) -> loader | None`: the training batches of a
-  set the core's DataLoader cannot read (a stream: no length); the loader keeps its own position.
+- `loader_settings(args) -> dict`: DataLoader keyword arguments (a `worker_init_fn`).
+- `train_loader(accelerator, train_set, task, args, loading) -> loader | None`: the training batches of a set the
+  core's DataLoader cannot read (a stream: no length), given the DataLoader settings; it keeps its own position.
 - `loading_checkpoint(checkpoint, deepspeed) -> context manager`: what a resume loads the checkpoint within
   (an allow-list for unpickling).
 - `model_split(model_args, args) -> str | None`: the flag that splits one model over several processes
@@ -43,9 +45,12 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   -> prepared`: the prepared (model, optimizer, train and eval loaders, scheduler, torch optimizer), kept or
   prepared again for another micro-batch (`prepare_training(module)`, `loader_for(micro_batch)`; the search for
   one that fits).
-- `after_prepare(accelerator, model, args) -> figures or None`: the prepared model, before the first
+- `after_prepare(accelerator, model, optimizer, args) -> figures or None`: the prepared model (and the torch
+  optimizer that steps), before the first
   step (hooks registered, state added to checkpoints). `figures(steps_run)`, called on every rank at the end,
   adds to summary.json.
+- `stop_requested(step, now, args) -> str | None`: after each optimizer step, on every rank: why to save and
+  stop now (a signal), agreed by all ranks (a collective, at least when `now`: a step that logs, evaluates or saves).
 - `after_export(final_dir, processor, model_args, args)`: on the main process, once `final/` is written
   (a merged model beside an adapter).
 - `run_ended(args, title)`: on the main process when a run ends, finished or stopped by a signal, once metrics.jsonl
@@ -148,11 +153,13 @@ class Part:
     # what scripts/new_project.py leaves out with it, beyond parts/<name>/, tests/test_<name>.py, docs/<name>.md
     files: tuple[str, ...] = ()  # other files it owns (scripts, figures, tests under other names)
     requirements: tuple[str, ...] = ()  # packages of requirements.txt only it needs
+    before_imports: Callable[[], None] | None = None
     check_flags: Callable[[Any, Any, Any], None] | None = None
     at_start: Callable[[Strategy, bool], None] | None = None
     check_launch: Callable[[Any, Strategy, int, bool], None] | None = None
     resuming: Callable[[Accelerator, Any, Any], None] | None = None
     text_source: Callable[[Any], TextSource | None] | None = None
+    loader_settings: Callable[[Any], dict] | None = None
     train_loader: Callable[..., object | None] | None = None
     loading_checkpoint: Callable[[Any, bool], Any] | None = None
     model_split: Callable[[Any, Any], str | None] | None = None
@@ -166,7 +173,8 @@ class Part:
     held_parameters: Callable[[torch.nn.Module, Any], int | None] | None = None
     training_objective: Callable[..., tuple[Callable, Callable[[int], dict] | None]] | None = None
     micro_batch: Callable[..., tuple] | None = None
-    after_prepare: Callable[[Accelerator, torch.nn.Module, Any], Callable[[int], dict] | None] | None = None
+    after_prepare: Callable[[Accelerator, torch.nn.Module, Any, Any], Callable[[int], dict] | None] | None = None
+    stop_requested: Callable[[int, bool, Any], str | None] | None = None
     after_export: Callable[[Any, Any, Any, Any], None] | None = None
     run_ended: Callable[[Any, str], None] | None = None
     dry_run_lines: Callable[..., list[str]] | None = None

@@ -1,12 +1,12 @@
-"""How fast and how big: model FLOPs per token, the device's peak FLOP/s, MFU, peak memory, and
-the bytes of model state (parameters, gradients, optimizer state) each rank really holds."""
+"""How fast and how big: model FLOPs per token, the device's peak FLOP/s, MFU, peak memory, and the bytes of
+tensors each rank really holds (parts/memory_plan measures the model state with it)."""
 
 from __future__ import annotations
 
 import resource
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -103,7 +103,7 @@ def _held(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [tensor]
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     """Bytes of the distinct storages behind `tensors` not yet in `seen` (views share a storage)."""
     total = 0
     for storage in (held.untyped_storage() for tensor in tensors for held in _held(tensor)):
@@ -115,34 +115,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
 
 def frozen_parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of parameters this rank holds of a model that is never trained (no gradients, no optimizer state)."""
-    return _storage_bytes(model.parameters(), set())
-
-
-def _stepping(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def model_state_bytes(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, held_gradients: Iterable[torch.Tensor] = ()
-) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state this rank holds, counted from the tensors.
-
-    `optimizer` is the torch optimizer that steps (DeepSpeed steps it on its own fp32
-    partitions, the master weights, which count as optimizer state); `held_gradients` are
-    gradient buffers a strategy keeps outside `param.grad`. Measure between backward and the
-    optimizer step, when gradients exist.
-    """
-    seen: set[int] = set()
-    params = list(model.parameters())
-    # DeepSpeed steps one parameter group at a time (it narrows param_groups meanwhile): the
-    # optimizer state names every parameter that was ever stepped.
-    stepped = list({id(p): p for p in [*_stepping(optimizer), *optimizer.state]}.values())
-    parameters = _storage_bytes(params, seen)
-    grads = [p.grad for p in params + stepped if p.grad is not None]
-    gradients = _storage_bytes([*grads, *held_gradients], seen)
-    states = (t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
-    optimizer_state = _storage_bytes(stepped, seen) + _storage_bytes(states, seen)
-    return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer_state}
+    return storage_bytes(model.parameters(), set())
 
 
 class SpeedMeter:
@@ -257,28 +230,3 @@ def _full_numel(param: torch.Tensor) -> int:
 def compute_dtype(mixed_precision: str) -> torch.dtype:
     """The dtype matmuls run in under accelerate's `mixed_precision`."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
-
-
-def model_state_probe(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, held_gradients: Callable[[], list[torch.Tensor]]
-) -> dict[str, int]:
-    """A dict that `model_state_bytes` fills once, just before the first optimizer step whose
-    parameters all have optimizer state (the second), when gradients and optimizer state exist.
-    A stateless optimizer (SGD without momentum) is measured at its second step too. A run of
-    fewer optimizer steps leaves it empty: not measured, rather than 0.
-
-    A hook on the torch optimizer, so the training loop stays as it is: every strategy,
-    DeepSpeed included, calls that optimizer's `step`.
-    """
-    measured: dict[str, int] = {}
-    stepped = []
-
-    def measure(stepping: torch.optim.Optimizer, _args, _kwargs) -> None:
-        stateless = stepped and not any(stepping.state.values())
-        if (stateless or all(stepping.state.get(p) for p in _stepping(stepping))) and not measured:  # state: a defaultdict
-            measured.update(model_state_bytes(model, stepping, held_gradients()))
-            handle.remove()
-        stepped.append(True)
-
-    handle = optimizer.register_step_pre_hook(measure)
-    return measured

@@ -1,7 +1,6 @@
 """Owns what train.py does first, before torch and the other libraries load, and once they have.
 
-- Stop signals (SIGTERM, SIGUSR1) are handled from the first line on, so that a rank signalled while it
-  still imports ends with its one line and exit code (training/preemption.py).
+- The parts' `before_imports` run first (parts/preemption: stop signals handled from the first line on).
 - `--help` is answered before torch loads: under 2 s.
 - The cyclic garbage collector waits for the imports: importing torch, transformers and datasets
   allocates millions of objects, and it would walk them again and again (1.1 s of a 5 s start,
@@ -18,9 +17,9 @@ import sys
 def before_imports() -> None:
     """train.py's first call, as `__main__`."""
     gc.disable()
-    from training.preemption import install_stop_handlers
+    from training.parts import each
 
-    install_stop_handlers()
+    each("before_imports")
     if {"-h", "--help"} & set(sys.argv[1:]):
         from training.flags import build_parser
 

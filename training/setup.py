@@ -34,15 +34,13 @@ from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
 from training.parts import ModelRunner, each, filled, found, merged, through
-from training.performance import SpeedMeter, compute_dtype, model_state_probe, parameter_count, peak_flops
+from training.performance import SpeedMeter, compute_dtype, parameter_count, peak_flops
 from training.loss import forward_backward as data_parallel_forward_backward
 from training.loss import label_loss_sums
-from training.preemption import StopRequests, end_loader_workers_at_exit, leave_stop_signals_to_the_rank
 from training.strategy import Strategy, master_weight_dtypes, verify_prepared, verify_strategy
 from training.strategy_adapters import (
     align_with_strategy,
     gradient_reduction_dtypes,
-    held_gradients,
     optimizer_offload_device,
     write_effective_deepspeed_config,
 )
@@ -69,11 +67,9 @@ class Run:
     resumed: bool
     steps_per_epoch: int
     max_steps: int
-    stop_requests: StopRequests
     model_name: str
     title: str  # "<model>: <strategy, processes, precision>", for the report
     num_parameters: int
-    model_state: dict[str, int]  # bytes per rank of weights, gradients and optimizer state, measured at step 2
     speed: SpeedMeter
     first_step: int  # the step this launch started from (0, or the resumed checkpoint's)
     model_args: ModelArguments
@@ -92,10 +88,9 @@ def device_peak_flops(accelerator: Accelerator, tf32: bool) -> float | None:
     return float(gather_scalars(accelerator, {"peak": measured})["peak"].max())
 
 
-def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArguments, stop_requests: StopRequests) -> Run:
+def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArguments) -> Run:
     """The Accelerator, then the model and data, then `prepare`, then a resumed state and the trackers."""
     accelerator, strategy, run_description, tf32 = start_accelerator(model_args, args)
-    stop_requests.connect(accelerator, args.ddp_timeout)  # from now on ranks agree on a stop
     resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir, accelerator)
     if resume_path:
         each("resuming", accelerator, args, resume_path)  # the parts' hook: settings the checkpoint recorded
@@ -119,11 +114,11 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     global_batch = global_batch_size(args, replicas)
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking in start_accelerator).
     workers = loader_workers(args.dataloader_num_workers, accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    loading = {"collate_fn": task.collator, "num_workers": workers, "worker_init_fn": leave_stop_signals_to_the_rank,
-               "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda"}
-    end_loader_workers_at_exit()
+    loading = {"collate_fn": task.collator, "num_workers": workers,
+               "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda",
+               **merged("loader_settings", args)}  # the parts' (parts/preemption: workers ignore stop signals)
     # a part may batch the training set itself (a stream's share: no length, so no epoch length either, 0)
-    if part_loaders := found("train_loader", accelerator, train_set, task, args, workers):
+    if part_loaders := found("train_loader", accelerator, train_set, task, args, loading):
         train_data = part_loaders[0]
         steps_per_epoch, max_steps = 0, args.max_steps
     else:
@@ -143,8 +138,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         partial(training_loader, train_set, seed=args.seed, **loading), bool(resume_path))
     forward_backward = (partial(model.forward_backward, accelerator) if isinstance(model, ModelRunner) else
                         partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
-    part_figures += found("after_prepare", accelerator, model, args)  # the parts' hooks (training/parts.py)
-    model_state = model_state_probe(model, torch_optimizer, lambda: held_gradients(model))  # bytes per rank, at step 2
+    part_figures += found("after_prepare", accelerator, model, torch_optimizer, args)  # the parts' hooks (training/parts.py)
     verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
     write_effective_deepspeed_config(accelerator, args.output_dir)
     logger.info(
@@ -187,8 +181,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                        replica_processes,  # ranks that read each batch
                        memory_devices=devices if len(devices) > 1 else None)
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
-               bool(resume_path), steps_per_epoch, max_steps, stop_requests, model_name,
-               f"{model_name}: {run_description}", num_parameters, model_state, speed, state.completed_steps, model_args, part_figures,
+               bool(resume_path), steps_per_epoch, max_steps, model_name,
+               f"{model_name}: {run_description}", num_parameters, speed, state.completed_steps, model_args, part_figures,
                forward_backward, replica_processes)
 
 

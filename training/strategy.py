@@ -1,7 +1,5 @@
-"""Owns verifying the strategy: the launcher's request, what accelerate set up, and the refusal when they differ.
-
-Checked before training (`verify_strategy`, the launch settings) and after `prepare`
-(`verify_prepared`: the wrapper, fp32 master weights, DeepSpeed's resolved config)."""
+"""Owns verifying the strategy: the launcher's request against what accelerate set up, before training
+(`verify_strategy`) and after `prepare` (`verify_prepared`), and the refusal when they differ."""
 
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ def requested_strategy() -> Strategy:
         return Strategy.DEEPSPEED
     if _env_flag("ACCELERATE_USE_FSDP"):
         return Strategy.FSDP
-    # torchrun starts every multi-process config, also with one process (`ddp.yaml --num_processes 1`):
-    # that is DDP of one, while single.yaml runs train.py directly.
+    # torchrun starts every multi-process config, even of one process (`ddp.yaml --num_processes 1`): DDP of one
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
         return Strategy.DDP
     return Strategy.SINGLE
@@ -42,16 +39,13 @@ def has_accelerator_device() -> bool:
     return torch.accelerator.is_available()
 
 def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
-    """Reject what accelerate would fail on with a traceback, or run silently differently, before any process group.
-
-    Each rank checks the same launcher settings, so every rank stops with the same line.
-    """
+    """Before any process group, reject what accelerate would fail on with a traceback or silently run differently
+    (every rank checks the same settings, so every rank stops with the same line)."""
     if strategy is Strategy.DEEPSPEED and (path := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")):
         if not Path(path).is_file():
             raise StrategyError(
                 f"DeepSpeed config {path} (deepspeed_config_file in the accelerate yaml) not found from {os.getcwd()}; "
-                "relative paths count from where you launch: run from the repository root or use an absolute path"
-            )
+                "relative paths count from where you launch: run from the repository root or use an absolute path")
         try:
             ds_config = json.loads(Path(path).read_text())
         except json.JSONDecodeError as error:
@@ -60,18 +54,15 @@ def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
             raise StrategyError(
                 f"DeepSpeed config {path} has its own {' and '.join(sections)} section: train.py builds the optimizer "
                 "(--optim, --learning_rate, --adam_beta1/2, --weight_decay) and the schedule (--lr_scheduler_type, "
-                "--warmup_steps) the same way on every strategy; remove the section and set those flags"
-            )
+                "--warmup_steps) the same way on every strategy; remove the section and set those flags")
     if on_cpu and strategy is Strategy.FSDP and os.environ.get("FSDP_VERSION", "1") != "2":
         raise StrategyError("FSDP1 cannot run on CPU; set `fsdp_version: 2` in the accelerate config")
     if on_cpu and os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16":
         raise StrategyError(
             "fp16 mixed precision needs a GPU (loss scaling runs on the device) and this machine has none; "
-            "use --mixed_precision bf16 or no"
-        )
+            "use --mixed_precision bf16 or no")
 
 def wrapped_strategy(model: torch.nn.Module) -> Strategy:
-    """The strategy implied by the wrapper `accelerator.prepare` put around the model."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
@@ -92,29 +83,22 @@ EXPECTED_TYPES = {
 }
 
 def verify_strategy(accelerator: Accelerator, prepared_model: torch.nn.Module | None = None) -> Strategy:
-    """Refuse to train unless the strategy in use is the configured one.
-
-    Call once after building the Accelerator and again with the prepared model.
-    """
+    """Refuse to train unless the strategy in use is the configured one (again with the model after `prepare`)."""
     requested = requested_strategy()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != world_size:
         raise StrategyError(
             f"{world_size} processes were launched but accelerate sees {accelerator.num_processes}: "
-            "each would train alone. Launch with `accelerate launch --config_file accelerate_configs/<strategy>.yaml`"
-        )
+            "each would train alone. Launch with `accelerate launch --config_file accelerate_configs/<strategy>.yaml`")
     if accelerator.num_processes > 1 and accelerator.distributed_type is DistributedType.NO:
         raise StrategyError(
-            f"{accelerator.num_processes} processes but no distributed strategy: gradients would never be synchronised"
-        )
+            f"{accelerator.num_processes} processes but no distributed strategy: gradients would never be synchronised")
     if accelerator.distributed_type not in EXPECTED_TYPES[requested]:
         raise StrategyError(
-            f"the config asked for {requested.value} but accelerate set up {accelerator.distributed_type.value}"
-        )
+            f"the config asked for {requested.value} but accelerate set up {accelerator.distributed_type.value}")
     if prepared_model is not None:
         wrapped = wrapped_strategy(prepared_model)
-        # accelerate wraps one GPU process in no DDP (`use_distributed` needs 2), while on CPU it does:
-        # DDP of one is then the plain model.
+        # accelerate gives one GPU process no DDP wrapper (`use_distributed` needs 2), unlike one on CPU
         ddp_of_one = requested is Strategy.DDP and wrapped is Strategy.SINGLE and accelerator.num_processes == 1
         if wrapped is not requested and not ddp_of_one:
             raise StrategyError(f"the config asked for {requested.value} but the model is wrapped for {wrapped.value}")
@@ -123,7 +107,6 @@ def verify_strategy(accelerator: Accelerator, prepared_model: torch.nn.Module | 
     return requested
 
 def _auto_keys(config: dict, prefix: str = "") -> list[str]:
-    """Keys still set to "auto" anywhere in a DeepSpeed config."""
     found = []
     for key, value in config.items():
         if isinstance(value, dict):
@@ -140,26 +123,10 @@ def master_weight_dtypes(model: torch.nn.Module, optimizer: torch.optim.Optimize
         return {partition.dtype for partition in partitions}
     return {param.dtype for group in optimizer.param_groups for param in group["params"]}
 
-def verify_prepared(
-    accelerator: Accelerator,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    per_device_batch: int,
-    max_grad_norm: float,
-) -> None:
-    """After `prepare`: what runs is what train.py asked for, on every strategy.
-
-    - the wrapper around the model is the configured strategy's;
-    - the optimizer updates fp32 master weights, also under bf16/fp16 (training bf16
-      weights directly learns worse, and differs between FSDP and DeepSpeed);
-    - DeepSpeed: no "auto" is left, and its micro-batch, accumulation, clipping and
-      precision equal train.py's. It also steps train.py's own optimizer (under offload,
-      the DeepSpeedCPUAdam that training/optim.py builds with --adam_beta1/2 and
-      --adam_epsilon): accelerate 1.15 would otherwise swap in a DeepSpeedCPUAdam of its own
-      that keeps only lr and weight decay (and the schedule no longer reaches it), which
-      `"zero_force_ds_cpu_optimizer": false` in zero3_offload.json prevents.
-    """
+def verify_prepared(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+                    per_device_batch: int, max_grad_norm: float) -> None:
+    """After `prepare`: what runs is what train.py asked for. Master weights stay fp32 under bf16/fp16 too
+    (training bf16 weights directly learns worse, and differs between FSDP and DeepSpeed)."""
     verify_strategy(accelerator, model)
     if master_weight_dtypes(model, optimizer) != {torch.float32}:
         raise StrategyError(f"optimizer master weights are {master_weight_dtypes(model, optimizer)}, not float32")
@@ -179,11 +146,10 @@ def verify_prepared(
         if engine_value != ours:
             raise StrategyError(
                 f"DeepSpeed runs with {name} {engine_value} but train.py asked for {ours}; "
-                'set that key to "auto" in the DeepSpeed JSON (clipping: to --max_grad_norm)'
-            )
+                'set that key to "auto" in the DeepSpeed JSON (clipping: to --max_grad_norm)')
+    # Under offload accelerate 1.15 swaps in its own DeepSpeedCPUAdam (only lr and weight decay kept)
     stepped = model.optimizer.optimizer  # what DeepSpeed's ZeRO wrapper steps
     if stepped is not scheduler.scheduler.optimizer:
         raise StrategyError(
             f"DeepSpeed replaced train.py's optimizer with {type(stepped).__name__} (different betas/eps, and the "
-            'schedule would not reach it); set "zero_force_ds_cpu_optimizer": false in the DeepSpeed JSON'
-        )
+            'schedule would not reach it); set "zero_force_ds_cpu_optimizer": false in the DeepSpeed JSON')

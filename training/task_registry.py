@@ -1,10 +1,5 @@
-"""Owns the one registry of tasks (`--task`): implementation, named configs, default config, own flags.
-
-Adding a task is one entry in `CORE_TASKS` (and its `Task` subclass, see training/tasks.py), or a part's
-`tasks` (training/parts.py); `tasks()` holds both. Your own task needs neither: `--task module:Class` names a
-`Task` subclass in a file of your project (recipes/ holds examples). The classes are imported when a task is
-built, not with this module: `train.py --help` lists the tasks and their configs before torch loads.
-"""
+"""Owns the one registry of tasks (`--task`): implementation, named configs, default config, own flags. Task classes
+are imported when a task is built, not with this module: `train.py --help` lists tasks and configs without torch."""
 
 from __future__ import annotations
 
@@ -22,17 +17,15 @@ if TYPE_CHECKING:
 # The text tasks' shared flags (a part's text task lists them too)
 TEXT_FLAGS = ("tokenizer_name", "config_overrides", "train_file", "validation_file", "sample_prompt")
 CORE_TASKS: dict[str, TaskEntry] = {
-    "causal-lm": TaskEntry(
-        "training.tasks:CausalLM", NAMED_CONFIGS, "llama-small",
-        (*TEXT_FLAGS, "text_column", "block_size", "packing"),
-    ),
+    "causal-lm": TaskEntry("training.tasks:CausalLM", NAMED_CONFIGS, "llama-small",
+                           (*TEXT_FLAGS, "text_column", "block_size", "packing")),
 }
 
 
 @functools.cache
 def tasks() -> dict[str, TaskEntry]:
-    """Every `--task`: the core's, then the parts', each with the parts' flags it reads among its own flags (not at
-    import: a part's task may import this module)."""
+    """Every `--task`, the core's then the parts', with the part flags it reads (not at import: a part's task may
+    import this module)."""
     extra = part_task_flags()
     return {name: dataclasses.replace(entry, own_flags=entry.own_flags + extra.get(name, ()))
             for name, entry in {**CORE_TASKS, **part_tasks()}.items()}
@@ -52,9 +45,8 @@ class TaskChoices(list):
 
 @functools.cache
 def task_entry(name: str) -> TaskEntry:
-    """The registered task `name`, or your own `module:Class`: a subclass of a registered task's class takes that
-    task's configs and flags, with its own `own_flags` (the core flags it reads) added. Once per name: checking
-    the flags, a part's check and building the task all ask, and a class's entry imports every registered task."""
+    """The registered task `name`, or your `module:Class`, which takes its registered ancestor's configs and flags plus
+    its `own_flags`. Cached: several callers ask, and a class's entry imports every registered task."""
     if name in tasks():
         return tasks()[name]
     from training.errors import ArgumentError
@@ -69,7 +61,7 @@ def task_entry(name: str) -> TaskEntry:
     if not (isinstance(task_class, type) and issubclass(task_class, Task)):
         raise ArgumentError(f"--task {name} is not a Task subclass (training/tasks.py); name the task class, not "
                             "its model or another object")
-    # the registered task closest in its ancestry (a subclass of a part's fine-tuning task is that task, not causal-lm)
+    # the closest registered ancestor (a subclass of a part's fine-tuning task is that task, not causal-lm)
     registered = {entry.load(): entry for entry in tasks().values()}
     base = next((registered[ancestor] for ancestor in task_class.__mro__ if ancestor in registered), own)
     return dataclasses.replace(base, implementation=name, own_flags=base.own_flags + tuple(task_class.own_flags))

@@ -1,17 +1,6 @@
-"""What is learned (`--task`): the model, its data and its loss. The training loop is the same for every task.
-
-A task supplies three things (the abstract methods): its model (`build_model`: any `nn.Module` whose forward
-returns logits, or an output with `.logits`), its training and evaluation sets (`build_datasets`: any map-style
-`torch.utils.data.Dataset`), and its loss as per-example sums with their target counts (`loss_sums`), so a step's
-loss is the mean over the global batch's targets however the batch is split. Everything else has a default:
-how the model runs on a batch (`forward`), what training minimises (`objective_sums`: the loss, or label smoothing
-or a z-loss) apart from what evaluation reports (`eval_sums`, `eval_metrics`: named sums, any metric), and the
-units throughput counts.
-
-Adding a task: a `Task` subclass in one file of your project, run with `--task module:Class` (recipes/ holds worked
-examples); or an entry in `CORE_TASKS` of training/task_registry.py, or a part's (`Part.tasks`: parts/images/
-adds `--task image-classification`).
-"""
+"""What is learned (`--task`): the model, its data and its loss; the training loop is the same for every task. Add a
+task as a `Task` subclass run with `--task module:Class` (recipes/ holds examples), or register it in `CORE_TASKS` of
+training/task_registry.py or in a part's `Part.tasks` (parts/images/ adds `--task image-classification`)."""
 
 from __future__ import annotations
 
@@ -23,12 +12,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset
 from torch.utils.data import Subset
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    default_data_collator,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, default_data_collator
 
 from data import build_lm_datasets, load_raw_datasets, make_collator
 from models.language import build_model, build_tokenizer, resolve_block_size
@@ -40,7 +24,7 @@ Batch = dict[str, torch.Tensor]
 
 
 class Task(ABC):
-    """The interface train.py uses; see the module docstring."""
+    """The interface train.py uses: implement the three abstract methods; every other method has a default."""
 
     unit = "samples"  # what throughput counts (`count_units`): "samples", or "tokens"
     model_input = "input_ids"  # the batch key `forward` feeds the model (a pipeline's first stage is fed it)
@@ -56,23 +40,23 @@ class Task(ABC):
         self.collator = default_data_collator
         self.flops_per_unit: float | None = None  # training FLOPs per unit, for MFU; set by build_model
         self.settings: dict[str, int] = {}  # shape settings for the logs and trackers; set by build_model
-        # a plain nn.Module's constructor arguments: final/model.json records them beside its weights
-        self.model_kwargs: dict | None = None
+        self.model_kwargs: dict | None = None  # a plain nn.Module's constructor arguments, for final/model.json
         self.model_name: str | None = None  # how logs and summary.json name the model (its class when unset)
 
     @abstractmethod
     def build_model(self, raw, empty: bool = False) -> torch.nn.Module:
-        """The model, fp32; `raw`: what `load_raw_datasets` read; `empty` (only with `can_build_empty`): not
-        initialised, its weights to come from rank 0 in `prepare`."""
+        """The model, fp32: any `nn.Module` whose forward returns logits, or an output with `.logits`. `raw`: what
+        `load_raw_datasets` read; `empty` (if `can_build_empty`): uninitialised, rank 0's weights come in `prepare`."""
 
     @abstractmethod
     def build_datasets(self, raw, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]:
-        """The training and evaluation sets (`main_process_first`: a context in which the main process goes
-        first, e.g. to tokenise and cache, the others then read its cache)."""
+        """The training and evaluation sets, any map-style torch `Dataset`s (`main_process_first`: a context in which
+        the main process goes first, e.g. to tokenise and cache, the others then read its cache)."""
 
     @abstractmethod
     def loss_sums(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-example sums of the label loss over the targets, and the targets counted: `eval_loss`."""
+        """Per-example sums of the label loss over the targets, and the targets counted (`eval_loss`): a step's loss
+        is the sum over the global batch's targets, the same however the batch is split."""
 
     def load_raw_datasets(self, seed: int):
         """What is read before the model is built (by the main process first), handed to both builders."""
@@ -84,9 +68,8 @@ class Task(ABC):
         return getattr(output, "logits", output)
 
     def objective_sums(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Per-example sums of what training minimises (divided by the global batch's target count). The label
-        loss by default; a task that trains on another objective (label smoothing, a z-loss) overrides this one,
-        and `eval_loss` stays the label loss."""
+        """Per-example sums of what training minimises: the label loss, unless a task overrides this one (label
+        smoothing, a z-loss); `eval_loss` stays the label loss."""
         return self.loss_sums(logits, batch)[0]
 
     def correct(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor | None:
@@ -109,8 +92,8 @@ class Task(ABC):
         return "(none: the task shows no sample)"
 
     def eval_sums(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        """Named per-example sums that evaluation adds up over the whole validation set, on every rank; a task
-        adds its own (a top-5 count) and turns them into metrics in `eval_metrics`."""
+        """Named per-example sums that evaluation totals over the validation set on every rank; a task may add its
+        own (a top-5 count) and turn them into metrics in `eval_metrics`."""
         loss, targets = self.loss_sums(logits, batch)
         correct = self.correct(logits, batch)
         return {"loss": loss, "targets": targets, **({"correct": correct} if correct is not None else {})}

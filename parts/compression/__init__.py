@@ -62,7 +62,7 @@ def ddp_settings(args, on_cpu: bool) -> dict:
     return {"find_unused_parameters": True, **({"bucket_cap_mb": ONE_BUCKET_MB} if on_cpu else {})}
 
 
-def after_prepare(accelerator, model, args):
+def after_prepare(accelerator, model, optimizer, args):
     """The hook on the prepared DDP model, PowerSGD's state in every checkpoint; the bytes per step it sent."""
     from parts.compression.hooks import keep_power_sgd_state_in_checkpoints, register_comm_hook
 

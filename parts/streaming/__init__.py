@@ -74,7 +74,7 @@ def text_source(data_args) -> TextSource | None:
     return StreamSource(data_args) if data_args.streaming else None
 
 
-def train_loader(accelerator, train_set, task, args, workers: int):
+def train_loader(accelerator, train_set, task, args, loading: dict):
     """This rank's share of the training stream, batched, its position in every checkpoint."""
     from datasets import IterableDataset
 
@@ -82,7 +82,7 @@ def train_loader(accelerator, train_set, task, args, workers: int):
         return None
     from parts.streaming.loader import StreamLoader, keep_stream_position_in_checkpoints
 
-    loader = StreamLoader(accelerator, train_set, args.per_device_train_batch_size, task.collator, workers, args.seed,
+    loader = StreamLoader(accelerator, train_set, args.per_device_train_batch_size, loading, args.seed,
                           task.data_args.shuffle_buffer_size, args.ddp_timeout)
     keep_stream_position_in_checkpoints(accelerator, loader)
     return loader

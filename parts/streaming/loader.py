@@ -30,7 +30,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from data import DataError
 from training.collectives import cpu_group
 from training.checkpoint import ResumeError
-from training.preemption import leave_stop_signals_to_the_rank
 
 STREAM_STATE = "stream_rank{rank}.pt"  # in each checkpoint, one per rank
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 calls it on every loader
@@ -39,13 +38,14 @@ warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchd
 class StreamLoader:
     """This rank's micro-batches, endlessly, epoch after epoch of its share of `stream`."""
 
-    def __init__(self, accelerator: Accelerator, stream: IterableDataset, batch_size: int, collate, num_workers: int,
+    def __init__(self, accelerator: Accelerator, stream: IterableDataset, batch_size: int, loading: dict,
                  seed: int, buffer_size: int, timeout_s: int) -> None:
-        self.accelerator, self.batch_size, self.collate = accelerator, batch_size, collate
+        """`loading`: the core's DataLoader settings (collate_fn, num_workers, a worker_init_fn)."""
+        self.accelerator, self.batch_size, self.collate = accelerator, batch_size, loading["collate_fn"]
         self.rank, self.seed, self.buffer_size, self.timeout_s = accelerator.process_index, seed, max(1, buffer_size), timeout_s
         self.share = split_dataset_by_node(stream, rank=self.rank, world_size=accelerator.num_processes)
-        self.loader = StatefulDataLoader(self.share, batch_size=None, num_workers=num_workers,
-                                         worker_init_fn=leave_stop_signals_to_the_rank)
+        self.loader = StatefulDataLoader(self.share, batch_size=None, num_workers=loading["num_workers"],
+                                         worker_init_fn=loading.get("worker_init_fn"))
         self.epoch, self.buffer, self.exhausted, self.blocks_this_epoch = 0, [], False, 0
         self.generator = torch.Generator()
         self._new_epoch(0)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 libraries_imported = "transformers" in sys.modules  # before this script imports anything
-template_imported = sorted(name for name in ("train", "training", "training.preemption", "models", "data") if name in sys.modules)
+template_imported = sorted(name for name in ("train", "training", "parts.preemption", "models", "data") if name in sys.modules)
 import numpy  # noqa: E402
 import torch  # noqa: E402
 import train  # noqa: E402,F401  (what the forkserver imported: the environment it leaves, TorchInductor's cache dir)

@@ -22,10 +22,7 @@ import os
 import signal
 import sys
 from types import FrameType
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from accelerate import Accelerator
 # torch is imported where it is used: train.py installs the handlers before the libraries
 # load (seconds), so that a SIGTERM then cannot kill a rank either.
 
@@ -49,33 +46,25 @@ class StopRequests:
 
     def __init__(self) -> None:
         self.received = 0  # the signal number, 0 for none
-        self.distributed, self.timeout_s = False, 0
 
     def handle(self, signum: int, _frame: FrameType | None) -> None:
         self.received = signum  # only a flag: the training loop decides when it is safe to stop
 
-    def connect(self, accelerator: Accelerator, timeout_s: int) -> None:
-        """Once the process group exists: agree with the other ranks from now on (a collective)."""
-        from training.collectives import cpu_group
-
-        self.distributed, self.timeout_s = accelerator.num_processes > 1, timeout_s
-        if self.distributed:
-            cpu_group(timeout_s)  # made now, on every rank, if this run needs a separate one
-
-    def agreed(self, step: int, now: bool = False) -> str | None:
+    def agreed(self, step: int, now: bool = False, timeout_s: int = 1800) -> str | None:
         """After optimizer step `step`: the name of a stop signal any rank received, or None
         (also between agreements). A collective on agreement steps (every AGREE_EVERY, or `now`):
         call it on every rank with the same arguments."""
-        if self.distributed and not now and step % self.AGREE_EVERY:
-            return None
         import torch
         import torch.distributed as dist
 
         from training.collectives import cpu_group
 
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        if distributed and not now and step % self.AGREE_EVERY:
+            return None
         received = torch.tensor([self.received])
-        if self.distributed:
-            dist.all_reduce(received, op=dist.ReduceOp.MAX, group=cpu_group(self.timeout_s))
+        if distributed:  # the CPU group is made at the first agreement, which every rank reaches
+            dist.all_reduce(received, op=dist.ReduceOp.MAX, group=cpu_group(timeout_s))
         return signal.Signals(int(received)).name if received else None
 
 
