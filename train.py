@@ -24,6 +24,7 @@ import os
 import sys
 import time
 import traceback
+from contextlib import ExitStack
 
 import psutil
 import torch
@@ -33,7 +34,7 @@ from tqdm.auto import tqdm
 from training.accelerator import release_model_construction_hooks
 from training.arguments import parse_args
 from training.checkpoint import export_final, save_checkpoint
-from training.collectives import collective_timeouts_reported, end_collectives, gather_scalars
+from training.collectives import end_collectives, gather_scalars
 from training.console import only_the_training_bar, quiet_third_party_output
 from training.dry_run import dry_run
 from training.errors import EXIT_UNEXPECTED, Preempted, ending
@@ -80,7 +81,9 @@ def train(run: Run) -> dict[str, float]:
                     disable=not accelerator.is_main_process)
     run.speed.resume()  # the clock runs from here, through loading each batch, to the last step
     train_loss, eval_result = math.nan, {}  # the last logged
-    with collective_timeouts_reported(accelerator, args.ddp_timeout, lambda: state.completed_steps + 1):
+    with ExitStack() as guards:  # the parts' (parts/hangs: a collective that timed out, as one error line)
+        for guard in each("around_training", accelerator, args, lambda: state.completed_steps + 1):
+            guards.enter_context(guard)
         while state.completed_steps < run.max_steps:
             # Skipping by optimizer steps, not by this process's batches, keeps the position right
             # when a checkpoint resumes on a different number of processes (a stream keeps its own).

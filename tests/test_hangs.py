@@ -1,5 +1,6 @@
-"""A rank that stalls does not hang the others forever: they abort after --ddp_timeout, with exit 4 and one
-error line naming the rank and step, on gloo and (by its error handling) NCCL."""
+"""The part hangs: a rank that stalls does not hang the others forever: they abort after --ddp_timeout, with exit 4 and
+one error line naming the rank and step, on gloo and (by its error handling) NCCL; a preflight failure names a head
+node unreachable by its name."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from torch.distributed import DistBackendError
 
 from tests.conftest import end_launch, rank_processes, start, wait_for
-from training.collectives import CollectiveTimeoutError, collective_timeouts_reported, nccl_timeouts_raise
+from parts.hangs.guard import collective_timeouts_reported, loopback_hint, nccl_timeouts_raise
+from training.errors import CollectiveTimeoutError
 
 DDP_TIMEOUT = 10
 
@@ -63,3 +65,17 @@ def test_nccl_is_told_to_raise_instead_of_killing_the_process() -> None:
     environment = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     nccl_timeouts_raise(environment)
     assert environment == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    ("gloo_interface", "address", "hint"),
+    [(None, "127.0.1.1", "resolves to 127.0.1.1, a loopback address the other nodes cannot reach: set GLOO_SOCKET_IFNAME"),
+     (None, "10.0.0.5", ""), ("ib0", "127.0.1.1", "")],
+)
+def test_a_preflight_failure_names_a_host_name_that_resolves_to_loopback(monkeypatch, gloo_interface, address, hint) -> None:
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    if gloo_interface:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", gloo_interface)
+    monkeypatch.setattr("socket.gethostbyname", lambda host: address)
+    assert hint in loopback_hint() and bool(loopback_hint()) == bool(hint)

@@ -22,6 +22,7 @@ from tests.conftest import (
     split_run_args,
     wait_for,
 )
+from training.parts import installed
 
 
 def machine_command(how: str, config: str, machine_rank: int, port: int, args: tuple[str, ...]):
@@ -66,9 +67,9 @@ def test_two_machines_train_together(config, how, data, split_run, uneven_data, 
     logs = [(tmp_path / f"machine{rank}.log").read_text() for rank in (0, 1)]
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert f"strategy={config}" in logs[0] and "processes=2" in logs[0]
-    # the preflight map: one process on each machine, each its machine's local rank 0
-    assert "preflight: all-reduce over 2 processes OK" in logs[0]
-    assert re.search(r"rank +0 +local +0", logs[0]) and re.search(r"rank +1 +local +0", logs[0]), logs[0][-3000:]
+    if installed("hangs"):  # the preflight's map: one process on each machine, each its machine's local rank 0
+        assert "preflight: all-reduce over 2 processes OK" in logs[0]
+        assert re.search(r"rank +0 +local +0", logs[0]) and re.search(r"rank +1 +local +0", logs[0]), logs[0][-3000:]
     expected, actual = logged_after(one_machine, 0), logged_after(tmp_path, 0)
     assert actual.keys() == expected.keys()
     for entry in expected:  # trained together: the same global batches, so the same losses

@@ -12,7 +12,6 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 
-from training.collectives import nccl_timeouts_raise
 from training.cpu_accommodations import cpu_process_group
 from training.parts import each, merged
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
@@ -27,8 +26,6 @@ def build_accelerator(args, **accelerator_kwargs) -> Accelerator:
     each("at_start", strategy, on_cpu)  # the parts' (start-up work skipped: parts/fast_start), before DeepSpeed loads
     timeout = timedelta(seconds=args.ddp_timeout)
     check_launch(args, strategy, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
-    if not on_cpu:
-        nccl_timeouts_raise()
     cpu, backend = cpu_process_group(strategy, timeout) if on_cpu else (False, InitProcessGroupKwargs.backend)
     handler = InitProcessGroupKwargs(backend=backend, timeout=timeout)
     # DDP: gradients live in its buckets (one copy, not two), and buffers are not copied from rank 0 before each

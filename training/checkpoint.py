@@ -72,9 +72,9 @@ def check_output_dir(output_dir: str, resume: str | None, overwrite: bool, input
     if resume and overwrite:
         raise ArgumentError("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues: give one")
     if not resume and not overwrite and (complete_checkpoints(output_dir) or (Path(output_dir) / "final").exists()):
-        raise ArgumentError(f"{output_dir} already holds a run (checkpoints or final/); continue it with "
-                            "--resume_from_checkpoint latest, start afresh with --overwrite_output_dir, or choose "
-                            "another --output_dir")
+        raise ArgumentError(
+            f"{output_dir} already holds a run (checkpoints or final/); continue it with --resume_from_checkpoint "
+            "latest, start afresh with --overwrite_output_dir, or choose another --output_dir")
     deleted = [(Path(output_dir) / name).resolve() for name in RUN_OUTPUTS] if overwrite else []
     for flag, path in inputs.items():
         if path and (inside := next((d for d in deleted if Path(path).resolve().is_relative_to(d)), None)):
@@ -128,8 +128,7 @@ def require_complete_checkpoint(path: Path) -> Path:
 
 def save_checkpoint(accelerator: Accelerator, model: torch.nn.Module, output_dir: str, state: TrainerState,
                     save_total_limit: int | None) -> Path:
-    """On every rank (sharded strategies need all), then rename atomically and rotate. BatchNorm statistics are
-    averaged first so a resume matches what every rank of an uninterrupted run holds."""
+    """On every rank (sharded saves need all); BatchNorm stats averaged first so a resume matches an unbroken run."""
     average_running_statistics(model, accelerator)
     path = checkpoints_root(output_dir) / f"step_{state.completed_steps}"
     staging = path.with_name(path.name + ".tmp")
@@ -170,8 +169,9 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
         raise ResumeError(f"{path} is at step {state.completed_steps} and --max_steps is {max_steps}: nothing left "
                           "to train; raise --max_steps (the learning-rate schedule then stretches to the new length)")
     if state.global_batch != global_batch:
-        raise ResumeError(f"{path} was trained with a global batch of {state.global_batch}, this run has {global_batch}; "
-                          "keep per_device_train_batch_size x processes x gradient_accumulation_steps the same to resume")
+        raise ResumeError(
+            f"{path} was trained with a global batch of {state.global_batch}, this run has {global_batch}; "
+            "keep per_device_train_batch_size x processes x gradient_accumulation_steps the same to resume")
     if state.layout != (layout or {}):
         def shown(cut: dict[str, int]) -> str:
             return ", ".join(f"{key} {value}" for key, value in sorted(cut.items())) or "one whole model per process"
@@ -180,11 +180,12 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
                           f"{shown(layout or {})}; resume with the flags that laid it out so, or start a new run from "
                           "that run's final/ with --model_name_or_path (the optimizer state is not carried over)")
     if (path / DEEPSPEED_DIR).is_dir() and state.num_processes != accelerator.num_processes:
-        raise ResumeError(f"{path} is a DeepSpeed checkpoint of {state.num_processes} processes; DeepSpeed cannot "
-                          f"resume it on {accelerator.num_processes}. Resume on {state.num_processes} processes, or "
-                          f"convert it to full weights with `python {path}/zero_to_fp32.py {path} <out_dir> "
-                          "--safe_serialization`, copy config.json and the tokenizer files from final/ into <out_dir>, "
-                          "and start a new run from --model_name_or_path <out_dir> (the optimizer state is not carried over)")
+        raise ResumeError(
+            f"{path} is a DeepSpeed checkpoint of {state.num_processes} processes; DeepSpeed cannot resume it on "
+            f"{accelerator.num_processes}. Resume on {state.num_processes} processes, or convert it to full weights with "
+            f"`python {path}/zero_to_fp32.py {path} <out_dir> --safe_serialization`, copy config.json and the "
+            "tokenizer files from final/ into <out_dir>, and start a new run from --model_name_or_path <out_dir> "
+            "(the optimizer state is not carried over)")
     try:
         with contextlib.ExitStack() as loading:
             for hook in filled("loading_checkpoint"):  # the parts' (parts/safe_loading: unpickling on an allow-list)
@@ -193,15 +194,14 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
     except pickle.UnpicklingError:
         raise ResumeError(f"{path} holds pickled objects that are not plain tensors or data; refused to load them, "
                           "as unpickling can run code. Resume only checkpoints this template wrote") from None
-    # We resume at an optimizer-step boundary; the restored micro-step counter (when gradients sync) is wrong if
-    # accumulation or process count changed, or 0 on some ranks only, and mismatched syncs hang sharded strategies.
+    # Resumes start at an optimizer-step boundary: the restored micro-step counter (when gradients sync) is stale if
+    # accumulation or process count changed, or 0 on some ranks only (a missing rank file); mismatched syncs hang.
     accelerator.step = 0
     return state
 
 
 def export_final(accelerator: Accelerator, model, task, output_dir: str) -> Path:
-    """The whole model as safetensors in `final/`, with the processor and its config (plain modules: `model.json`).
-    Runs on every rank: gathering shards (ZeRO-3, FSDP2) needs all of them."""
+    """Whole model as safetensors, processor and config (plain modules: `model.json`); every rank, to gather shards."""
     final_dir = Path(output_dir) / "final"
     average_running_statistics(model, accelerator)
     if isinstance(model, ModelRunner):  # a part's model that exports itself (pipeline stages: merged on rank 0)

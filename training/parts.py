@@ -16,6 +16,8 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   DeepSpeed's CPU Adam builds.
 - `check_launch(args, strategy, processes, on_cpu)`: before the process group (and in the dry run);
   raises StrategyError for a launch the part cannot run in.
+- `started(accelerator, args) -> str | None`: once the process group is up, on every rank (a collective may
+  run): a line for the log (the preflight's map of ranks).
 - `resuming(accelerator, args, checkpoint)`: a run about to resume from `checkpoint` (a directory), before the
   model is built: settings the checkpoint recorded (the micro-batch a search found).
 - `text_source(data_args) -> TextSource | None`: where a text task's sequences come from, when the flags
@@ -49,6 +51,8 @@ Hook points, in the order a run meets them (`args`: TrainArguments):
   optimizer that steps), before the first
   step (hooks registered, state added to checkpoints). `figures(steps_run)`, called on every rank at the end,
   adds to summary.json.
+- `around_training(accelerator, args, current_step) -> context manager`: what the training loop runs within
+  (a timed-out collective turned into one error line).
 - `stop_requested(step, now, args) -> str | None`: after each optimizer step, on every rank: why to save and
   stop now (a signal), agreed by all ranks (a collective, at least when `now`: a step that logs, evaluates or saves).
 - `after_export(final_dir, processor, model_args, args)`: on the main process, once `final/` is written
@@ -157,6 +161,7 @@ class Part:
     check_flags: Callable[[Any, Any, Any], None] | None = None
     at_start: Callable[[Strategy, bool], None] | None = None
     check_launch: Callable[[Any, Strategy, int, bool], None] | None = None
+    started: Callable[[Accelerator, Any], str | None] | None = None
     resuming: Callable[[Accelerator, Any, Any], None] | None = None
     text_source: Callable[[Any], TextSource | None] | None = None
     loader_settings: Callable[[Any], dict] | None = None
@@ -174,6 +179,7 @@ class Part:
     training_objective: Callable[..., tuple[Callable, Callable[[int], dict] | None]] | None = None
     micro_batch: Callable[..., tuple] | None = None
     after_prepare: Callable[[Accelerator, torch.nn.Module, Any, Any], Callable[[int], dict] | None] | None = None
+    around_training: Callable[[Accelerator, Any, Callable[[], int]], Any] | None = None
     stop_requested: Callable[[int, bool, Any], str | None] | None = None
     after_export: Callable[[Any, Any, Any, Any], None] | None = None
     run_ended: Callable[[Any, str], None] | None = None

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from training.accelerator import build_accelerator, describe, idle_gpu_warning, model_construction
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
-from training.collectives import gather_scalars, preflight
+from training.collectives import gather_scalars
 from training.console import one_voice
 from training.cpu_accommodations import use_share_of_cores
 from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
@@ -266,7 +266,8 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
     if accelerator.device.type == "cpu":  # before the peak-FLOP probe, which measures the same threads
         run_description += f", {use_share_of_cores(int(os.environ.get('LOCAL_WORLD_SIZE', '1')))}"
     logger.info(run_description, main_process_only=True)
-    logger.info(preflight(accelerator, args.ddp_timeout), main_process_only=True)
+    for line in found("started", accelerator, args):  # the parts' (parts/hangs: the preflight's map of ranks)
+        logger.info(line, main_process_only=True)
     return accelerator, strategy, run_description, tf32
 
 
