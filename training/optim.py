@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import importlib
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from training.errors import ArgumentError, StrategyError
@@ -100,39 +98,7 @@ def prepare_cpu_adam() -> None:
     from training.strategy import Strategy
 
     each("at_start", Strategy.DEEPSPEED, True)
-    release_abandoned_build_lock("cpu_adam")
-
-
-def release_abandoned_build_lock(extension: str) -> bool:
-    """Remove a build's lock file that no process holds any more; whether there was one. torch waits on
-    `<build dir>/lock` with no timeout, so one left by a killed process hangs every later load. Its holder keeps it
-    open: a file no (own) process has open, still there a second later, is abandoned."""
-    import time
-
-    import psutil
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = Path(_get_build_directory(extension, verbose=False)) / "lock"
-
-    def abandoned() -> bool:
-        if not lock.exists():
-            return False
-        for process in psutil.process_iter():
-            try:
-                if any(Path(file.path) == lock for file in process.open_files()):
-                    return False
-            except psutil.Error:
-                continue
-        return True
-
-    if not abandoned():
-        return False
-    time.sleep(1)
-    if not abandoned():
-        return False
-    lock.unlink(missing_ok=True)
-    print(f"warning: removed {lock}, left by a build of {extension} killed while it held it", file=sys.stderr, flush=True)
-    return True
+    each("building_extension", "cpu_adam")
 
 
 def check_optimization(args) -> None:

@@ -7,60 +7,8 @@ every part installed, in name order, and never branches on a part by name; a for
 out by deleting its folder. As torchtitan's model converters and transformers' callbacks, a hook is
 a named point of the fixed run, not a second loop.
 
-Hook points, in the order a run meets them (`args`: TrainArguments):
-- `before_imports()`: train.py's first call, before the libraries load (stop signals handled).
-- `check_flags(model_args, data_args, args)`: after the core's own checks of the flags; raises ArgumentError.
-  (A part's `run_inputs` name its flags that point at files the run reads: `--overwrite_output_dir`
-  refuses to delete them.)
-- `at_start(strategy, on_cpu)`: before the Accelerator and DeepSpeed start (start-up work skipped), and before
-  DeepSpeed's CPU Adam builds.
-- `check_launch(args, strategy, processes, on_cpu)`: before the process group (and in the dry run);
-  raises StrategyError for a launch the part cannot run in.
-- `started(accelerator, args) -> str | None`: once the process group is up, on every rank (a collective may
-  run): a line for the log (the preflight's map of ranks).
-- `resuming(accelerator, args, checkpoint)`: a run about to resume from `checkpoint` (a directory), before the
-  model is built: settings the checkpoint recorded (the micro-batch a search found).
-- `text_source(data_args) -> TextSource | None`: where a text task's sequences come from, when the flags
-  choose a part's source (a stream, pre-tokenised shards) over the core's documents loaded whole.
-- `loader_settings(args) -> dict`: DataLoader keyword arguments (a `worker_init_fn`).
-- `train_loader(accelerator, train_set, task, args, loading) -> loader | None`: the training batches of a set the
-  core's DataLoader cannot read (a stream: no length), given the DataLoader settings; it keeps its own position.
-- `loading_checkpoint(checkpoint, deepspeed) -> context manager`: what a resume loads the checkpoint within
-  (an allow-list for unpickling).
-- `model_split(model_args, args) -> str | None`: the flag that splits one model over several processes
-  or devices, if this part's does (other features refuse to combine with a split model).
-- `accelerator_settings(args) -> dict`: `Accelerator` keyword arguments (accelerate's dynamo plugin).
-- `processes_per_replica(args) -> int`: processes that read the same batches (a pipeline's stages).
-- `ddp_settings(args, on_cpu) -> dict`: DDP's settings (`DistributedDataParallelKwargs` fields).
-- `convert_model(model, accelerator, args) -> model`: the model as the task built it, before
-  adapters, layouts and `prepare` (kernels swapped in, modules rewritten).
-- `adapt_model(model, model_args, args) -> model`: after the seed (every rank draws alike), before tensor
-  parallelism and `prepare`: parameters added or frozen (an adapter). The dry run calls it too.
-- `wrap_model(model, accelerator, args) -> model`: the model built and laid out, kept, or replaced by
-  a `ModelRunner` (below) that runs it; `checkpoint_layout(args) -> dict` names how it is cut, which
-  a checkpoint records and a resume must match; `held_parameters(model, args) -> int | None` is the
-  most parameters one process then holds (the dry run's plan).
-- `training_objective(objective, accelerator, task, strategy, args) -> (objective, figures or None)`: the
-  micro-step's per-example loss sums `objective(model, batch)`, kept, compiled or replaced (distillation); after
-  `prepare`.
-- `micro_batch(prepared, accelerator, task, objective, train_set, args, prepare_training, loader_for, resumed)
-  -> prepared`: the prepared (model, optimizer, train and eval loaders, scheduler, torch optimizer), kept or
-  prepared again for another micro-batch (`prepare_training(module)`, `loader_for(micro_batch)`; the search for
-  one that fits).
-- `after_prepare(accelerator, model, optimizer, args) -> figures or None`: the prepared model (and the torch
-  optimizer that steps), before the first
-  step (hooks registered, state added to checkpoints). `figures(steps_run)`, called on every rank at the end,
-  adds to summary.json.
-- `around_training(accelerator, args, current_step) -> context manager`: what the training loop runs within
-  (a timed-out collective turned into one error line).
-- `stop_requested(step, now, args) -> str | None`: after each optimizer step, on every rank: why to save and
-  stop now (a signal), agreed by all ranks (a collective, at least when `now`: a step that logs, evaluates or saves).
-- `after_export(final_dir, processor, model_args, args)`: on the main process, once `final/` is written
-  (a merged model beside an adapter).
-- `run_ended(args, title)`: on the main process when a run ends, finished or stopped by a signal, once metrics.jsonl
-  and summary.json are written (report.png).
-- `dry_run_lines(task, model, model_args, args, strategy, processes, compute_dtype) -> list[str]`: lines the
-  dry run's plan adds (the memory per rank, a teacher's, the pipeline's stages).
+The hook points are `Part`'s fields, in the order a run meets them, each with what it is given and returns
+(`args`: TrainArguments); a hook a part leaves None is not called.
 """
 
 from __future__ import annotations
@@ -77,7 +25,7 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
-    from training.strategy import Strategy
+Hook = Callable[..., Any] | None  # a hook point: `Part`'s fields below
 
 
 @dataclass(frozen=True)
@@ -87,8 +35,8 @@ class TaskEntry:
     implementation: str  # "module:Class" of a training.tasks.Task subclass, imported when the task is built
     configs: Mapping[str, object]  # what --model_config may name for this task (e.g. models/configs.py)
     default_config: str
-    own_flags: tuple[str, ...] = ()  # only this task (and others listing them) reads these; set for another, they are refused
-    data_columns: tuple[frozenset[str], ...] = ()  # column sets that mark a dataset as this task's (named when another task is given it)
+    own_flags: tuple[str, ...] = ()  # flags only this task (and others listing them) reads: refused for another
+    data_columns: tuple[frozenset[str], ...] = ()  # column sets that mark a dataset as this task's (named if misused)
 
     def load(self) -> type:
         """The training.tasks.Task subclass (training/parts.py imports no task: tasks import the parts' hooks)."""
@@ -157,33 +105,58 @@ class Part:
     # what scripts/new_project.py leaves out with it, beyond parts/<name>/, tests/test_<name>.py, docs/<name>.md
     files: tuple[str, ...] = ()  # other files it owns (scripts, figures, tests under other names)
     requirements: tuple[str, ...] = ()  # packages of requirements.txt only it needs
-    before_imports: Callable[[], None] | None = None
-    check_flags: Callable[[Any, Any, Any], None] | None = None
-    at_start: Callable[[Strategy, bool], None] | None = None
-    check_launch: Callable[[Any, Strategy, int, bool], None] | None = None
-    started: Callable[[Accelerator, Any], str | None] | None = None
-    resuming: Callable[[Accelerator, Any, Any], None] | None = None
-    text_source: Callable[[Any], TextSource | None] | None = None
-    loader_settings: Callable[[Any], dict] | None = None
-    train_loader: Callable[..., object | None] | None = None
-    loading_checkpoint: Callable[[Any, bool], Any] | None = None
-    model_split: Callable[[Any, Any], str | None] | None = None
-    accelerator_settings: Callable[[Any], dict] | None = None
-    processes_per_replica: Callable[[Any], int] | None = None
-    ddp_settings: Callable[[Any, bool], dict] | None = None
-    convert_model: Callable[[torch.nn.Module, Accelerator, Any], torch.nn.Module] | None = None
-    adapt_model: Callable[[torch.nn.Module, Any, Any], torch.nn.Module] | None = None
-    wrap_model: Callable[[torch.nn.Module, Accelerator, Any], torch.nn.Module] | None = None
-    checkpoint_layout: Callable[[Any], dict[str, int]] | None = None
-    held_parameters: Callable[[torch.nn.Module, Any], int | None] | None = None
-    training_objective: Callable[..., tuple[Callable, Callable[[int], dict] | None]] | None = None
-    micro_batch: Callable[..., tuple] | None = None
-    after_prepare: Callable[[Accelerator, torch.nn.Module, Any, Any], Callable[[int], dict] | None] | None = None
-    around_training: Callable[[Accelerator, Any, Callable[[], int]], Any] | None = None
-    stop_requested: Callable[[int, bool, Any], str | None] | None = None
-    after_export: Callable[[Any, Any, Any, Any], None] | None = None
-    run_ended: Callable[[Any, str], None] | None = None
-    dry_run_lines: Callable[..., list[str]] | None = None
+    before_imports: Hook = None  # (): train.py's first call, before the libraries load (stop signals handled)
+    check_flags: Hook = None  # (model_args, data_args, args): after the core's own checks; raises ArgumentError
+    # (strategy, on_cpu): before the Accelerator and DeepSpeed start, and before DeepSpeed's CPU Adam builds
+    at_start: Hook = None
+    building_extension: Hook = None  # (name): before DeepSpeed's CPU Adam ("cpu_adam") compiles or loads
+    # (args, strategy, processes, on_cpu): before the process group (and in the dry run); raises StrategyError
+    check_launch: Hook = None
+    # (accelerator, args) -> str | None: the process group up, on every rank (a collective may run): a line to log
+    started: Hook = None
+    # (accelerator, args, checkpoint dir): about to resume, before the model is built (a micro-batch it recorded)
+    resuming: Hook = None
+    # (data_args) -> TextSource | None: a text task's sequences, when the flags choose a part's source (a stream)
+    text_source: Hook = None
+    loader_settings: Hook = None  # (args) -> dict: DataLoader keyword arguments (a `worker_init_fn`)
+    # (accelerator, train_set, task, args, loading) -> loader | None: batches of a set the core's DataLoader cannot
+    # read (a stream: no length), given the DataLoader settings; it keeps its own position
+    train_loader: Hook = None
+    # (checkpoint, deepspeed) -> context manager: what a resume loads the checkpoint within (an unpickling allow-list)
+    loading_checkpoint: Hook = None
+    # (model_args, args) -> str | None: this part's flag that splits one model over processes or devices, if set
+    model_split: Hook = None
+    accelerator_settings: Hook = None  # (args) -> dict: `Accelerator` keyword arguments (accelerate's dynamo plugin)
+    processes_per_replica: Hook = None  # (args) -> int: processes that read the same batches (a pipeline's stages)
+    ddp_settings: Hook = None  # (args, on_cpu) -> dict: `DistributedDataParallelKwargs` fields
+    # (model, accelerator, args) -> model: as the task built it, before adapters and `prepare` (kernels swapped in)
+    convert_model: Hook = None
+    # (model, model_args, args) -> model: after the seed, before `prepare`: parameters added or frozen (an adapter)
+    adapt_model: Hook = None
+    # (model, accelerator, args) -> model: the model laid out (tp slices), kept, or replaced by a `ModelRunner`
+    wrap_model: Hook = None
+    checkpoint_layout: Hook = None  # (args) -> dict: how the model is cut, recorded; a resume must match it
+    held_parameters: Hook = None  # (model, args) -> int | None: the most parameters one process holds (dry run)
+    # (objective, accelerator, task, strategy, args) -> (objective, figures | None): the micro-step's per-example
+    # loss sums `objective(model, batch)`, kept, compiled or replaced (distillation); after `prepare`
+    training_objective: Hook = None
+    # (prepared, accelerator, task, objective, train_set, args, prepare_training, loader_for, resumed) -> prepared:
+    # (model, optimizer, loaders, scheduler, torch optimizer), kept or prepared again for another micro-batch
+    micro_batch: Hook = None
+    # (accelerator, model, torch optimizer, args) -> figures | None: before the first step (hooks registered, state
+    # added to checkpoints); `figures(steps_run)`, called on every rank at the end, adds to summary.json
+    after_prepare: Hook = None
+    # (accelerator, args, current_step) -> context manager: what the loop runs within (a timed-out collective)
+    around_training: Hook = None
+    # (step, now, args) -> str | None: after each optimizer step, on every rank: why to save and stop now (a signal),
+    # agreed by all ranks (a collective, at least when `now`: a step that logs, evaluates or saves)
+    stop_requested: Hook = None
+    # (final_dir, processor, model_args, args): main process, once `final/` is written (a merged model)
+    after_export: Hook = None
+    # (args, title): main process, when a run ends or stops, metrics.jsonl and summary.json written (report.png)
+    run_ended: Hook = None
+    # (task, model, model_args, args, strategy, processes, compute_dtype) -> list[str]: the dry run's added lines
+    dry_run_lines: Hook = None
 
 
 @functools.cache

@@ -32,14 +32,9 @@ GPU_PEAK_FLOPS: dict[str, dict[torch.dtype | str, float]] = {
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B).
-
-    N counts the parameters used in matrix multiplies (all but the input embedding, unless
-    the output layer shares it); 12·L·d·T is attention's scores and weighted sum over a
-    sequence of T tokens, forward and backward. Call it before `prepare` (ZeRO-3 partitions
-    are counted by their full size). A model whose config does not describe its attention
-    (a custom model) is counted as 6N, every parameter in a matrix multiply.
-    """
+    """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B): N the parameters in matrix multiplies (all but
+    an untied input embedding), 12·L·d·T attention over T tokens. A model whose config does not describe its
+    attention (a custom model) counts as 6N. Call it before `prepare` (ZeRO-3 partitions count by full size)."""
     config = getattr(model, "config", None)
     layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
     head_dim = getattr(config, "head_dim", None) or (
@@ -55,8 +50,7 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool = False) -> float | None:
-    """The device's peak FLOP/s for matmuls in `dtype` (fp32 as TF32 under `tf32`): the datasheet
-    on known GPUs, a short probe on CPU."""
+    """Peak matmul FLOP/s in `dtype` (fp32 as TF32 under `tf32`): the datasheet on known GPUs, a probe on CPU."""
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), TF32 if tf32 and dtype == torch.float32 else dtype)
     if device.type == "cpu":
@@ -93,9 +87,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def _held(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """What this rank stores of a tensor: a DTensor's shard (FSDP2); a ZeRO-3 partition, plus the
-    full tensor while it is gathered (always, for parameters under DeepSpeed's persistence
-    threshold); or the tensor."""
+    """What this rank stores of a tensor: a DTensor's shard (FSDP2); a ZeRO-3 partition, plus the full tensor while
+    gathered (always, under DeepSpeed's persistence threshold); or the tensor."""
     if hasattr(tensor, "to_local"):
         return [tensor.to_local()]
     if getattr(tensor, "ds_tensor", None) is not None:
@@ -119,15 +112,12 @@ def frozen_parameter_bytes(model: torch.nn.Module) -> int:
 
 
 class SpeedMeter:
-    """Throughput (`unit`s/s: tokens or samples), step time, MFU and peak memory over the optimizer
-    steps since the last report. A step's clock runs from the end of the step before (or from `resume`) to its `end_step`,
-    loading its batches included; logging, evaluation and checkpoints pause it (`resume` after
-    them), so they do not lower the figures. The whole-run figures also leave out a launch's
-    first step, which carries its start-up (CUDA context, autotuning, torch.compile: 50 s on an
-    H100). On GPUs the steps are timed on the host, and every step before a pause waits for the
-    device inside its clock, so no device work runs while the clock is paused. (A clock that
-    restarted at each step lost the device time that ran while the host waited for the next
-    batch: 184% MFU on an H200 under torch.compile, docs/gpus.md.)
+    """Throughput (`unit`s/s), step time, MFU and peak memory over the optimizer steps since the last report.
+
+    A step's clock runs from the end of the step before (or `resume`) to its `end_step`, loading included; logging,
+    evaluation and saves pause it. The whole-run figures leave out a launch's first step (start-up, torch.compile:
+    50 s on an H100). Every step before a pause waits for the device inside its clock (a clock restarted at each
+    step lost device time: 184% MFU on an H200 under torch.compile, docs/gpus.md).
     """
 
     def __init__(
@@ -149,8 +139,7 @@ class SpeedMeter:
         self._started = time.perf_counter()
 
     def end_step(self, units: int, synchronize: bool = False) -> None:
-        """`synchronize` on the steps that report: the GPU work still queued then belongs to the
-        interval's clock (the report's own wait comes after it), as scripts/raw_ddp.py times each step."""
+        """`synchronize` on the steps that report: the GPU work still queued belongs to this interval's clock."""
         if synchronize and self.device.type != "cpu":
             torch.accelerator.synchronize(self.device)
         now = time.perf_counter()
@@ -170,8 +159,7 @@ class SpeedMeter:
         return figures
 
     def whole_run(self) -> dict[str, float]:
-        """This rank's figures over the launch's steps after its first (or the first, if alone),
-        for `collectives.gather_scalars`."""
+        """This rank's figures over the launch's steps after its first (or the first, if alone)."""
         if self.total_steps:
             return self._local(self.total_units, self.total_steps, self.total_seconds)
         return self._local(self.first_step[0], 1, self.first_step[1])
@@ -210,9 +198,8 @@ class SpeedMeter:
         return self.reported[-1]
 
     def steady_state(self) -> dict[str, float]:
-        """Medians over this launch's logged intervals after the first, which holds the warm-up (CUDA
-        context, autotuning, torch.compile's compilation): `steady_<unit>_per_sec`, `steady_step_time`
-        and `steady_mfu`. Empty with fewer than two intervals."""
+        """Medians over the logged intervals after the first (the warm-up): `steady_<unit>_per_sec`,
+        `steady_step_time`, `steady_mfu`; empty with fewer than two intervals."""
         after_warm_up = self.reported[1:]
         keys = [f"{self.unit}_per_sec", "step_time", *(["mfu"] if after_warm_up and "mfu" in after_warm_up[0] else [])]
         return {f"steady_{key}": statistics.median(r[key] for r in after_warm_up) for key in keys} if after_warm_up else {}

@@ -1,7 +1,9 @@
 """Start-up work skipped: what DeepSpeed and py-cpuinfo do at every start that train.py never uses, each with its
 measured saving (deepspeed.py). A project without this part trains the same, and starts slower: about 1.5 s of CPU
 per rank at every DeepSpeed start, 3.6 s per rank at every ZeRO offload start, 45-60 s at the first DeepSpeed launch
-on CPU in each environment, 16 s at the one CPU Adam build. See docs/fast_start.md.
+on CPU in each environment, 16 s at the one CPU Adam build. It also releases a CPU Adam build's lock file that a
+killed build left behind (build_lock.py), on which every later ZeRO-offload start would wait forever. See
+docs/fast_start.md.
 """
 
 from training.parts import Part
@@ -21,5 +23,14 @@ def at_start(strategy, on_cpu: bool) -> None:
     build_without_debug_symbols()
 
 
-PART = Part("fast_start", "DeepSpeed's start-up work that train.py never uses, skipped (seconds per rank per start)",
-            at_start=at_start)
+def building_extension(name: str) -> None:
+    """Before DeepSpeed's CPU Adam compiles or loads: a lock file left by a build killed while it held it is removed
+    (torch would wait on it forever, at every later offload start)."""
+    from parts.fast_start.build_lock import release_abandoned_build_lock
+
+    release_abandoned_build_lock(name)
+
+
+PART = Part("fast_start", "DeepSpeed's start-up work that train.py never uses, skipped (seconds per rank per start); "
+            "a CPU Adam build lock left by a killed build, released", at_start=at_start,
+            building_extension=building_extension)
