@@ -1,11 +1,11 @@
-"""GPU defaults (training/cuda_settings.py): each decision from its inputs, and torch's switches set."""
+"""The part cuda_settings: each GPU default decided from its inputs and torch's switches set; idle GPUs named."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
+from parts.cuda_settings.settings import idle_gpus, loader_workers, use_tf32
 from training.performance import TF32, gpu_peak_flops
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
@@ -32,16 +32,6 @@ def test_mfu_counts_tf32_runs_against_the_tensor_core_peak() -> None:
     assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", TF32) == 156.0e12
 
 
-@pytest.mark.parametrize(("device", "fixed_shapes", "benchmark"), [(CUDA, True, True), (CUDA, False, False),
-                                                                  (CPU, True, False)])
-def test_cudnn_tunes_convolutions_only_for_fixed_shapes_on_gpus(device, fixed_shapes, benchmark) -> None:
-    try:
-        tune_convolutions(device, fixed_shapes)
-        assert torch.backends.cudnn.benchmark is benchmark
-    finally:
-        tune_convolutions(CPU, False)
-
-
 @pytest.mark.parametrize(("usable", "cores", "processes", "workers"), [
     (16, 16, 2, 4),  # 8 cores each, one for the loop: 7, at most 4
     (16, 16, 8, 1),  # 2 cores each: one for the loop, one worker
@@ -57,3 +47,14 @@ def test_loader_workers_default_to_none_on_cpu_and_a_few_on_gpus(usable, cores, 
     assert loader_workers(3, CPU, local_processes=2) == 3  # the flag wins
 
 
+@pytest.mark.parametrize(
+    ("local_processes", "local_gpus", "machines", "launch_hint"),
+    [(2, 8, 1, "--num_processes 8"), (2, 8, 2, "--num_processes 16"), (8, 8, 2, None), (1, 1, 1, None)],
+)
+def test_idle_gpus_are_named_with_the_launch_that_uses_them(local_processes, local_gpus, machines, launch_hint) -> None:
+    warning = idle_gpus(local_processes, local_gpus, machines)
+    if launch_hint is None:
+        assert warning is None
+    else:
+        assert f"this machine has {local_gpus} GPUs but {local_processes} process(es) run on it" in warning
+        assert launch_hint in warning

@@ -6,21 +6,6 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import TINY_RUN, launch, read_metrics, train, with_processes
-from training.accelerator import idle_gpus
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize(
-    ("local_processes", "local_gpus", "machines", "launch_hint"),
-    [(2, 8, 1, "--num_processes 8"), (2, 8, 2, "--num_processes 16"), (8, 8, 2, None), (1, 1, 1, None)],
-)
-def test_idle_gpus_are_named_with_the_launch_that_uses_them(local_processes, local_gpus, machines, launch_hint) -> None:
-    warning = idle_gpus(local_processes, local_gpus, machines)
-    if launch_hint is None:
-        assert warning is None
-    else:
-        assert f"this machine has {local_gpus} GPUs but {local_processes} process(es) run on it" in warning
-        assert launch_hint in warning
 
 
 GPU_STEPS = 8

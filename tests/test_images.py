@@ -168,6 +168,22 @@ def test_default_shapes_are_balanced_drawn_the_same_everywhere_and_ready_for_the
 
 
 @pytest.mark.quick
+def test_the_image_task_lets_cudnn_tune_its_convolutions(tmp_path) -> None:
+    """Every batch has one shape: cuDNN's autotuner (GPUs) picks the fastest convolutions once per shape."""
+    from training.arguments import parse_args
+    from training.task_registry import build_task
+
+    model_args, data_args, _ = parse_args(["--task", "image-classification", "--output_dir", str(tmp_path)])
+    task = build_task(model_args, data_args)
+    try:
+        torch.backends.cudnn.benchmark = False
+        task.build_model(task.load_raw_datasets(0))
+        assert torch.backends.cudnn.benchmark
+    finally:
+        torch.backends.cudnn.benchmark = False
+
+
+@pytest.mark.quick
 def test_image_folders_hold_one_class_per_folder_and_missing_ones_are_named(tmp_path) -> None:
     for split, count in (("train", 10), ("validation", 5)):
         for index in range(count):

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
-import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
@@ -53,22 +52,6 @@ def describe(accelerator: Accelerator, strategy: Strategy) -> str:
     return (
         f"strategy={strategy.value}{detail} processes={accelerator.num_processes} "
         f"backend={backend} device={accelerator.device.type} mixed_precision={accelerator.mixed_precision}")
-
-def idle_gpu_warning(accelerator: Accelerator, owns_every_gpu: bool) -> str | None:
-    """A warning when this machine has more GPUs than processes (every config says `num_processes: 2`: 6 of an 8-GPU
-    node idle unless the launch says otherwise); `owns_every_gpu`: one process spreads the model over all of them."""
-    if accelerator.device.type == "cpu" or owns_every_gpu:
-        return None
-    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return idle_gpus(local_processes, torch.accelerator.device_count(), accelerator.num_processes // local_processes)
-
-def idle_gpus(local_processes: int, local_gpus: int, machines: int) -> str | None:
-    """`idle_gpu_warning`'s decision, from the counts."""
-    if local_processes >= local_gpus:
-        return None
-    return (f"this machine has {local_gpus} GPUs but {local_processes} process(es) run on it: {local_gpus - local_processes} "
-            f"sit idle. Launch with `accelerate launch --num_processes {local_gpus * machines} ...` (the total over "
-            "all machines)")
 
 @contextmanager
 def model_construction(accelerator: Accelerator, pretrained: bool, can_build_empty: bool) -> Iterator[bool]:

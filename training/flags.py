@@ -111,10 +111,7 @@ class CoreTrainArguments:
         "help": "Seconds a collective may wait before every rank aborts (a stalled rank)."})
     dataloader_num_workers: int | None = field(default=None, metadata={
         "help": "Worker processes loading batches per process; 0: in the main process. Default: 0 on CPU "
-                "(the ranks need the cores), up to 4 on GPUs (training/cuda_settings.py)."})
-    tf32: bool | None = field(default=None, metadata={
-        "help": "TF32 tensor cores for fp32 matmuls and convolutions (Ampere and newer GPUs). Default: on "
-                "when training on GPUs without --mixed_precision bf16/fp16; no effect on CPU."})
+                "(the ranks need the cores), up to 4 on GPUs (parts/cuda_settings)."})
     dataloader_pin_memory: bool = field(default=True, metadata={"help": "Pin batches in page-locked memory (GPUs only)."})
     report_to: list[str] = field(default_factory=lambda: ["none"], metadata={
         "help": "Trackers: tensorboard, wandb, trackio, mlflow (one or more), all (every one installed) or none."})

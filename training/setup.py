@@ -23,12 +23,11 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from training.accelerator import build_accelerator, describe, idle_gpu_warning, model_construction
+from training.accelerator import build_accelerator, describe, model_construction
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
 from training.collectives import gather_scalars
 from training.console import one_voice
 from training.cpu_accommodations import use_share_of_cores
-from training.cuda_settings import loader_workers, tune_convolutions, use_tf32
 from training.errors import ModelError
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.metrics import tracker_config
@@ -78,26 +77,25 @@ class Run:
     ranks_per_batch: int  # ranks that read the same batches (a tensor-parallel group): counted once
 
 
-def device_peak_flops(accelerator: Accelerator, tf32: bool) -> float | None:
+def device_peak_flops(accelerator: Accelerator) -> float | None:
     """Each device's peak FLOP/s for MFU. On CPU a probe, run by the main process alone while the others wait
     (the same kind of cores on every node, and a probe alone is not slowed by the other ranks' probes)."""
     dtype = compute_dtype(accelerator.mixed_precision)
     if accelerator.device.type != "cpu":
-        return peak_flops(accelerator.device, dtype, tf32)
+        return peak_flops(accelerator.device, dtype, tf32=torch.backends.cuda.matmul.allow_tf32)
     measured = peak_flops(accelerator.device, dtype) if accelerator.is_main_process else 0.0
     return float(gather_scalars(accelerator, {"peak": measured})["peak"].max())
 
 
 def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArguments) -> Run:
     """The Accelerator, then the model and data, then `prepare`, then a resumed state and the trackers."""
-    accelerator, strategy, run_description, tf32 = start_accelerator(model_args, args)
+    accelerator, strategy, run_description = start_accelerator(model_args, args)
     resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir, accelerator)
     if resume_path:
         each("resuming", accelerator, args, resume_path)  # the parts' hook: settings the checkpoint recorded
     set_seed(args.seed)  # identical initial weights on every rank and strategy
 
     task = build_task(model_args, data_args)
-    tune_convolutions(accelerator.device, task.fixed_input_shapes)
     with accelerator.main_process_first():  # the main process downloads; the others then read its cache
         raw = task.load_raw_datasets(args.seed)
     model = build_model(accelerator, task, raw, model_args, args)
@@ -107,16 +105,13 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     model = through("wrap_model", model, accelerator, args)  # a part may lay the model out (layers over GPUs, tp slices) or run it itself
     # (pipeline stages: a ModelRunner). Several devices: a part split the layers over this process's GPUs
     devices = sorted({p.device for p in model.parameters() if p.device.type == accelerator.device.type}, key=str)
-    if warning := idle_gpu_warning(accelerator, owns_every_gpu=len(devices) > 1):  # then none of them is idle
-        logger.warning(warning, main_process_only=True)
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
     replica_processes, replicas = data_parallel(accelerator.num_processes, args)
     global_batch = global_batch_size(args, replicas)
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking in start_accelerator).
-    workers = loader_workers(args.dataloader_num_workers, accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    loading = {"collate_fn": task.collator, "num_workers": workers,
+    loading = {"collate_fn": task.collator, "num_workers": args.dataloader_num_workers or 0,
                "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda",
-               **merged("loader_settings", args)}  # the parts' (parts/preemption: workers ignore stop signals)
+               **merged("loader_settings", args)}  # the parts' (workers on GPUs, workers that ignore stop signals)
     # a part may batch the training set itself (a stream's share: no length, so no epoch length either, 0)
     if part_loaders := found("train_loader", accelerator, train_set, task, args, loading):
         train_data = part_loaders[0]
@@ -176,7 +171,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         f"training to step {max_steps}, {len(eval_set)} examples for evaluation",
         main_process_only=True,
     )
-    peak = device_peak_flops(accelerator, tf32)
+    peak = device_peak_flops(accelerator)
     speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit,
                        replica_processes,  # ranks that read each batch
                        memory_devices=devices if len(devices) > 1 else None)
@@ -238,7 +233,7 @@ def training_loader(dataset, batch_size: int, seed: int, **loading) -> DataLoade
                       **loading)
 
 
-def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple[Accelerator, Strategy, str, bool]:
+def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple[Accelerator, Strategy, str]:
     """The Accelerator, checked to run the configured strategy; the start-up lines on the main process."""
     accelerator = build_accelerator(
         args,
@@ -261,14 +256,13 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
     )
     strategy = verify_strategy(accelerator)
     one_voice(accelerator.is_main_process)  # the other ranks report errors only
-    tf32 = use_tf32(args.tf32, accelerator.device, accelerator.mixed_precision)
-    run_description = f"{describe(accelerator, strategy)} tf32={'on' if tf32 else 'off'}"
+    run_description = describe(accelerator, strategy)
     if accelerator.device.type == "cpu":  # before the peak-FLOP probe, which measures the same threads
         run_description += f", {use_share_of_cores(int(os.environ.get('LOCAL_WORLD_SIZE', '1')))}"
     logger.info(run_description, main_process_only=True)
-    for line in found("started", accelerator, args):  # the parts' (parts/hangs: the preflight's map of ranks)
+    for line in found("started", accelerator, args):  # the parts' (TF32 on GPUs, the preflight's map of ranks)
         logger.info(line, main_process_only=True)
-    return accelerator, strategy, run_description, tf32
+    return accelerator, strategy, run_description
 
 
 def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArguments,

@@ -29,7 +29,6 @@ class Task(ABC):
     unit = "samples"  # what throughput counts (`count_units`): "samples", or "tokens"
     model_input = "input_ids"  # the batch key `forward` feeds the model (a pipeline's first stage is fed it)
     auto_model: type | None = None  # a transformers Auto class that loads this task's models (a distillation teacher)
-    fixed_input_shapes = False  # every batch the same shape: cuDNN may tune its convolutions once (GPUs)
     can_build_empty = False  # build_model honours `empty` (training/accelerator.py `model_construction`)
     own_flags: tuple[str, ...] = ()  # core flags a `--task module:Class` reads (e.g. "train_file"); others are refused
 
