@@ -1,4 +1,4 @@
-"""Train a causal language model or an image classifier with DDP, FSDP2 or DeepSpeed ZeRO, chosen by config file only.
+"""Train a model (a causal LM, or any `--task`) with DDP, FSDP2 or DeepSpeed ZeRO, chosen by config file only.
 
     accelerate launch train.py                                               # one process, defaults
     accelerate launch --config_file accelerate_configs/fsdp.yaml train.py    # any strategy, same code

@@ -13,24 +13,17 @@ from accelerate import Accelerator
 
 @functools.cache
 def cpu_group(timeout_s: int) -> dist.ProcessGroup | None:
-    """A gloo group over all ranks, for host-side agreements that must not wait on the GPU.
-
-    CPU runs already use gloo: None, the default group (holding no reference to it, which
-    would keep it alive past `destroy_process_group` and abort the process at exit). On GPUs
-    this makes one more group, once (a collective: the first call must happen on every
-    rank). Multi-node GPU runs: gloo picks its network interface from the hostname; set
-    GLOO_SOCKET_IFNAME as you set NCCL_SOCKET_IFNAME.
-    """
+    """A gloo group over all ranks, for host-side agreements that must not wait on the GPU: on CPU None, the default
+    group (a reference would keep it alive past `destroy_process_group`: abort at exit); on GPUs one more group, made
+    by the first call on every rank (gloo picks its interface from the host name: set GLOO_SOCKET_IFNAME)."""
     if dist.get_backend() == "gloo":
         return None
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def gather_scalars(accelerator: Accelerator, values: dict[str, torch.Tensor | float]) -> dict[str, torch.Tensor]:
-    """Every rank's value of each named scalar (a CPU float64 tensor, one value per rank), in one
-    collective and one wait for the device, however many figures a step reports.
-
-    Values may be device tensors, DTensors (FSDP2's gradient norm) or numbers."""
+    """Every rank's value of each named scalar (CPU float64, one per rank) in one collective and one wait for the
+    device, however many figures a step reports; values may be device tensors, DTensors or numbers."""
     local = [value.full_tensor() if hasattr(value, "full_tensor") else value for value in values.values()]
     row = torch.stack([torch.as_tensor(value, device=accelerator.device).detach().to(torch.float64).reshape(())
                        for value in local])
@@ -39,12 +32,8 @@ def gather_scalars(accelerator: Accelerator, values: dict[str, torch.Tensor | fl
 
 
 def end_collectives(accelerator: Accelerator) -> None:
-    """Finish the trackers and destroy every process group (the default one, ours and the libraries'),
-    in reverse order of creation, on every rank; then drop our own reference to the CPU group.
-
-    gloo stops a group's worker threads only once nothing refers to it any more; libraries
-    keep references of their own, which is why ranks end through training/process_exit.py.
-    """
+    """Finish the trackers and destroy every process group, on every rank, and drop our reference to the CPU group
+    (gloo stops a group's threads only once nothing refers to it; libraries keep theirs: training/process_exit.py)."""
     accelerator.end_training()
     cpu_group.cache_clear()
 

@@ -1,7 +1,5 @@
-"""Owns the set-up phase of train.py: from parsed flags to a `Run`, ready to train.
-
-In the order a newcomer reads it: the Accelerator checked to run the configured strategy,
-the model built and laid out, the data loaders, `prepare`, a resumed state, the trackers."""
+"""Owns the set-up phase of train.py, from parsed flags to a `Run`: the Accelerator checked to run the configured
+strategy, the model built and laid out, the data loaders, `prepare`, a resumed state, the trackers."""
 
 from __future__ import annotations
 
