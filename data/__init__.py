@@ -73,14 +73,12 @@ def hold_out(train: Dataset, percentage: int, seed: int, stratify_by_column: str
             return hold_out(train, percentage, seed)
         raise DataError(
             f"{len(train)} training examples cannot give up --validation_split_percentage {percentage} for "
-            "validation; add data, change the percentage, or give a validation file or directory"
-        ) from None
+            "validation; add data, change the percentage, or give a validation file or directory") from None
     return DatasetDict({"train": split["train"], "validation": split["test"]})
 
 
 def cache_key(split: Dataset, embedded: str, tokenizer: PreTrainedTokenizerBase, *settings) -> str:
-    """Identifies a tokenized split by all that changes it: its source (a fingerprint, or `embedded`: the version of a
-    set made here), the tokenizer, its chat template and `settings`."""
+    """A tokenized split's key: source (a fingerprint, or `embedded` version), tokenizer, chat template, `settings`."""
     source = split._fingerprint if split.cache_files else f"{embedded}-{len(split)}"
     parts = [source, tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template, *settings]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
@@ -109,8 +107,7 @@ def check_plain_text(split: Dataset, text_column: str) -> None:
 def build_lm_datasets(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, text_column: str, block_size: int,
                       main_process_first: AbstractContextManager | None = None, packing: bool = True,
                       num_proc: int | None = None) -> tuple[Dataset, Dataset]:
-    """Both splits as sequences of at most `block_size` tokens, cached on disk by the main process while the other ranks
-    wait. A cache made with another `num_proc` is reused as it is (datasets' rule)."""
+    """Both splits as sequences of at most `block_size` tokens, cached by the main process first (any `num_proc`)."""
     for split in raw.values():
         if text_column not in split.column_names:
             hint = task_hint(set(split.column_names))
@@ -129,8 +126,7 @@ def build_lm_datasets(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, text
                 remove_columns=split.column_names,
                 fn_kwargs={"tokenizer": tokenizer, "text_column": text_column, "block_size": block_size},
                 cache_file_name=str(cache_dir / f"{key}.arrow"), new_fingerprint=key, num_proc=num_proc,
-                desc=f"Tokenizing {name}",
-            )
+                desc=f"Tokenizing {name}")
             if packing:  # equal lengths: tensors straight from the dataset
                 packed[name] = packed[name].with_format("torch")
     return packed["train"], packed["validation"]
@@ -140,8 +136,7 @@ PAD_TO_MULTIPLE_OF = 8
 
 
 def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool):
-    """Packed blocks stack as they are; documents are padded (labels -100) to a multiple of 8 tokens: tensor cores want
-    it, and under --torch_compile fewer distinct lengths mean fewer recompilations."""
+    """Padded to a multiple of 8 tokens (labels -100): tensor cores want it, and torch.compile recompiles less."""
     if packing:
         return default_data_collator
     # Right padding whatever the tokenizer's side: left padding shifts positions, so the loss would depend on batching.

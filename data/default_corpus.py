@@ -7,10 +7,8 @@ import random
 
 CORPUS_VERSION = "1"  # bump when the grammar changes, so cached tokenizations are rebuilt
 
-NAMES = {
-    "she": ["Mia", "Lena", "Ada", "Nora", "Ivy", "Rosa", "Hana", "Zoe", "Ella", "Maya", "Lucy", "Iris"],
-    "he": ["Tom", "Leo", "Max", "Omar", "Finn", "Hugo", "Ben", "Sam", "Kai", "Eli", "Jack", "Noah"],
-}
+NAMES = {"she": ["Mia", "Lena", "Ada", "Nora", "Ivy", "Rosa", "Hana", "Zoe", "Ella", "Maya", "Lucy", "Iris"],
+         "he": ["Tom", "Leo", "Max", "Omar", "Finn", "Hugo", "Ben", "Sam", "Kai", "Eli", "Jack", "Noah"]}
 ANIMALS = ["fox", "rabbit", "bear", "owl", "cat", "dog", "mouse", "frog", "duck", "wolf", "deer", "goat"]
 ADJECTIVES = ["small", "brave", "quiet", "clever", "happy", "curious", "kind", "shy", "proud", "gentle"]
 PLACES = ["forest", "village", "garden", "valley", "river", "hill", "farm", "lake", "meadow", "castle"]
@@ -65,6 +63,5 @@ def generate_documents(num_documents: int, seed: int) -> list[str]:
 
 
 def default_splits(num_train: int = 8_000, num_validation: int = 400) -> dict[str, list[str]]:
-    """Train and validation documents, drawn from differently seeded generators."""
     return {"train": generate_documents(num_train, seed=1234),
             "validation": generate_documents(num_validation, seed=5678)}

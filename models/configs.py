@@ -1,6 +1,5 @@
-"""Named Llama-style configs for `--model_config NAME`; a part adds its own (parts/images/configs.py), and yours may
-return any `PretrainedConfig` that `AutoModelForCausalLM` knows (other models: recipes/conv_lm.py, plain_model.py).
-Config classes are imported only when a config is made: `train.py --help` lists the names without loading torch."""
+"""Named Llama-style configs for `--model_config NAME` (a part adds its own: parts/images/configs.py). Config
+classes are imported only when a config is made: `train.py --help` lists the names without loading torch."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ def _llama(hidden: int, layers: int, heads: int, intermediate: int, positions: i
         return LlamaConfig(
             vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
             num_key_value_heads=heads, intermediate_size=intermediate, max_position_embeddings=positions,
-            bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id, tie_word_embeddings=False,
-        )
+            bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id, tie_word_embeddings=False)
 
     return make
 

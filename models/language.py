@@ -18,7 +18,6 @@ SHIPPED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer"
 
 
 def first_line(error: BaseException) -> str:
-    """An exception's first line, for a one-line error message (its type when it has no text)."""
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
@@ -29,10 +28,8 @@ def loading(what: str, source: str) -> Iterator[None]:
         yield
     except (OSError, ValueError) as error:
         if "trust_remote_code" in str(error):
-            raise ModelError(
-                f"{what} {source} needs its own Python code to load; pass --trust_remote_code only if you trust "
-                "that code (it runs on every rank)"
-            ) from None
+            raise ModelError(f"{what} {source} needs its own Python code to load; pass --trust_remote_code "
+                             "only if you trust that code (it runs on every rank)") from None
         raise ModelError(f"cannot load {what} {source}: {first_line(error)}") from None
 
 
@@ -50,14 +47,12 @@ def build_tokenizer(model_name_or_path: str | None, tokenizer_name: str | None,
 def build_model(model_name_or_path: str | None, model_config: str, tokenizer: PreTrainedTokenizerBase,
                 trust_remote_code: bool = False, gradient_checkpointing: bool = False, empty: bool = False,
                 config_overrides: str | None = None) -> PreTrainedModel:
-    """Pretrained weights, or a named config initialised from scratch (seed first); fp32 always, as the strategy keeps
-    fp32 master weights (bf16 weights trained directly learn worse). `empty`: architecture only, its weights to come
-    from another rank (training/accelerator.py `model_construction`)."""
+    """Pretrained weights, or a named config from scratch (seed first); fp32 always: the strategy keeps fp32 master
+    weights. `empty`: the architecture only, its weights to come from another rank (`model_construction`)."""
     if model_name_or_path and not empty:
         with loading("model", model_name_or_path):
-            model = AutoModelForCausalLM.from_pretrained(
-                model_name_or_path, dtype=torch.float32, trust_remote_code=trust_remote_code
-            )
+            model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=torch.float32,
+                                                         trust_remote_code=trust_remote_code)
     else:
         if model_name_or_path:
             with loading("model", model_name_or_path):
@@ -77,15 +72,13 @@ def build_model(model_name_or_path: str | None, model_config: str, tokenizer: Pr
     if len(tokenizer) > rows:  # token ids past the embedding would crash, or train on garbage rows
         raise ModelError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows} rows; use the model's own "
-            "tokenizer, or resize on purpose (model.resize_token_embeddings(len(tokenizer)), then save_pretrained)"
-        )
+            "tokenizer, or resize on purpose (model.resize_token_embeddings(len(tokenizer)), then save_pretrained)")
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
-    """Recompute activations in backward instead of storing them; a clear error if the model cannot."""
     if not model.supports_gradient_checkpointing:
         raise ModelError(f"{type(model).__name__} does not support --gradient_checkpointing; drop the flag")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -24,13 +24,10 @@ from training.optim import OPTIMIZERS, check_optimization
 from training.parts import each, found, run_inputs
 from training.task_registry import task_entry, tasks
 
-
 # Flags naming files or directories the run reads: --overwrite_output_dir must not delete them (a part marks its own)
 RUN_INPUTS = ("model_name_or_path", "tokenizer_name", "dataset_name", "train_file", "validation_file", *run_inputs())
 
-
-# TrainingArguments flags that the launcher owns here: the accelerate config or `accelerate launch` sets them.
-LAUNCHER_SETTINGS = {
+LAUNCHER_SETTINGS = {  # TrainingArguments flags that the accelerate config or `accelerate launch` sets here
     "bf16": "accelerate launch --mixed_precision bf16 ... train.py (or mixed_precision: bf16 in the accelerate yaml)",
     "fp16": "accelerate launch --mixed_precision fp16 ... train.py (GPUs only; bf16 is safer)",
     "deepspeed": "accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml train.py (or another ZeRO config)",
@@ -51,7 +48,7 @@ def _check_known(keys: list[str], where: str) -> None:
 
 
 def load_recipe(path: str) -> dict[str, Any]:
-    """Read a flat YAML mapping of flag names to values."""
+    """A flat YAML mapping of flag names to values."""
     try:
         recipe = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
@@ -187,8 +184,7 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
 
 
 def model_splits(model_args: ModelArguments, train_args: TrainArguments) -> list[str]:
-    """What splits one model over several processes or devices, as the parts' flags and configs ask (--device_map,
-    pipeline stages, tensor parallelism); features that need whole models per process refuse to combine with them."""
+    """What splits one model over processes or devices (the parts': --device_map, pipeline stages, tensor parallel)."""
     return found("model_split", model_args, train_args)
 
 

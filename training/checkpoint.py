@@ -1,6 +1,5 @@
-"""Resumable checkpoints (`checkpoints/step_N`: accelerate's `save_state` plus `trainer_state.json`) and `final/`.
-Each is saved to `step_N.tmp` and renamed once every rank is done, so a killed save never counts for `latest` or
-rotation; multi-node runs need a shared filesystem, as the main process renames."""
+"""Resumable checkpoints (`checkpoints/step_N`: `save_state` + `trainer_state.json`) and `final/`. Each is saved to
+`step_N.tmp`, renamed once every rank is done (a killed save never counts); multi-node needs a shared filesystem."""
 
 from __future__ import annotations
 
@@ -31,8 +30,6 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 
 @dataclass
 class TrainerState:
-    """Where training stands; enough to continue exactly, on any number of processes."""
-
     completed_steps: int = 0
     epoch: int = 0
     steps_in_epoch: int = 0  # optimizer steps taken in `epoch`: the data position to skip to

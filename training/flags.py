@@ -25,14 +25,12 @@ INTERVALS = ["steps", "epoch", "no"]
 
 @dataclass
 class CoreModelArguments:
-    task: str = field(default="causal-lm", metadata={
-        "help": "What to learn: the core's next-token text, a task an installed part adds, or your own Task subclass "
-                "as module:Class (recipes/).", "choices": TaskChoices(tasks())})
+    task: str = field(default="causal-lm", metadata={"help": "What to learn: the core's next-token text, a task an "
+        "installed part adds, or your own Task subclass as module:Class (recipes/).", "choices": TaskChoices(tasks())})
     model_name_or_path: str | None = field(default=None, metadata={
         "help": "Hub id or local directory of a pretrained model for --task. Unset: train from scratch."})
-    model_config: str | None = field(default=None, metadata={
-        "help": "Named config to train from scratch. Default: "
-                + ", ".join(f"{entry.default_config} ({name})" for name, entry in tasks().items()) + ".",
+    model_config: str | None = field(default=None, metadata={"help": "Named config to train from scratch. Default: "
+        + ", ".join(f"{entry.default_config} ({name})" for name, entry in tasks().items()) + ".",
         "choices": sorted({name for entry in tasks().values() for name in entry.configs})})
     config_overrides: str | None = field(default=None, metadata={
         "help": "Change the --model_config before it is built: e.g. vocab_size=50304,max_position_embeddings=2048."})
@@ -64,9 +62,8 @@ class CoreDataArguments:
 @dataclass
 class CoreTrainArguments:
     output_dir: str = field(default="outputs/default", metadata={"help": "Checkpoints, metrics and the final model."})
-    overwrite_output_dir: bool = field(default=False, metadata={
-        "help": "Start afresh in an output_dir that holds a run: its checkpoints, final model, metrics and "
-                "tracker logs are deleted just before training starts."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh in an output_dir that holds a "
+        "run: its checkpoints, final model, metrics and tracker logs are deleted just before training starts."})
     max_steps: int = field(default=-1, metadata={"help": "Optimizer steps to run; -1 means --num_train_epochs."})
     num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs over the training set if max_steps is -1."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-step."})
@@ -95,14 +92,12 @@ class CoreTrainArguments:
     seed: int = field(default=42, metadata={"help": "Seeds model init, data order and dropout."})
     logging_steps: int = field(default=10, metadata={"help": "Log training metrics every N optimizer steps."})
     logging_first_step: bool = field(default=False, metadata={"help": "Also log the run's first optimizer step."})
-    eval_strategy: str = field(default="steps", metadata={
-        "help": "When to evaluate: every --eval_steps, at each epoch's end, or never; steps and epoch also at the end.",
-        "choices": INTERVALS})
+    eval_strategy: str = field(default="steps", metadata={"help": "When to evaluate: every --eval_steps, at each "
+        "epoch's end, or never; steps and epoch also at the end.", "choices": INTERVALS})
     eval_steps: int = field(default=100, metadata={"help": "Evaluate every N optimizer steps (and at the end)."})
     eval_on_start: bool = field(default=True, metadata={"help": "Evaluate before the first step (the step-0 baseline)."})
-    save_strategy: str = field(default="steps", metadata={
-        "help": "When to save a checkpoint: every --save_steps, at each epoch's end, or never (a stop signal "
-                "still saves).", "choices": INTERVALS})
+    save_strategy: str = field(default="steps", metadata={"help": "When to save a checkpoint: every --save_steps, at "
+        "each epoch's end, or never (a stop signal still saves).", "choices": INTERVALS})
     save_steps: int = field(default=200, metadata={"help": "Save a resumable checkpoint every N optimizer steps."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
     resume_from_checkpoint: str | None = field(default=None, metadata={

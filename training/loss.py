@@ -25,7 +25,6 @@ def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor,
 
 
 def count_target_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Target tokens in a batch: what the loss is averaged over."""
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
@@ -41,8 +40,7 @@ def class_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
 
 
 def accumulation_windows(batches: Iterable[dict], size: int) -> Iterator[list[dict]]:
-    """Micro-batches grouped into one optimizer step's windows, read whole as the loss divides by their token count
-    (train.py drops an epoch's incomplete last global batch)."""
+    """Micro-batches by optimizer step, read whole: the loss divides by their token count (train.py drops partials)."""
     window = []
     for batch in batches:
         window.append(batch)
@@ -54,13 +52,11 @@ def accumulation_windows(batches: Iterable[dict], size: int) -> Iterator[list[di
 
 
 class NonFiniteGuard:
-    """Remembers the first non-finite step without a host sync per step; `check` runs before anything is logged, saved
-    or exported, so poisoned weights never reach a checkpoint. Under fp16 an infinite gradient norm is the loss scaler
-    skipping an overflowed step (inside the fused AdamW kernel: `optimizer_step_was_skipped` misses it): counted, and
-    fatal only MAX_SKIPPED_IN_A_ROW in a row (scale down from 2**16 to below 2**-4), as a non-finite loss always is."""
+    """The first non-finite step, without a host sync; `check` runs before any log or save. Under fp16 an inf grad norm
+    is a skipped step (fused AdamW hides it from `optimizer_step_was_skipped`): fatal MAX_SKIPPED_IN_A_ROW in a row."""
 
     NONE = 2**62
-    MAX_SKIPPED_IN_A_ROW = 20
+    MAX_SKIPPED_IN_A_ROW = 20  # in a row: the loss scale falls from 2**16 to below 2**-4
 
     def __init__(self, device: torch.device, loss_scaling: bool = False) -> None:
         self.loss_scaling = loss_scaling
@@ -100,9 +96,8 @@ class NonFiniteGuard:
             what = (f"the loss became non-finite, or fp16 overflowed {self.MAX_SKIPPED_IN_A_ROW} steps in a row "
                     "(bf16 does not overflow)" if self.loss_scaling else "the loss or gradient norm became non-finite")
             raise NonFiniteLossError(
-                f"{what} (NaN or inf) at step {first}; stopped without saving anything from that step on. "
-                "Lower --learning_rate, keep --max_grad_norm > 0, or resume from an earlier checkpoint"
-            )
+                f"{what} (NaN or inf) at step {first}; stopped without saving anything from that step on. Lower "
+                "--learning_rate, keep --max_grad_norm > 0, or resume from an earlier checkpoint")
 
 
 def label_loss_sums(task, model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -112,9 +107,8 @@ def label_loss_sums(task, model: torch.nn.Module, batch: dict) -> torch.Tensor:
 
 def forward_backward(accelerator, objective: Callable[[torch.nn.Module, dict], torch.Tensor], model: torch.nn.Module,
                      accumulation: int, batch: dict, window_targets: torch.Tensor) -> torch.Tensor:
-    """One micro-step under every data-parallel strategy; returns this process's share of the step's loss: the mean
-    over every target of the global batch, not of per-batch means, so padded batches weigh by their tokens. The logits
-    live only inside `objective`, freed before backward's gradients pile up. (A part's ModelRunner runs its own.)"""
+    """One micro-step; returns this process's share of the step's loss: the mean over every target of the global batch,
+    so padded batches weigh by their tokens. Logits live only inside `objective`, freed before backward's gradients."""
     loss = objective(model, batch).sum() / window_targets
     # Strategies average gradients over micro-steps and processes; scale up to the global token mean's gradient.
     # (Tensor parallelism averages over data-parallel ranks only, and its tp ranks each counted the targets.)

@@ -1,5 +1,4 @@
-"""Metrics: `output_dir/metrics.jsonl` (one JSON object per line), accelerate's trackers, and the
-run's summary (`summary.json`, and the lines printed at the end)."""
+"""Metrics: `output_dir/metrics.jsonl`, accelerate's trackers, and the run's summary (`summary.json`, printed too)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from training.errors import ArgumentError
 if TYPE_CHECKING:
     from training.tasks import Task
 
-
 # --report_to name -> its package (tensorboard is pinned in requirements.txt; the others are optional installs)
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
 
@@ -30,8 +28,7 @@ def _installed(package: str) -> bool:
 
 
 def resolve_trackers(names: list[str]) -> list[str]:
-    """The trackers to start for `--report_to` (`all`: every one installed). accelerate skips a missing one with only
-    a debug message: one asked for by name must not silently log nowhere."""
+    """`--report_to`'s trackers (`all`: those installed); one missing is refused (accelerate would only debug-log)."""
     unknown = [name for name in names if name not in (*TRACKER_PACKAGES, "all", "none")]
     if unknown:
         raise ArgumentError(f"unknown --report_to {unknown}; choose from {[*TRACKER_PACKAGES, 'all', 'none']}")
@@ -65,8 +62,7 @@ def read_metrics(run: str | Path) -> list[dict]:
 
 
 class MetricsLogger:
-    """Appends metrics on the main process only; every rank may call it. A run resuming at step k drops later records
-    (the run it continues may have logged past its last checkpoint); a fresh run starts a new file."""
+    """Any rank may call; the main process writes. Resuming at step k drops later records (logged past the save)."""
 
     def __init__(self, accelerator: Accelerator, output_dir: str, resumed_step: int | None) -> None:
         self.accelerator = accelerator
@@ -86,7 +82,6 @@ class MetricsLogger:
 
 
 def write_summary(output_dir: str, summary: dict) -> None:
-    """`output_dir/summary.json`: the run's final figures, settings and library versions."""
     versions = {name: version(name) for name in ("torch", "accelerate", "deepspeed", "transformers", "datasets")}
     (Path(output_dir) / "summary.json").write_text(json.dumps(summary | {"versions": versions}, indent=2) + "\n")
 

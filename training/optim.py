@@ -1,6 +1,5 @@
-"""The optimizer and learning-rate schedule: the same torch objects on every strategy. Under ZeRO optimizer offload
-AdamW runs as DeepSpeed's `DeepSpeedCPUAdam` (compiled on first use, about a minute, then cached in
-~/.cache/torch_extensions). torch, transformers and DeepSpeed load inside functions, so `--help` stays instant."""
+"""The optimizer and learning-rate schedule, the same on every strategy (ZeRO optimizer offload: DeepSpeedCPUAdam, built
+on first use in about a minute, then cached). Heavy imports stay inside functions, so `--help` stays instant."""
 
 from __future__ import annotations
 
@@ -15,19 +14,15 @@ from training.errors import ArgumentError, StrategyError
 if TYPE_CHECKING:
     import torch
 
-# Trainer's rule: no weight decay on biases and norm weights, by name, not by shape: ZeRO-3 builds the model
-# already partitioned (every parameter a flat 1-D shard).
+# Trainer's rule, by name, not by shape: ZeRO-3 builds the model already partitioned (every parameter a flat 1-D shard).
 NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 
 
 @dataclass(frozen=True)
 class OptimizerChoice:
-    """An optimizer class (imported when built) and its settings from the TrainingArguments names."""
-
     class_path: str  # "module.Class"
     settings: Callable[[Any], dict[str, Any]]  # args -> keyword arguments
-    # factors each matrix's second moment by rows and columns: on FSDP2/ZeRO shards it would compute something else
-    needs_whole_tensors: bool = False
+    needs_whole_tensors: bool = False  # factors each matrix's second moment by rows and columns; FSDP2/ZeRO shard them
     offloaded: OptimizerChoice | None = None  # what runs instead under ZeRO optimizer offload
 
     @property
@@ -46,15 +41,13 @@ def _adamw(args) -> dict[str, Any]:
 DEEPSPEED_CPU_ADAMW = OptimizerChoice("deepspeed.ops.adam.DeepSpeedCPUAdam", lambda args: _adamw(args) | {"adamw_mode": True})
 
 OPTIMIZERS: dict[str, OptimizerChoice] = {
-    # fused: one kernel for the whole update (CUDA and CPU), instead of a few per parameter.
     "adamw_torch_fused": OptimizerChoice("torch.optim.AdamW", lambda args: _adamw(args) | {"fused": True},
-                                         offloaded=DEEPSPEED_CPU_ADAMW),
+                                         offloaded=DEEPSPEED_CPU_ADAMW),  # fused: one kernel, not a few per parameter
     "adamw_torch": OptimizerChoice("torch.optim.AdamW", _adamw, offloaded=DEEPSPEED_CPU_ADAMW),
     "sgd": OptimizerChoice("torch.optim.SGD", lambda args: {"lr": args.learning_rate}),
-    # As Trainer's "adafactor": the given learning rate, not Adafactor's own relative step size.
     "adafactor": OptimizerChoice("transformers.optimization.Adafactor",
                                  lambda args: {"lr": args.learning_rate, "scale_parameter": False, "relative_step": False},
-                                 needs_whole_tensors=True),
+                                 needs_whole_tensors=True),  # as Trainer's: the given lr, not a relative step size
 }
 
 
@@ -70,10 +63,8 @@ def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> to
 
     decay = set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY_PATTERNS))
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for name, p in named if name in decay], "weight_decay": args.weight_decay},
-        {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0},
-    ]
+    groups = [{"params": [p for name, p in named if name in decay], "weight_decay": args.weight_decay},
+              {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0}]
     # An adapter has no trainable biases/norms: DeepSpeed drops an empty group, then the scheduler steps one too many
     groups = [group for group in groups if group["params"]]
     choice = optimizer_for(args.optim, offloaded)
@@ -92,8 +83,7 @@ def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> to
 
 
 def prepare_cpu_adam() -> None:
-    """Every loader calls this before DeepSpeed's CPU Adam compiles or loads: the parts' start-up settings are part
-    of the build's identity (parts/fast_start builds it without debug symbols)."""
+    """Before DeepSpeed's CPU Adam builds or loads: the parts' start-up settings (parts/fast_start) key the build."""
     from training.parts import each
     from training.strategy import Strategy
 
@@ -116,8 +106,7 @@ def global_batch_size(args, data_parallel: int) -> int:
 
 
 def run_length(train_examples: int, eval_examples: int, global_batch: int, args) -> tuple[int, int]:
-    """Optimizer steps per epoch, and in the run. Every step sees a full global batch (a partial one would weigh
-    less under accumulation): the last `train_examples % global_batch` examples are left out every epoch."""
+    """Steps per epoch and in the run; an epoch's last partial global batch is left out (it would weigh less)."""
     steps_per_epoch = train_examples // global_batch
     if steps_per_epoch == 0 or eval_examples == 0:
         raise ArgumentError(
@@ -127,14 +116,12 @@ def run_length(train_examples: int, eval_examples: int, global_batch: int, args)
 
 
 def warmup_steps(args, total_steps: int) -> int:
-    """`--warmup_steps` when given (as in transformers, it overrides the ratio), else `--warmup_ratio` of the
-    total steps, rounded down (transformers rounds up: a 1-step run would then only warm up, at rate 0)."""
+    """Rounded down: transformers rounds up, so a 1-step run would only warm up, at rate 0."""
     return args.warmup_steps if args.warmup_steps is not None else math.floor(args.warmup_ratio * total_steps)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
-    """Linear warmup, then `args.lr_scheduler_type` decay, in optimizer steps: train.py steps it once per optimizer
-    step, so the schedule depends on neither the number of processes nor accumulation."""
+    """In optimizer steps, so the schedule depends on neither the number of processes nor accumulation."""
     from accelerate.logging import get_logger
     from transformers import get_scheduler
 
@@ -147,8 +134,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args, total_steps: int) ->
 
 
 def idle_steps_warning(scheduler: torch.optim.lr_scheduler.LRScheduler, total_steps: int, warmup: int) -> str | None:
-    """What a schedule training steps at learning rate 0 wastes (a 1-step run under a 30-step warmup once exported
-    its initial weights without a word), or None; a warmup's first step, at 0 in transformers, is exempt."""
+    """Warns of steps at rate 0 (a 1-step run in a 30-step warmup saved only its init); a warmup's step 1 is exempt."""
     if not hasattr(scheduler, "lr_lambdas"):  # reduce_lr_on_plateau, greedy: no rate known in advance
         return None
     factors = [scheduler.lr_lambdas[0](step) for step in range(total_steps)]  # the rate of step k + 1, relative

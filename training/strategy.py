@@ -25,7 +25,6 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 
 def requested_strategy() -> Strategy:
-    """The strategy the launcher was configured with (`accelerate launch` sets these variables)."""
     if _env_flag("ACCELERATE_USE_DEEPSPEED"):
         return Strategy.DEEPSPEED
     if _env_flag("ACCELERATE_USE_FSDP"):
@@ -39,8 +38,7 @@ def has_accelerator_device() -> bool:
     return torch.accelerator.is_available()
 
 def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
-    """Before any process group, reject what accelerate would fail on with a traceback or silently run differently
-    (every rank checks the same settings, so every rank stops with the same line)."""
+    """Before any process group, reject what accelerate would fail on or silently run otherwise (same on every rank)."""
     if strategy is Strategy.DEEPSPEED and (path := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")):
         if not Path(path).is_file():
             raise StrategyError(
@@ -58,9 +56,8 @@ def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
     if on_cpu and strategy is Strategy.FSDP and os.environ.get("FSDP_VERSION", "1") != "2":
         raise StrategyError("FSDP1 cannot run on CPU; set `fsdp_version: 2` in the accelerate config")
     if on_cpu and os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16":
-        raise StrategyError(
-            "fp16 mixed precision needs a GPU (loss scaling runs on the device) and this machine has none; "
-            "use --mixed_precision bf16 or no")
+        raise StrategyError("fp16 mixed precision needs a GPU (loss scaling runs on the device) and this machine has "
+                            "none; use --mixed_precision bf16 or no")
 
 def wrapped_strategy(model: torch.nn.Module) -> Strategy:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -76,11 +73,8 @@ def wrapped_strategy(model: torch.nn.Module) -> Strategy:
     return Strategy.SINGLE
 
 EXPECTED_TYPES = {
-    Strategy.SINGLE: {DistributedType.NO},
-    Strategy.DDP: {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU},
-    Strategy.FSDP: {DistributedType.FSDP},
-    Strategy.DEEPSPEED: {DistributedType.DEEPSPEED},
-}
+    Strategy.SINGLE: {DistributedType.NO}, Strategy.DDP: {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU},
+    Strategy.FSDP: {DistributedType.FSDP}, Strategy.DEEPSPEED: {DistributedType.DEEPSPEED}}
 
 def verify_strategy(accelerator: Accelerator, prepared_model: torch.nn.Module | None = None) -> Strategy:
     """Refuse to train unless the strategy in use is the configured one (again with the model after `prepare`)."""
@@ -125,8 +119,7 @@ def master_weight_dtypes(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 def verify_prepared(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                     per_device_batch: int, max_grad_norm: float) -> None:
-    """After `prepare`: what runs is what train.py asked for. Master weights stay fp32 under bf16/fp16 too
-    (training bf16 weights directly learns worse, and differs between FSDP and DeepSpeed)."""
+    """After `prepare`: what runs is what train.py asked for; master weights stay fp32 (bf16 ones learn worse)."""
     verify_strategy(accelerator, model)
     if master_weight_dtypes(model, optimizer) != {torch.float32}:
         raise StrategyError(f"optimizer master weights are {master_weight_dtypes(model, optimizer)}, not float32")
@@ -135,13 +128,11 @@ def verify_prepared(accelerator: Accelerator, model: torch.nn.Module, optimizer:
     leftover = _auto_keys(accelerator.state.deepspeed_plugin.deepspeed_config)
     if leftover:
         raise StrategyError(f"DeepSpeed config values still 'auto' after prepare: {leftover}")
-    expected = {
-        "micro-batch": (model.train_micro_batch_size_per_gpu(), per_device_batch),
-        "gradient accumulation": (model.gradient_accumulation_steps(), accelerator.gradient_accumulation_steps),
-        "gradient clipping": (model.gradient_clipping(), max_grad_norm),
-        "bf16": (model.bfloat16_enabled(), accelerator.mixed_precision == "bf16"),
-        "fp16": (model.fp16_enabled(), accelerator.mixed_precision == "fp16"),
-    }
+    expected = {"micro-batch": (model.train_micro_batch_size_per_gpu(), per_device_batch),
+                "gradient accumulation": (model.gradient_accumulation_steps(), accelerator.gradient_accumulation_steps),
+                "gradient clipping": (model.gradient_clipping(), max_grad_norm),
+                "bf16": (model.bfloat16_enabled(), accelerator.mixed_precision == "bf16"),
+                "fp16": (model.fp16_enabled(), accelerator.mixed_precision == "fp16")}
     for name, (engine_value, ours) in expected.items():
         if engine_value != ours:
             raise StrategyError(

@@ -58,8 +58,7 @@ def answer_none_for_missing_embeddings(model: torch.nn.Module) -> None:
         model.get_input_embeddings = lambda: None
 
 def _reduce_gradients_in_fp32(accelerator: Accelerator) -> None:
-    """accelerate's FSDP2 bf16/fp16 policy also reduces gradients in 8 bits of mantissa over many ranks: reduce in
-    fp32 instead, as torchtitan's default and DDP (whose gradients are the fp32 parameters') do."""
+    """accelerate's FSDP2 bf16/fp16 policy reduces gradients in 8 mantissa bits: use fp32, as torchtitan and DDP do."""
     plugin = accelerator.state.fsdp_plugin
     if plugin.fsdp_version == 2 and plugin.mixed_precision_policy is not None:
         plugin.mixed_precision_policy = dataclasses.replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32)
@@ -74,8 +73,7 @@ def gradient_reduction_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
     return {param.dtype for param in model.parameters() if param.requires_grad}
 
 def keep_batch_norm_in_fp32(model: torch.nn.Module, accelerator: Accelerator) -> None:
-    """FSDP2 casts BatchNorm weights to bf16 but not its fp32 running statistics, which BatchNorm refuses
-    (pytorch/torchtitan#674): each BatchNorm becomes its own fp32 unit, as autocast runs it under DDP."""
+    """FSDP2 casts BatchNorm weights to bf16, not running stats, which BatchNorm refuses (pytorch/torchtitan#674)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -88,8 +86,7 @@ def batch_norm_statistics_in(model: torch.nn.Module, dtype: torch.dtype) -> None
         buffer.data = buffer.to(dtype)
 
 def align_deepspeed_config(config: dict, max_grad_norm: float, per_device_batch: int) -> None:
-    """Fill DeepSpeed's "auto"s from our flags: accelerate would clip at 1.0 and take the smallest batch of all
-    dataloaders passed to `prepare` (the eval one too). A clipping value that disagrees with the flag is refused."""
+    """Fill DeepSpeed's "auto"s from our flags: accelerate would clip at 1.0 and take the smallest (eval's) batch."""
     if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         config["train_micro_batch_size_per_gpu"] = per_device_batch
     clipping = config.get("gradient_clipping", "auto")
@@ -101,8 +98,7 @@ def align_deepspeed_config(config: dict, max_grad_norm: float, per_device_batch:
             'set "gradient_clipping": "auto" in the JSON so the flag decides')
 
 def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor | float:
-    """Clip the global gradient norm to `max_norm`; return the norm before clipping, still on the device.
-    DeepSpeed clips in its own step: its norm is read as is (accelerate's `.item()` waits for the GPU every step)."""
+    """The norm before clipping, on the device (DeepSpeed clips in its step; accelerate's `.item()` would sync)."""
     if wrapped_strategy(model) is Strategy.DEEPSPEED:
         return model.get_global_grad_norm()
     if isinstance(model, ModelRunner):  # a part's model that clips itself (pipeline stages: the norm over every stage)
@@ -110,7 +106,6 @@ def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
     return accelerator.clip_grad_norm_(model.parameters(), max_norm)
 
 def write_effective_deepspeed_config(accelerator: Accelerator, output_dir: str) -> None:
-    """Save the DeepSpeed config as resolved by `prepare` (no "auto"), for the record."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and accelerator.is_main_process:
         path = Path(output_dir) / "deepspeed_config.json"
@@ -120,8 +115,7 @@ def write_effective_deepspeed_config(accelerator: Accelerator, output_dir: str) 
 
 @contextmanager
 def own_class_while_saving(model: torch.nn.Module) -> Iterator[None]:
-    """FSDP2 makes the model an `FSDP<Model>` (torch's module), and `save_pretrained` of a custom model names and
-    copies the instance's class in the export's `auto_map`: the model's own class must be the one saved."""
+    """FSDP2 makes the model an `FSDP<Model>`: a custom model's `save_pretrained` would copy that into `auto_map`."""
     from torch.distributed.fsdp import FSDPModule
 
     fsdp_class = type(model)

@@ -13,19 +13,15 @@ from training.parts import TaskEntry, part_task_flags, part_tasks
 if TYPE_CHECKING:
     from training.tasks import Task
 
-
 # The text tasks' shared flags (a part's text task lists them too)
 TEXT_FLAGS = ("tokenizer_name", "config_overrides", "train_file", "validation_file", "sample_prompt")
-CORE_TASKS: dict[str, TaskEntry] = {
-    "causal-lm": TaskEntry("training.tasks:CausalLM", NAMED_CONFIGS, "llama-small",
-                           (*TEXT_FLAGS, "text_column", "block_size", "packing")),
-}
+CORE_TASKS: dict[str, TaskEntry] = {"causal-lm": TaskEntry("training.tasks:CausalLM", NAMED_CONFIGS, "llama-small",
+                                                           (*TEXT_FLAGS, "text_column", "block_size", "packing"))}
 
 
 @functools.cache
 def tasks() -> dict[str, TaskEntry]:
-    """Every `--task`, the core's then the parts', with the part flags it reads (not at import: a part's task may
-    import this module)."""
+    """Every `--task`, the core's then the parts', with the part flags it reads (not at import: parts import this)."""
     extra = part_task_flags()
     return {name: dataclasses.replace(entry, own_flags=entry.own_flags + extra.get(name, ()))
             for name, entry in {**CORE_TASKS, **part_tasks()}.items()}
@@ -68,5 +64,4 @@ def task_entry(name: str) -> TaskEntry:
 
 
 def build_task(model_args, data_args) -> Task:
-    """The `Task` that `--task` names, built from the parsed flags."""
     return task_entry(model_args.task).load()(model_args, data_args)

@@ -1,6 +1,5 @@
-"""What is learned (`--task`): the model, its data and its loss; the training loop is the same for every task. Add a
-task as a `Task` subclass run with `--task module:Class` (recipes/ holds examples), or register it in `CORE_TASKS` of
-training/task_registry.py or in a part's `Part.tasks` (parts/images/ adds `--task image-classification`)."""
+"""What is learned (`--task`): model, data and loss; the loop is the same for every task. Add one as a `Task` subclass
+(`--task module:Class`, see recipes/), or register it in `CORE_TASKS` (training/task_registry.py) or `Part.tasks`."""
 
 from __future__ import annotations
 
@@ -49,13 +48,11 @@ class Task(ABC):
 
     @abstractmethod
     def build_datasets(self, raw, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]:
-        """The training and evaluation sets, any map-style torch `Dataset`s (`main_process_first`: a context in which
-        the main process goes first, e.g. to tokenise and cache, the others then read its cache)."""
+        """Train and eval sets, map-style `Dataset`s; in `main_process_first` the main process goes first (to cache)."""
 
     @abstractmethod
     def loss_sums(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-example sums of the label loss over the targets, and the targets counted (`eval_loss`): a step's loss
-        is the sum over the global batch's targets, the same however the batch is split."""
+        """Per-example label-loss sums over the targets, and the targets counted: `eval_loss` is their global ratio."""
 
     def load_raw_datasets(self, seed: int):
         """What is read before the model is built (by the main process first), handed to both builders."""
@@ -67,8 +64,7 @@ class Task(ABC):
         return getattr(output, "logits", output)
 
     def objective_sums(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Per-example sums of what training minimises: the label loss, unless a task overrides this one (label
-        smoothing, a z-loss); `eval_loss` stays the label loss."""
+        """Per-example sums training minimises: the label loss unless overridden (label smoothing, a z-loss)."""
         return self.loss_sums(logits, batch)[0]
 
     def correct(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor | None:
@@ -91,8 +87,7 @@ class Task(ABC):
         return "(none: the task shows no sample)"
 
     def eval_sums(self, logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        """Named per-example sums that evaluation totals over the validation set on every rank; a task may add its
-        own (a top-5 count) and turn them into metrics in `eval_metrics`."""
+        """Named per-example sums, totalled over the validation set on every rank for `eval_metrics`; add your own."""
         loss, targets = self.loss_sums(logits, batch)
         correct = self.correct(logits, batch)
         return {"loss": loss, "targets": targets, **({"correct": correct} if correct is not None else {})}
