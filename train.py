@@ -130,7 +130,8 @@ def train(run: Run) -> dict[str, float]:
                     if accelerator.is_main_process:
                         progress.write(f"step {step}: eval_loss {eval_result['eval_loss']:.4f}")
                 if save_now:
-                    saved = save_checkpoint(accelerator, run.model, args.output_dir, state, args.save_total_limit)
+                    saved = save_checkpoint(accelerator, run.model, run.optimizer, args.output_dir, state,
+                                            args.save_total_limit)
                     if accelerator.is_main_process:
                         progress.write(f"step {step}: saved {saved}")
                 if log_now or eval_now or save_now:

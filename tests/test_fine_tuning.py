@@ -20,6 +20,8 @@ from tests.conftest import (
     CONFIGS,
     LORA_STEPS,
     assert_continues_exactly,
+    assert_same_final_weights,
+    logged_after,
     lora_args,
     read_metrics,
     target_loss,
@@ -78,6 +80,22 @@ def test_a_lora_run_resumes_exactly(config, lora_run, tied_base_model, tmp_path)
     if RESUMED[config]:  # dropout changed the run from step 3: LoRA's B is zero until step 2's update (warmup)
         plain, dropped = ([m["loss"] for m in read_metrics(run) if "loss" in m] for run in (lora_run(config), uninterrupted))
         assert plain[:2] == dropped[:2] and all(a != b for a, b in zip(plain[2:], dropped[2:], strict=True))
+
+
+def test_a_lora_run_resumes_under_another_strategy(lora_run, tied_base_model, tmp_path) -> None:
+    """FSDP2's checkpoint at step 3, resumed under ZeRO-3: the adapter, its optimizer state and the frozen base carry
+    over (training/checkpoint.py `model_state/`); the losses and final adapter are FSDP2's at the parity tolerance."""
+    uninterrupted = lora_run("fsdp")
+    shutil.copytree(uninterrupted / "checkpoints" / "step_3", tmp_path / "checkpoints" / "step_3")
+    result = train("deepspeed_zero3", tmp_path, *lora_args("deepspeed_zero3", tied_base_model),
+                   "--resume_from_checkpoint", "latest")
+    assert "resuming a fsdp checkpoint of 2 process(es) under deepspeed_zero3 with 2" in result.stderr
+    expected, actual = logged_after(uninterrupted, 3), logged_after(tmp_path, 3)
+    assert actual.keys() == expected.keys()
+    assert {step for step, key in actual if key == "loss"} == set(range(4, LORA_STEPS + 1))
+    for entry in expected:
+        assert actual[entry] == pytest.approx(expected[entry], abs=TOLERANCE), entry
+    assert_same_final_weights(uninterrupted, tmp_path, atol=TOLERANCE, weights="adapter_model.safetensors")
 
 
 def test_plain_peft_loads_the_adapter_and_reproduces_the_eval_loss(lora_run, tied_base_model, tmp_path) -> None:

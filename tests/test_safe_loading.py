@@ -26,14 +26,13 @@ class CodeOnLoad:
 
 
 TAMPERED = {  # config -> a file its checkpoint loads with pickle, and how to write a payload there
-    "deepspeed_zero2": ("pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt", torch.save),  # torch.load
-    "fsdp": ("pytorch_model_fsdp_0/.metadata", lambda payload, path: path.write_bytes(pickle.dumps(payload))),  # pickle
+    "deepspeed_zero2": ("scheduler.bin", torch.save),  # accelerate's torch.load (model_state/ is safetensors)
 }
 
 
 @pytest.mark.parametrize("config", TAMPERED)
 def test_a_checkpoint_that_would_run_code_on_load_is_refused(config, split_run, uneven_data, tmp_path) -> None:
-    """DeepSpeed asks torch.load for full unpickling and DCP reads metadata with pickle: neither runs code."""
+    """What accelerate's save_state pickles (the schedule, RNG, the parts' objects) loads weights-only: no code runs."""
     args = split_run_args(uneven_data, SPLIT_OF[config])
     checkpoint = tmp_path / "checkpoints" / "step_8"
     shutil.copytree(split_run(SPLIT_OF[config]) / "checkpoints" / "step_8", checkpoint)

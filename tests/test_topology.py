@@ -1,17 +1,16 @@
-"""Resuming a checkpoint on a different number of processes (same global batch of 8).
-
-FSDP2 sharded checkpoints (torch distributed checkpoint) reshard on load: 2 -> 1 and
-1 -> 2 continue the run. DeepSpeed ZeRO checkpoints are partitioned per rank and cannot
-be resumed on another count: train.py stops at once and names the conversion path.
-"""
+"""Resuming a checkpoint under another strategy or number of processes (same global batch of 8): checkpoints hold
+the model and optimizer state in one format (training/checkpoint.py `model_state/`), so a chain of resumes through
+every config continues one process's run; so do FSDP2 2 -> 1 and 1 -> 2, and a change of accumulation."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
 
 from tests.conftest import (
+    MAX_STEPS,
     assert_same_final_weights,
     launch,
     read_metrics,
@@ -21,6 +20,7 @@ from tests.conftest import (
     train,
     with_processes,
 )
+from training.parts import installed
 
 RESUME_STEP = 8
 TOLERANCE = 1e-5  # a different process count sums gradients in a different order
@@ -49,17 +49,45 @@ def test_fsdp_checkpoint_resumes_on_another_number_of_processes(
     assert_same_final_weights(full, resumed, atol=TOLERANCE)
 
 
-def test_deepspeed_checkpoint_on_another_number_of_processes_stops_with_the_conversion_path(
-    split_run, uneven_data, tmp_path
-) -> None:
-    full = split_run("zero2-2x2x2")
+# The chain trains fresh under its first config, saving every step; each later link resumes the previous link's
+# checkpoint at the next step and trains on to the end. Every config saves a checkpoint that another resumes, and the
+# process count changes 2 -> 1 -> 2 (and 4 -> 2 -> 4 with tensor parallelism). (config, processes, batch, accumulation)
+TENSOR_PARALLEL = [("fsdp_tp", 4, 4, 1)] if installed("tensor_parallel") else []
+CHAIN = [*TENSOR_PARALLEL, ("ddp", 2, 2, 2), ("deepspeed_zero3_offload", 2, 4, 1), ("single", 1, 8, 1),
+         ("deepspeed_zero1", 2, 4, 1), ("fsdp", 2, 2, 2), ("deepspeed_zero3", 2, 4, 1), ("deepspeed_zero2", 2, 4, 1),
+         *(TENSOR_PARALLEL or [("ddp", 2, 4, 1)])]
+
+
+def test_a_chain_of_resumes_through_every_config_continues_one_process_run(split_run, uneven_data, tmp_path) -> None:
+    straight = {m["step"]: m["loss"] for m in read_metrics(split_run("1x8x1")) if "loss" in m}
+    previous = None
+    for step, (config, processes, per_device, accumulation) in enumerate(CHAIN):
+        run = tmp_path / f"{step}-{config}"
+        if previous:
+            shutil.copytree(previous / "checkpoints" / f"step_{step}", run / "checkpoints" / f"step_{step}")
+        result = train(config, run, *split_args(uneven_data, per_device, accumulation, save_steps=1),
+                       *(["--resume_from_checkpoint", "latest"] if previous else []))
+        if previous:
+            (saved_by, saved_on, *_), recorded = CHAIN[step - 1], config.removesuffix("_tp")  # (tp: a layout of fsdp)
+            assert (f"resuming a {saved_by.removesuffix('_tp')} checkpoint of {saved_on} process(es) under {recorded} "
+                    f"with {processes}" in result.stderr), result.stderr[-3000:]
+        logged = {m["step"]: m["loss"] for m in read_metrics(run) if "loss" in m}
+        assert sorted(logged) == list(range(step + 1, MAX_STEPS + 1))
+        for later, loss in logged.items():
+            assert loss == pytest.approx(straight[later], abs=TOLERANCE), (config, later)
+        previous = run
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(split_run, uneven_data, tmp_path) -> None:
+    """A model whose tensors differ from the checkpoint's (another --model_config) stops before any rank trains."""
+    full = split_run("2x4x1")
     shutil.copytree(full / "checkpoints" / f"step_{RESUME_STEP}", tmp_path / "checkpoints" / f"step_{RESUME_STEP}")
-    single = with_processes("deepspeed_zero2", 1, tmp_path / "configs")
-    result = launch(single, "train.py", "--model_config", "llama-tiny", "--output_dir", str(tmp_path),
-                    *split_args(uneven_data, per_device=8, accumulation=1), "--resume_from_checkpoint", "latest")
-    assert result.returncode != 0
+    result = launch("ddp", "train.py", "--model_config", "llama-tiny", "--config_overrides", "num_hidden_layers=3",
+                    "--output_dir", str(tmp_path), *split_args(uneven_data, per_device=4, accumulation=1),
+                    "--resume_from_checkpoint", "latest")
+    assert re.search(r"exitcode\s*:\s*2", result.stderr), result.stderr[-3000:]  # each rank's, behind the launcher's 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert errors and "DeepSpeed checkpoint of 2 processes" in errors[0] and "zero_to_fp32.py" in errors[0]
+    assert len(errors) == 1 and "holds another model" in errors[0] and "model.layers.2" in errors[0], errors
     assert not (tmp_path / "metrics.jsonl").exists() or "loss" not in (tmp_path / "metrics.jsonl").read_text()
 
 

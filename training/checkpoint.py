@@ -1,5 +1,7 @@
-"""Resumable checkpoints (`checkpoints/step_N`: `save_state` + `trainer_state.json`) and `final/`. Each is saved to
-`step_N.tmp`, renamed once every rank is done (a killed save never counts); multi-node needs a shared filesystem."""
+"""Resumable checkpoints and `final/`. A checkpoint (`checkpoints/step_N`) holds the model and optimizer state in one
+format for every strategy and process count (`model_state/`), accelerate's `save_state` of the rest (schedule, RNG,
+data position, the parts' objects) and `trainer_state.json`. Each is saved to `step_N.tmp` and renamed once every rank
+is done (a killed save never counts); multi-node needs a shared filesystem."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pickle
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -16,15 +19,18 @@ import torch
 from accelerate import Accelerator
 from transformers import PreTrainedModel
 from accelerate.utils import broadcast_object_list
+from safetensors.torch import load_file, save_file
 
 from training.batchnorm import average_running_statistics
 from training.errors import ArgumentError, ResumeError
 from training.parts import ModelRunner, filled
-from training.strategy_adapters import own_class_while_saving
+from training.strategy_adapters import (base_optimizer, full_state, load_optimizer_states, model_tensors,
+                                        own_class_while_saving, set_full_state)
 
 TRAINER_STATE = "trainer_state.json"
 PLAIN_MODEL = "model.json"  # in final/: how to rebuild a plain nn.Module (its class and constructor arguments)
-DEEPSPEED_DIR = "pytorch_model"  # what accelerate's save_state writes for a DeepSpeed engine
+MODEL_STATE = "model_state"  # one safetensors file per tensor: its whole fp32 value and optimizer state
+DEEPSPEED_DIR = "pytorch_model"  # what accelerate's save_state wrote for a DeepSpeed engine (before model_state/)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -35,6 +41,7 @@ class TrainerState:
     steps_in_epoch: int = 0  # optimizer steps taken in `epoch`: the data position to skip to
     global_batch: int = 0  # sequences per optimizer step; resuming needs the same
     num_processes: int = 1  # that saved the checkpoint
+    strategy: str = ""  # that saved it, as its config is named (deepspeed_zero2, fsdp...)
     layout: dict[str, int] = field(default_factory=dict)  # how parts cut the model (pipeline stages), each saved apart
     per_device_train_batch_size: int = 0  # the micro-batch that ran (0: not recorded, before --auto_find_batch_size)
     gradient_accumulation_steps: int = 0
@@ -123,7 +130,7 @@ def require_complete_checkpoint(path: Path) -> Path:
     return path
 
 
-def save_checkpoint(accelerator: Accelerator, model: torch.nn.Module, output_dir: str, state: TrainerState,
+def save_checkpoint(accelerator: Accelerator, model: torch.nn.Module, optimizer, output_dir: str, state: TrainerState,
                     save_total_limit: int | None) -> Path:
     """On every rank (sharded saves need all); BatchNorm stats averaged first so a resume matches an unbroken run."""
     average_running_statistics(model, accelerator)
@@ -132,7 +139,10 @@ def save_checkpoint(accelerator: Accelerator, model: torch.nn.Module, output_dir
     if accelerator.is_main_process and staging.exists():
         shutil.rmtree(staging)  # left by a save that was killed
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging))
+    with without_model_and_optimizer(accelerator, model):
+        accelerator.save_state(str(staging))
+    if not isinstance(model, ModelRunner):  # (a part's model saves itself through save_state's hooks: pipeline stages)
+        save_model_state(accelerator, model, optimizer, staging / MODEL_STATE)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (staging / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
@@ -145,6 +155,62 @@ def save_checkpoint(accelerator: Accelerator, model: torch.nn.Module, output_dir
     return path
 
 
+@contextlib.contextmanager
+def without_model_and_optimizer(accelerator: Accelerator, model) -> Iterator[None]:
+    """accelerate's `save_state`/`load_state` of all but a `model` whose state is in `MODEL_STATE` (accelerate 1.15
+    has no switch: its lists are emptied meanwhile). None: all of it (a part's model, a checkpoint before model_state/)."""
+    kept = accelerator._models, accelerator._optimizers
+    if model is not None and not isinstance(model, ModelRunner):
+        accelerator._models, accelerator._optimizers = [], []
+    try:
+        yield
+    finally:
+        accelerator._models, accelerator._optimizers = kept
+
+
+def save_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, directory: Path) -> None:
+    """Every tensor's whole fp32 value and optimizer state, gathered one at a time (a collective), each written by
+    one rank in turn: no rank holds more than its share plus one tensor's."""
+    directory.mkdir(parents=True, exist_ok=True)
+    base = base_optimizer(optimizer)
+    for index, (name, tensor) in enumerate(model_tensors(accelerator.unwrap_model(model)).items()):
+        state = full_state(tensor, base)
+        if index % accelerator.num_processes == accelerator.process_index:
+            save_file({key: value.contiguous() for key, value in state.items()}, directory / f"{name}.safetensors")
+
+
+def load_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, directory: Path) -> None:
+    """`save_model_state`'s tensors into this run's model and optimizer, however they are laid out."""
+    tensors = model_tensors(accelerator.unwrap_model(model))
+    saved = sorted(file.name.removesuffix(".safetensors") for file in directory.glob("*.safetensors"))
+    if saved != sorted(tensors):
+        differences = [f"{len(names)} {whose} ({', '.join(names[:2])}...)" for names, whose in (
+            (sorted(set(saved) - set(tensors)), "of its tensors are not in this model"),
+            (sorted(set(tensors) - set(saved)), "of this model's tensors are not in it")) if names]
+        raise ResumeError(f"{directory.parent} holds another model: {'; '.join(differences)}; resume with the model it "
+                          "was trained with (--model_config, --config_overrides, --model_name_or_path)")
+    base, torch_states = base_optimizer(optimizer), {}
+    for name, tensor in tensors.items():
+        state = load_file(directory / f"{name}.safetensors")
+        shape = tuple(getattr(tensor, "ds_shape", tensor.shape))  # (a ZeRO-3 partition knows its whole shape)
+        if tuple(state["value"].shape) != shape:
+            raise ResumeError(f"{directory.parent} holds {name} of shape {tuple(state['value'].shape)}, this model's is "
+                              f"{shape}; resume with the model it was trained with")
+        set_full_state(tensor, state, base, torch_states)
+    load_optimizer_states(base, torch_states)
+
+
+def set_next_rate(optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """The learning rate of the step to come (which an optimizer's own state dict would have held), from this run's
+    schedule at the restored step: a resume that raised --max_steps follows the stretched schedule from its first step."""
+    if hasattr(scheduler, "lr_lambdas"):  # transformers' schedules: a factor of the step
+        rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    else:
+        rates = scheduler.get_last_lr()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+
+
 def rotate_checkpoints(output_dir: str, newest: Path, limit: int) -> None:
     """Keep `newest` (even below higher steps left by a resumed run) and the `limit - 1` highest others."""
     others = [path for path in complete_checkpoints(output_dir) if path != newest]
@@ -153,7 +219,7 @@ def rotate_checkpoints(output_dir: str, newest: Path, limit: int) -> None:
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max_steps: int,
-                    layout: dict[str, int] | None = None) -> TrainerState:
+                    layout: dict[str, int] | None = None, model=None, optimizer=None, scheduler=None) -> TrainerState:
     """Check on every rank that `path` continues this run exactly, then restore it."""
     try:
         saved = json.loads((path / TRAINER_STATE).read_text())
@@ -187,10 +253,14 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
         with contextlib.ExitStack() as loading:
             for hook in filled("loading_checkpoint"):  # the parts' (parts/safe_loading: unpickling on an allow-list)
                 loading.enter_context(hook(path, (path / DEEPSPEED_DIR).is_dir()))
-            accelerator.load_state(str(path))
+            with without_model_and_optimizer(accelerator, model if (path / MODEL_STATE).is_dir() else None):
+                accelerator.load_state(str(path))
     except pickle.UnpicklingError:
         raise ResumeError(f"{path} holds pickled objects that are not plain tensors or data; refused to load them, "
                           "as unpickling can run code. Resume only checkpoints this template wrote") from None
+    if (path / MODEL_STATE).is_dir():
+        load_model_state(accelerator, model, optimizer, path / MODEL_STATE)
+        set_next_rate(base_optimizer(optimizer), getattr(scheduler, "scheduler", scheduler))
     # Resumes start at an optimizer-step boundary: the restored micro-step counter (when gradients sync) is stale if
     # accumulation or process count changed, or 0 on some ranks only (a missing rank file); mismatched syncs hang.
     accelerator.step = 0

@@ -25,6 +25,8 @@ def quiet_third_party_output() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     logging.getLogger("accelerate.accelerator").setLevel(logging.WARNING)  # notes on how it filled DeepSpeed's "auto"s
     logging.getLogger("accelerate.checkpointing").setLevel(logging.WARNING)  # a line per file saved; train.py says one
+    # torch 2.13 warns for each tensor of FSDP2 x tensor parallelism gathered whole (a checkpoint's model_state/)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def one_voice(is_main_process: bool) -> None:

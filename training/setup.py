@@ -37,6 +37,7 @@ from training.loss import label_loss_sums
 from training.strategy import Strategy, master_weight_dtypes, verify_prepared, verify_strategy
 from training.strategy_adapters import (
     align_with_strategy,
+    config_name,
     gradient_reduction_dtypes,
     optimizer_offload_device,
     write_effective_deepspeed_config,
@@ -142,10 +143,15 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     )
 
     layout = merged("checkpoint_layout", args)  # how the parts cut the model: recorded, and a resume must match it
-    state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes, layout=layout)
+    launched = config_name(accelerator, strategy)
+    state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes, strategy=launched,
+                         layout=layout)
     if resume_path:
-        state = load_checkpoint(accelerator, resume_path, global_batch, max_steps, layout)
-        state.num_processes = accelerator.num_processes
+        state = load_checkpoint(accelerator, resume_path, global_batch, max_steps, layout, model, optimizer, scheduler)
+        if (state.strategy, state.num_processes) != (launched, accelerator.num_processes):
+            logger.info(f"resuming a {state.strategy or 'older'} checkpoint of {state.num_processes} process(es) under "
+                        f"{launched} with {accelerator.num_processes}", main_process_only=True)
+        state.num_processes, state.strategy = accelerator.num_processes, launched
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
     state.per_device_train_batch_size, state.gradient_accumulation_steps = (args.per_device_train_batch_size,
                                                                             args.gradient_accumulation_steps)

@@ -27,6 +27,13 @@ def optimizer_offload_device(accelerator: Accelerator) -> str:
         return "none"
     return plugin.deepspeed_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
 
+def config_name(accelerator: Accelerator, strategy: Strategy) -> str:
+    """The strategy as its config file is named (ddp, fsdp, deepspeed_zero3_offload): what a checkpoint records."""
+    if strategy is not Strategy.DEEPSPEED:
+        return strategy.value
+    offload = "_offload" if optimizer_offload_device(accelerator) != "none" else ""
+    return f"deepspeed_zero{accelerator.state.deepspeed_plugin.zero_stage}{offload}"
+
 def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_grad_norm: float, per_device_batch: int) -> None:
     """Before the optimizer and `prepare`: make the strategy run what train.py asks for."""
     half = compute_dtype(accelerator.mixed_precision)
@@ -127,3 +134,149 @@ def own_class_while_saving(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         model.__class__ = fsdp_class
+
+
+# The checkpoint's model state, one tensor at a time in the same terms under every strategy (training/checkpoint.py):
+# its full fp32 value and optimizer state, gathered (a collective on every rank) or set from them.
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters (a tied one once) and persistent buffers, by the names of the model as the task built it. FSDP2's
+    are its sharded ones, which the optimizer steps: the root module stays unsharded after a forward without backward
+    (evaluation's), so it is resharded first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    tensors = dict(model.named_parameters())
+    for name, buffer in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:
+            tensors[name] = buffer
+    return tensors
+
+
+def base_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer that steps, inside accelerate's wrapper and DeepSpeed's ZeRO optimizer, its state ready to
+    be read or set per parameter. ZeRO makes that state at its first step (before it, a step that changes nothing
+    makes it); ZeRO-1/2 link it to each parameter's fragment after their first group's step (DeepSpeed 0.19.8: the
+    other groups' links stay empty), so it is linked again here."""
+    while hasattr(optimizer, "optimizer"):
+        zero, optimizer = optimizer, optimizer.optimizer
+        if type(zero).__module__.startswith("deepspeed.runtime.zero") and not any(optimizer.state.values()):
+            make_zero_state(zero, optimizer)
+        if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+            zero._hp_optimizer_states_linked = False
+            zero._lazy_init_hp_params_optimizer_state()
+    return optimizer
+
+
+def make_zero_state(zero, optimizer: torch.optim.Optimizer) -> None:
+    """ZeRO's optimizer state, made by a step that changes nothing. ZeRO-3 hands the optimizer one flat partition at a
+    time (its groups are empty between steps); ZeRO-1/2 leave theirs in place."""
+    partitions = getattr(zero, "fp32_partitioned_groups_flat", None)
+    if partitions is None:
+        step_without_change(optimizer)
+        return
+    for index, partition in enumerate(partitions):
+        group = optimizer.param_groups[zero.sub_group_to_group_id[index]]
+        group["params"] = [partition]
+        step_without_change(optimizer)
+        group["params"] = []
+
+
+def step_without_change(optimizer: torch.optim.Optimizer) -> None:
+    """One step with zero gradients at learning rate 0: the optimizer's state made as its first step makes it."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    gradients = [(parameter, parameter.grad) for group in optimizer.param_groups for parameter in group["params"]]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for parameter, _ in gradients:
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    for parameter, gradient in gradients:  # (ZeRO-3 under offload keeps its gradient buffers there)
+        parameter.grad = gradient
+
+
+def full_state(tensor: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """`tensor`'s whole fp32 value ("value") and optimizer state (`optimizer`: the base one), on every rank."""
+    if hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"):  # ZeRO: its fp32 partitions and their states
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        stepped = next(iter(optimizer.state.values()), {}) if tensor.requires_grad else {}
+        state = {key: safe_get_full_optimizer_state(tensor, key) for key, value in stepped.items()
+                 if torch.is_tensor(value) and value.dim()}
+        return {"value": safe_get_full_fp32_param(tensor) if tensor.requires_grad else _gathered(tensor), **state,
+                **({"step": torch.tensor(float(stepped["step"]))} if "step" in stepped else {})}
+    state = {key: _whole(value) for key, value in optimizer.state.get(tensor, {}).items()}
+    return {"value": _whole(tensor), **state}
+
+
+def _whole(tensor: torch.Tensor | float) -> torch.Tensor:
+    tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else torch.as_tensor(tensor)  # FSDP2: DTensors
+    return tensor.detach().float().cpu()
+
+
+def _gathered(parameter: torch.Tensor) -> torch.Tensor:
+    """A parameter ZeRO does not step (frozen): ZeRO-3 holds a partition, gathered; ZeRO-1/2 the whole."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    with GatheredParameters([parameter], enabled=hasattr(parameter, "ds_id")):
+        return parameter.detach().float().cpu().clone()
+
+
+def set_full_state(tensor: torch.Tensor, saved: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+                   torch_states: dict[int, dict]) -> None:
+    """Set `tensor` and its optimizer state from `full_state`'s, on every rank: ZeRO's partitions at once, a torch
+    optimizer's into `torch_states` (by the tensor's id), for `load_optimizer_states`."""
+    value = saved["value"]
+    if hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"):
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        with GatheredParameters([tensor], modifier_rank=0, enabled=hasattr(tensor, "ds_id")):
+            tensor.data.copy_(value)  # the weights forward uses (ZeRO-3: rank 0's, partitioned again on leaving)
+        if tensor.requires_grad:
+            safe_set_full_fp32_param(tensor, value.to(tensor.device))
+            for key, state in saved.items():
+                if key not in ("value", "step"):
+                    safe_set_full_optimizer_state(tensor, state.to(tensor.device), key)
+        for stepped in optimizer.state.values():  # ZeRO steps flat partitions: one count for all
+            if "step" in saved and "step" in stepped:
+                stepped["step"] = (stepped["step"].fill_(saved["step"].item()) if torch.is_tensor(stepped["step"])
+                                   else type(stepped["step"])(saved["step"].item()))
+        return
+    with torch.no_grad():
+        _local(tensor).copy_(_local(_shard_like(tensor, value)))
+    if len(saved) > 1:
+        torch_states[id(tensor)] = {key: (state if key == "step" else _shard_like(tensor, state))
+                                    for key, state in saved.items() if key != "value"}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _shard_like(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` laid out as `tensor` is: a DTensor's own shard (every rank read the whole: no communication)."""
+    if not hasattr(tensor, "device_mesh"):
+        return value.to(tensor.device)
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    shard = distribute_tensor(value.to(tensor.device), tensor.device_mesh, tensor.placements, src_data_rank=None)
+    # its own copy: a view would keep the whole tensor alive, on every rank, as long as the optimizer state
+    return DTensor.from_local(shard.to_local().clone(), tensor.device_mesh, tensor.placements, run_check=False,
+                              shape=shard.shape, stride=shard.stride())
+
+
+def load_optimizer_states(optimizer: torch.optim.Optimizer, torch_states: dict[int, dict]) -> None:
+    """A torch optimizer's state from `set_full_state`'s, through its `load_state_dict` (dtypes, devices, steps)."""
+    if not torch_states:
+        return
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = optimizer.state_dict()
+    saved["state"] = {index: torch_states[id(p)] for index, p in enumerate(parameters) if id(p) in torch_states}
+    optimizer.load_state_dict(saved)

@@ -1,0 +1,113 @@
+"""Checkpoint save time per strategy: accelerate's native `save_state` (what checkpoints held before model_state/)
+against the template's (model_state/ plus `save_state` of the rest), side by side in each launch.
+
+    python scripts/save_benchmark.py                                   # llama-125m, every data-parallel config
+    python scripts/save_benchmark.py --model_config llama-tiny --configs ddp --rounds 1
+
+Each config trains one step of the model (2 processes; the launch's own state: weights, AdamW moments, schedule,
+RNG), then saves it `--rounds` times in each format, alternating, to the same disk, after a round that warms up
+(imports, first writes); the table shows the medians, their ratio and the bytes written. The figures in docs/reliability.md come from the first command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+CONFIGS = ["ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"]
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+
+
+def worker(argv: list[str]) -> None:
+    """In each rank of a launch: one training step, then the two saves timed in turn (every rank waits for all)."""
+    from train import train_step
+    from training.arguments import parse_args
+    from training.checkpoint import MODEL_STATE, save_model_state, without_model_and_optimizer
+    from training.loss import accumulation_windows
+    from training.setup import epoch_batches, set_up
+
+    results, rounds = Path(argv[0]), int(argv[1])
+    run = set_up(*parse_args(argv[2:]))
+    accelerator = run.accelerator
+    window = next(accumulation_windows(epoch_batches(accelerator, run.train_loader, 0, 0),
+                                       run.args.gradient_accumulation_steps))
+    train_step(run, window)
+
+    def native(directory: Path) -> None:
+        accelerator.save_state(str(directory))
+
+    def template(directory: Path) -> None:
+        with without_model_and_optimizer(accelerator, run.model):
+            accelerator.save_state(str(directory))
+        save_model_state(accelerator, run.model, run.optimizer, directory / MODEL_STATE)
+
+    seconds, sizes = {"native": [], "template": []}, {}
+    for index in range(rounds + 1):  # the first round warms up (imports, first writes) and is not counted
+        for name, save in (("native", native), ("template", template)):
+            directory = Path(run.args.output_dir) / f"{name}-{index}"
+            accelerator.wait_for_everyone()
+            start = time.perf_counter()
+            save(directory)
+            accelerator.wait_for_everyone()
+            seconds[name] += [time.perf_counter() - start] if index else []
+            sizes[name] = directory_bytes(directory)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                shutil.rmtree(directory)
+    if accelerator.is_main_process:
+        results.write_text(json.dumps({"seconds": seconds, "bytes": sizes}))
+    accelerator.end_training()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model_config", default="llama-125m")
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    parser.add_argument("--rounds", type=int, default=3, help="saves per format per config (medians)")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    rows, figures = [], {}
+    print("| config | native save_state (s) | model_state + the rest (s) | ratio | native MB | model_state MB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for config in args.configs:
+        with tempfile.TemporaryDirectory() as scratch:
+            results = Path(scratch) / "results.json"
+            command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                       str(REPO / "accelerate_configs" / f"{config}.yaml"), str(Path(__file__).resolve()), "--worker",
+                       str(results), str(args.rounds), "--model_config", args.model_config, "--output_dir",
+                       str(Path(scratch) / "run"), "--report_to", "none", "--report_png", "false", "--eval_on_start",
+                       "false", "--max_steps", "1", "--per_device_train_batch_size", "4"]
+            done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                                  env=os.environ | {"OMP_NUM_THREADS": "1"})
+            if done.returncode != 0:
+                raise SystemExit(f"{config} failed:\n{done.stderr[-4000:]}")
+            measured = json.loads(results.read_text())
+        native, template = (statistics.median(measured["seconds"][name]) for name in ("native", "template"))
+        figures[config] = {"native_s": native, "template_s": template, "ratio": template / native,
+                           "native_bytes": measured["bytes"]["native"], "template_bytes": measured["bytes"]["template"]}
+        row = figures[config]
+        rows.append(f"| {config} | {native:.2f} | {template:.2f} | {row['ratio']:.2f} | "
+                    f"{row['native_bytes'] / 2**20:,.0f} | {row['template_bytes'] / 2**20:,.0f} |")
+        print(rows[-1], flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2:])
+    else:
+        main()
