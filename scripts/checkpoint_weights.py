@@ -10,27 +10,24 @@ files from final/ (or the model you started from) beside it to load it with `fro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from training.checkpoint import MODEL_STATE  # noqa: E402
+from training.checkpoint import MODEL_STATE, ModelState  # noqa: E402
 
 
 def checkpoint_weights(checkpoint: Path) -> dict:
-    """Every tensor's fp32 value, by the model's own names (one file at a time)."""
-    files = sorted((checkpoint / MODEL_STATE).glob("*.safetensors"))
-    if not files:
+    """Every tensor's fp32 value, by the model's own names, assembled from the ranks' pieces."""
+    if not list((checkpoint / MODEL_STATE).glob("rank*.safetensors")):
         raise SystemExit(f"error: {checkpoint / MODEL_STATE} holds no tensors: give a checkpoints/step_N directory "
                          "written by this template")
-    weights = {}
-    for file in files:
-        with safe_open(file, "pt") as tensors:
-            weights[file.name.removesuffix(".safetensors")] = tensors.get_tensor("value")
-    return weights
+    with contextlib.ExitStack() as files:
+        state = ModelState(checkpoint / MODEL_STATE, files)
+        return {name: state.whole(name)["value"] for name in state.shapes}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -66,7 +66,7 @@ def test_fsdp_with_tensor_parallelism_trains_like_fsdp(strategy_run) -> None:
     assert tokens == pytest.approx(fsdp_tokens, rel=0.25)
 
     for step in (6, 12):
-        assert (run / "checkpoints" / f"step_{step}" / "model_state" / "lm_head.weight.safetensors").is_file()
+        assert (run / "checkpoints" / f"step_{step}" / "model_state" / "rank0.safetensors").is_file()
     model = AutoModelForCausalLM.from_pretrained(run / "final")  # gathered from both dimensions
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)
     assert model.model.layers[0].mlp.down_proj.weight.shape == (64, 176)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import pickle
 import re
 import shutil
@@ -19,17 +20,18 @@ import torch
 from accelerate import Accelerator
 from transformers import PreTrainedModel
 from accelerate.utils import broadcast_object_list
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from training.batchnorm import average_running_statistics
 from training.errors import ArgumentError, ResumeError
 from training.parts import ModelRunner, filled
-from training.strategy_adapters import (base_optimizer, full_state, load_optimizer_states, model_tensors,
+from training.strategy_adapters import (base_optimizer, held_pieces, load_optimizer_states, model_tensors,
                                         own_class_while_saving, set_full_state)
 
 TRAINER_STATE = "trainer_state.json"
 PLAIN_MODEL = "model.json"  # in final/: how to rebuild a plain nn.Module (its class and constructor arguments)
-MODEL_STATE = "model_state"  # one safetensors file per tensor: its whole fp32 value and optimizer state
+MODEL_STATE = "model_state"  # rank<N>.safetensors: each rank's pieces of every tensor's fp32 value and optimizer state
 DEEPSPEED_DIR = "pytorch_model"  # what accelerate's save_state wrote for a DeepSpeed engine (before model_state/)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -169,35 +171,66 @@ def without_model_and_optimizer(accelerator: Accelerator, model) -> Iterator[Non
 
 
 def save_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, directory: Path) -> None:
-    """Every tensor's whole fp32 value and optimizer state, gathered one at a time (a collective), each written by
-    one rank in turn: no rank holds more than its share plus one tensor's."""
+    """Every rank writes the pieces it holds of every tensor and its optimizer state (`held_pieces`: no gathering, so
+    as fast as the strategies' own saves) to one file, with the tensors' whole shapes."""
     directory.mkdir(parents=True, exist_ok=True)
-    base = base_optimizer(optimizer)
-    for index, (name, tensor) in enumerate(model_tensors(accelerator.unwrap_model(model)).items()):
-        state = full_state(tensor, base)
-        if index % accelerator.num_processes == accelerator.process_index:
-            save_file({key: value.contiguous() for key, value in state.items()}, directory / f"{name}.safetensors")
+    base, rank, pieces, shapes = base_optimizer(optimizer), accelerator.process_index, {}, {}
+    for name, tensor in model_tensors(accelerator.unwrap_model(model)).items():
+        shapes[name] = list(getattr(tensor, "ds_shape", tensor.shape))  # (a ZeRO-3 partition knows its whole shape)
+        for key, (start, piece) in held_pieces(tensor, base, rank).items():
+            pieces[f"{name}|{key}|{start}"] = piece
+    save_file(pieces, directory / f"rank{rank}.safetensors", metadata={"shapes": json.dumps(shapes)})
+
+
+class ModelState:
+    """`save_model_state`'s files, read lazily: one whole tensor (or its optimizer state) assembled at a time."""
+
+    def __init__(self, directory: Path, files: contextlib.ExitStack) -> None:
+        self.directory, self.shapes, self.pieces = directory, {}, {}
+        for path in sorted(directory.glob("rank*.safetensors")):
+            handle = files.enter_context(safe_open(path, "pt"))
+            self.shapes |= json.loads(handle.metadata()["shapes"])
+            for key in handle.keys():
+                name, kind, start = key.rsplit("|", 2)
+                self.pieces.setdefault(name, {}).setdefault(kind, []).append((int(start), handle, key))
+
+    def whole(self, name: str) -> dict[str, torch.Tensor]:
+        """`name`'s fp32 value and optimizer state, each assembled whole from the ranks' pieces."""
+        state = {}
+        for kind, pieces in self.pieces.get(name, {}).items():
+            if kind == "step":  # the same count, written by every rank that holds a piece
+                state[kind] = pieces[0][1].get_tensor(pieces[0][2])[0]
+                continue
+            flat, covered = torch.empty(math.prod(self.shapes[name])), 0
+            for start, handle, key in pieces:
+                piece = handle.get_tensor(key)
+                flat[start:start + piece.numel()], covered = piece, covered + piece.numel()
+            if covered != flat.numel():
+                raise ResumeError(f"{self.directory} holds {covered} of {name}'s {flat.numel()} values ({kind}): a rank's "
+                                  "file is missing or damaged; resume an earlier checkpoint")
+            state[kind] = flat.view(self.shapes[name])
+        return state
 
 
 def load_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, directory: Path) -> None:
     """`save_model_state`'s tensors into this run's model and optimizer, however they are laid out."""
     tensors = model_tensors(accelerator.unwrap_model(model))
-    saved = sorted(file.name.removesuffix(".safetensors") for file in directory.glob("*.safetensors"))
-    if saved != sorted(tensors):
-        differences = [f"{len(names)} {whose} ({', '.join(names[:2])}...)" for names, whose in (
-            (sorted(set(saved) - set(tensors)), "of its tensors are not in this model"),
-            (sorted(set(tensors) - set(saved)), "of this model's tensors are not in it")) if names]
-        raise ResumeError(f"{directory.parent} holds another model: {'; '.join(differences)}; resume with the model it "
-                          "was trained with (--model_config, --config_overrides, --model_name_or_path)")
-    base, torch_states = base_optimizer(optimizer), {}
-    for name, tensor in tensors.items():
-        state = load_file(directory / f"{name}.safetensors")
-        shape = tuple(getattr(tensor, "ds_shape", tensor.shape))  # (a ZeRO-3 partition knows its whole shape)
-        if tuple(state["value"].shape) != shape:
-            raise ResumeError(f"{directory.parent} holds {name} of shape {tuple(state['value'].shape)}, this model's is "
-                              f"{shape}; resume with the model it was trained with")
-        set_full_state(tensor, state, base, torch_states)
-    load_optimizer_states(base, torch_states)
+    with contextlib.ExitStack() as files:
+        saved = ModelState(directory, files)
+        if sorted(saved.shapes) != sorted(tensors):
+            differences = [f"{len(names)} {whose} ({', '.join(names[:2])}...)" for names, whose in (
+                (sorted(set(saved.shapes) - set(tensors)), "of its tensors are not in this model"),
+                (sorted(set(tensors) - set(saved.shapes)), "of this model's tensors are not in it")) if names]
+            raise ResumeError(f"{directory.parent} holds another model: {'; '.join(differences)}; resume with the model "
+                              "it was trained with (--model_config, --config_overrides, --model_name_or_path)")
+        base, torch_states = base_optimizer(optimizer), {}
+        for name, tensor in tensors.items():
+            shape = list(getattr(tensor, "ds_shape", tensor.shape))
+            if saved.shapes[name] != shape:
+                raise ResumeError(f"{directory.parent} holds {name} of shape {saved.shapes[name]}, this model's is "
+                                  f"{shape}; resume with the model it was trained with")
+            set_full_state(tensor, saved.whole(name), base, torch_states)
+        load_optimizer_states(base, torch_states)
 
 
 def set_next_rate(optimizer: torch.optim.Optimizer, scheduler) -> None:

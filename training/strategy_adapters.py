@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -201,31 +202,55 @@ def step_without_change(optimizer: torch.optim.Optimizer) -> None:
         parameter.grad = gradient
 
 
-def full_state(tensor: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """`tensor`'s whole fp32 value ("value") and optimizer state (`optimizer`: the base one), on every rank."""
-    if hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"):  # ZeRO: its fp32 partitions and their states
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+def held_pieces(tensor: torch.Tensor, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, tuple[int, torch.Tensor]]:
+    """What this rank writes of `tensor`, per key ("value", then its optimizer state's): the offset in the flattened
+    whole and the fp32 piece it holds there (a ZeRO partition, FSDP2's rows), without communication; nothing where
+    another rank writes it (a replicated tensor: rank 0). A DTensor split otherwise (tensor parallelism) is gathered
+    (a collective on every rank). `optimizer`: the base one."""
+    if hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"):
+        return _zero_pieces(tensor, optimizer, rank)
+    state = {"value": tensor, **optimizer.state.get(tensor, {})}
+    if hasattr(tensor, "device_mesh"):
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        stepped = next(iter(optimizer.state.values()), {}) if tensor.requires_grad else {}
-        state = {key: safe_get_full_optimizer_state(tensor, key) for key, value in stepped.items()
-                 if torch.is_tensor(value) and value.dim()}
-        return {"value": safe_get_full_fp32_param(tensor) if tensor.requires_grad else _gathered(tensor), **state,
-                **({"step": torch.tensor(float(stepped["step"]))} if "step" in stepped else {})}
-    state = {key: _whole(value) for key, value in optimizer.state.get(tensor, {}).items()}
-    return {"value": _whole(tensor), **state}
+        if tuple(tensor.placements) == (Shard(0),):  # FSDP2: a slice of rows, contiguous in the flattened whole
+            _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+            start = offset[0] * math.prod(tensor.shape[1:])
+            return {key: (start if torch.is_tensor(value) and value.dim() else 0, _flat(value))
+                    for key, value in state.items()}
+        state = {key: value.full_tensor() if hasattr(value, "full_tensor") else value for key, value in state.items()}
+    return {key: (0, _flat(value)) for key, value in state.items()} if rank == 0 else {}
 
 
-def _whole(tensor: torch.Tensor | float) -> torch.Tensor:
-    tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else torch.as_tensor(tensor)  # FSDP2: DTensors
-    return tensor.detach().float().cpu()
+def _flat(tensor: torch.Tensor | float) -> torch.Tensor:
+    tensor = tensor.to_local() if hasattr(tensor, "to_local") else torch.as_tensor(tensor)
+    return tensor.detach().float().cpu().reshape(-1)
 
 
-def _gathered(parameter: torch.Tensor) -> torch.Tensor:
-    """A parameter ZeRO does not step (frozen): ZeRO-3 holds a partition, gathered; ZeRO-1/2 the whole."""
-    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+def _zero_pieces(tensor: torch.Tensor, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, tuple[int, torch.Tensor]]:
+    """ZeRO's fp32 partition of a parameter and its optimizer state: ZeRO-3 holds every parameter's slice of
+    `ds_tensor.numel()` at the rank's place (the last padded), ZeRO-1/2 a range of some parameters (`_hp_mapping`;
+    the ones it does not step are whole on every rank, `held_pieces`' replicated tensors)."""
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
-    with GatheredParameters([parameter], enabled=hasattr(parameter, "ds_id")):
-        return parameter.detach().float().cpu().clone()
+    stepped = next(iter(optimizer.state.values()), {}) if tensor.requires_grad else {}
+    keys = [key for key, value in stepped.items() if torch.is_tensor(value) and value.dim()]
+    step = {"step": (0, _flat(float(stepped["step"])))} if "step" in stepped else {}
+    if hasattr(tensor, "ds_id"):
+        size = tensor.ds_tensor.numel()
+        start, held = rank * size, max(0, min(size, tensor.ds_numel - rank * size))
+        if not tensor.requires_grad:
+            return {"value": (start, _flat(tensor.ds_tensor)[:held])}
+        pieces = {"value": safe_get_local_fp32_param(tensor),
+                  **{key: safe_get_local_optimizer_state(tensor, key) for key in keys}}
+        # (copies: the pieces are views of one flat buffer, which a safetensors file cannot hold twice)
+        return {key: (start, _flat(piece)[:held].clone()) for key, piece in pieces.items()} | step
+    if tensor._hp_mapping is None:  # no range of this parameter here
+        return {}
+    mapping = tensor._hp_mapping  # (DeepSpeed's local accessors are for ZeRO-3 only)
+    pieces = {"value": mapping.get_hp_fragment(), **{key: mapping.get_hp_fragment(key) for key in keys}}
+    return {key: (mapping.lp_fragment_address.start, _flat(piece).clone()) for key, piece in pieces.items()} | step
 
 
 def set_full_state(tensor: torch.Tensor, saved: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
