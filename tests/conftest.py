@@ -282,17 +282,21 @@ def node_script_command(
 
 
 def start(config: str | Path, output_dir: Path, *args: str, via_node_script: bool = False,
-          shutdown_timeout: str | None = "300", fork_ranks: bool = False) -> subprocess.Popen | forked_launcher.Launcher:
+          shutdown_timeout: str | None = "300", fork_ranks: bool = False,
+          restarts: int = 0) -> subprocess.Popen | forked_launcher.Launcher:
     """Start train.py with the tiny model in the background, in its own session; output to output_dir/launch.log.
     The launcher: accelerate's launch command in a fork (tests/forked_launcher.py), or the SLURM node script.
     `shutdown_timeout`: torchrun's grace after a signal (PET_SHUTDOWN_TIMEOUT); None: its default, 30 s.
     `fork_ranks`: ranks forked too, for a test that signals them only once they train (their stop handlers are
-    installed as train.py starts, after the libraries loaded); else new interpreters."""
+    installed as train.py starts, after the libraries loaded); else new interpreters. `restarts`: torchrun's
+    `--max_restarts` (the node script's MAX_RESTARTS)."""
     run_args = (*TINY_RUN, "--output_dir", str(output_dir), *args)
     if via_node_script:
         command, env = node_script_command(config, *run_args)
+        env |= {"MAX_RESTARTS": str(restarts)} if restarts else {}
     else:
-        command, env = launch_command(config, "train.py", *run_args)
+        command, env = launch_command(config, "train.py", *run_args,
+                                      launcher_args=("--max_restarts", str(restarts)) if restarts else ())
     env.pop("PET_SHUTDOWN_TIMEOUT", None)  # whatever the caller's shell says
     if shutdown_timeout:  # a loaded machine may need more than torchrun's 30 s to save after a signal
         env["PET_SHUTDOWN_TIMEOUT"] = shutdown_timeout

@@ -4,6 +4,7 @@ stops before any save."""
 from __future__ import annotations
 
 import math
+import re
 import shutil
 
 import psutil
@@ -14,6 +15,7 @@ from tests.conftest import (
     assert_continues_exactly,
     end_launch,
     launch,
+    logged_loss_steps,
     rank_processes,
     read_metrics,
     split_args,
@@ -91,6 +93,34 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_to_resume_from(unev
     assert resumed_loss == pytest.approx(killed_loss, rel=1e-6)  # the step redone from the checkpoint is the same step
     assert [p.name for p in complete_checkpoints(str(tmp_path))] == [f"step_{LAST_STEP}"]  # the half-written save was replaced
 
+
+
+# A crashed rank, restarted without a person: `accelerate launch --max_restarts 1` (the config's static rendezvous),
+# and the SLURM node script (c10d rendezvous, MAX_RESTARTS=1) under a sharded config.
+RESTARTS = {"ddp": False, "fsdp": True}  # config -> launched through the SLURM node script
+
+
+@pytest.mark.parametrize("config", RESTARTS)
+def test_a_rank_killed_mid_run_is_restarted_and_the_run_ends_as_if_it_had_not_crashed(
+    config, split_run, uneven_data, tmp_path
+) -> None:
+    """kill -9 of rank 1 after step 5: torchrun restarts every rank, they resume the last complete checkpoint
+    (`--resume_from_checkpoint latest`, which the first launch, with none, ignores), the launch exits 0 and the run
+    logged the uninterrupted one's losses."""
+    uninterrupted = split_run(SPLIT_OF[config])
+    launcher = start(config, tmp_path, *split_run_args(uneven_data, SPLIT_OF[config]), "--resume_from_checkpoint",
+                     "latest", via_node_script=RESTARTS[config], restarts=1)
+    ranks = {}
+    try:
+        wait_for(lambda: len(rank_processes(launcher)) == 2, 120, "the ranks to start")
+        ranks = rank_processes(launcher)
+        wait_for(lambda: logged_loss_steps(tmp_path) >= 5, 120, "step 5 logged", poll=0.005)
+        ranks[1].kill()
+        assert launcher.wait(timeout=300) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    finally:
+        end_launch(launcher, ranks.values())
+    assert re.search(r"resumed from .*step_(4|8) at step (4|8)", (tmp_path / "launch.log").read_text())
+    assert_continues_exactly(uninterrupted, tmp_path, 0)
 
 def test_a_non_finite_loss_stops_the_run_before_anything_is_saved(tmp_path) -> None:
     """A learning rate of 1e4 without clipping breaks the tiny model within a few steps."""

@@ -72,7 +72,7 @@ def test_sbatch_gives_each_node_its_launch_line(stand_ins, tmp_path, extra_env, 
     assert launched["argv"] == [
         "launch", "--config_file", "accelerate_configs/fsdp.yaml", *precision,
         "--num_machines", "2", "--num_processes", "16", "--machine_rank", "1",
-        "--rdzv_backend", "c10d", "--main_process_ip", "node-a", "--main_process_port", port,
+        "--rdzv_backend", "c10d", "--main_process_ip", "node-a", "--main_process_port", port, "--max_restarts", "0",
         "train.py", "--resume_from_checkpoint", "latest", "--output_dir", "/shared/runs/exp1",
     ]
     assert launched["env"] == {"GLOO_SOCKET_IFNAME": gloo_interface, "OMP_NUM_THREADS": "1",

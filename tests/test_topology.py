@@ -1,6 +1,6 @@
 """Resuming a checkpoint under another strategy or number of processes (same global batch of 8): checkpoints hold
 the model and optimizer state in one format (training/checkpoint.py `model_state/`), so a chain of resumes through
-every config continues one process's run; so do FSDP2 2 -> 1 and 1 -> 2, and a change of accumulation."""
+every config and 1, 2 and 4 processes continues one process's run; so does a change of accumulation."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from tests.conftest import (
     launch,
     read_metrics,
     split_args,
-    split_run_args,
     tracked_run_args,
     train,
     with_processes,
@@ -26,36 +25,14 @@ RESUME_STEP = 8
 TOLERANCE = 1e-5  # a different process count sums gradients in a different order
 
 
-@pytest.mark.parametrize(("saved_on", "resumed_on"), [(2, 1), (1, 2)])
-def test_fsdp_checkpoint_resumes_on_another_number_of_processes(
-    saved_on, resumed_on, cached_run, split_run, uneven_data, tmp_path
-) -> None:
-    configs = {n: with_processes("fsdp", n, tmp_path / "configs") for n in (saved_on, resumed_on)}
-    args = {n: split_args(uneven_data, per_device=8 // n, accumulation=1) for n in (saved_on, resumed_on)}
-    if saved_on == 2:  # the 2-process run of test_accumulation (2 x 2 x 2: accumulation differs too)
-        full, args[2] = split_run("fsdp-2x2x2"), split_run_args(uneven_data, "fsdp-2x2x2")
-    else:
-        full = cached_run(configs[1], *args[1])
-    resumed = tmp_path / "resumed"
-    shutil.copytree(full / "checkpoints" / f"step_{RESUME_STEP}", resumed / "checkpoints" / f"step_{RESUME_STEP}")
-
-    result = train(configs[resumed_on], resumed, *args[resumed_on], "--resume_from_checkpoint", "latest")
-    assert f"strategy=fsdp v2 processes={resumed_on}" in result.stderr
-    expected = {m["step"]: m["loss"] for m in read_metrics(full) if "loss" in m and m["step"] > RESUME_STEP}
-    actual = {m["step"]: m["loss"] for m in read_metrics(resumed) if "loss" in m}
-    assert actual.keys() == expected.keys()
-    for step in expected:
-        assert actual[step] == pytest.approx(expected[step], abs=TOLERANCE), step
-    assert_same_final_weights(full, resumed, atol=TOLERANCE)
-
-
 # The chain trains fresh under its first config, saving every step; each later link resumes the previous link's
 # checkpoint at the next step and trains on to the end. Every config saves a checkpoint that another resumes, and the
-# process count changes 2 -> 1 -> 2 (and 4 -> 2 -> 4 with tensor parallelism). (config, processes, batch, accumulation)
+# process count changes 2 -> 1 -> 2, FSDP2 on 1 process among them (and 4 -> 2 -> 4 with tensor parallelism).
+# (config, processes, per-device batch, accumulation)
 TENSOR_PARALLEL = [("fsdp_tp", 4, 4, 1)] if installed("tensor_parallel") else []
-CHAIN = [*TENSOR_PARALLEL, ("ddp", 2, 2, 2), ("deepspeed_zero3_offload", 2, 4, 1), ("single", 1, 8, 1),
-         ("deepspeed_zero1", 2, 4, 1), ("fsdp", 2, 2, 2), ("deepspeed_zero3", 2, 4, 1), ("deepspeed_zero2", 2, 4, 1),
-         *(TENSOR_PARALLEL or [("ddp", 2, 4, 1)])]
+CHAIN = [*TENSOR_PARALLEL, ("ddp", 2, 2, 2), ("deepspeed_zero3_offload", 2, 4, 1), ("fsdp", 1, 8, 1),
+         ("single", 1, 8, 1), ("deepspeed_zero1", 2, 4, 1), ("fsdp", 2, 2, 2), ("deepspeed_zero3", 2, 4, 1),
+         ("deepspeed_zero2", 2, 4, 1), *(TENSOR_PARALLEL or [("ddp", 2, 4, 1)])]
 
 
 def test_a_chain_of_resumes_through_every_config_continues_one_process_run(split_run, uneven_data, tmp_path) -> None:
@@ -65,7 +42,8 @@ def test_a_chain_of_resumes_through_every_config_continues_one_process_run(split
         run = tmp_path / f"{step}-{config}"
         if previous:
             shutil.copytree(previous / "checkpoints" / f"step_{step}", run / "checkpoints" / f"step_{step}")
-        result = train(config, run, *split_args(uneven_data, per_device, accumulation, save_steps=1),
+        launched = with_processes(config, processes, tmp_path / "configs") if config == "fsdp" else config
+        result = train(launched, run, *split_args(uneven_data, per_device, accumulation, save_steps=1),
                        *(["--resume_from_checkpoint", "latest"] if previous else []))
         if previous:
             (saved_by, saved_on, *_), recorded = CHAIN[step - 1], config.removesuffix("_tp")  # (tp: a layout of fsdp)
@@ -76,6 +54,7 @@ def test_a_chain_of_resumes_through_every_config_continues_one_process_run(split
         for later, loss in logged.items():
             assert loss == pytest.approx(straight[later], abs=TOLERANCE), (config, later)
         previous = run
+    assert_same_final_weights(split_run("1x8x1"), previous, atol=TOLERANCE)
 
 
 def test_a_checkpoint_of_another_model_is_refused_in_one_line(split_run, uneven_data, tmp_path) -> None:

@@ -4,11 +4,25 @@ host-side agreements, and the end of the process groups."""
 from __future__ import annotations
 
 import functools
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+
+
+def start_restarted_process_group(backend: str, timeout: timedelta) -> None:
+    """A round of workers that torchrun restarted (`--max_restarts`) starts its process group under keys of its own.
+    torch 2.13's c10d rendezvous keeps one TCP store across restarts, and the default group's keys name no attempt,
+    so restarted ranks read the dead round's gloo addresses ("Gloo connectFullMesh failed ... Connection refused").
+    accelerate then uses this group as it finds it."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or dist.is_initialized():
+        return
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
 
 
 @functools.cache

@@ -12,6 +12,8 @@
 #   MASTER_ADDR      an address of node 0 that every node can reach
 #   MASTER_PORT      a free TCP port on node 0 (default: 15000 + SLURM_JOB_ID % 15000 under SLURM, so two
 #                    jobs sharing a head node do not collide, below Linux's ephemeral ports; else 29500)
+#   MAX_RESTARTS     times torchrun restarts every rank of the job when one dies (default 0); they resume the last
+#                    complete checkpoint (train.sbatch passes --resume_from_checkpoint latest)
 #   GLOO_SOCKET_IFNAME  the interface gloo uses (start-up checks, stop-signal agreement); when unset and
 #                    NCCL_SOCKET_IFNAME names an interface of this node, that one
 set -euo pipefail
@@ -42,4 +44,4 @@ export PET_SHUTDOWN_TIMEOUT="${PET_SHUTDOWN_TIMEOUT:-300}"
 exec accelerate launch --config_file "$CONFIG" ${precision[@]+"${precision[@]}"} \
   --num_machines "$NNODES" --num_processes "$((NNODES * PROCS_PER_NODE))" --machine_rank "$NODE_RANK" \
   --rdzv_backend c10d --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
-  train.py "$@"
+  --max_restarts "${MAX_RESTARTS:-0}" train.py "$@"
