@@ -487,7 +487,7 @@ TRACKED_RUN = "tracked"  # --run_name of `tracked_run_args`
 
 def tracked_run_args(uneven_data: list[str]) -> tuple[str, ...]:
     """2-process DDP over `uneven_data` (4 x 1, 10 steps, eval every 5), checkpoints at steps 5 and 10, TensorBoard
-    on: test_tracking's run, and the run test_topology resumes with another split of its batch."""
+    on: test_tracking's run."""
     return (*split_args(uneven_data, per_device=4, accumulation=1, save_steps=5), "--report_to", "tensorboard",
             "--run_name", TRACKED_RUN, *DRAW_REPORT)
 

@@ -4,22 +4,18 @@ checkpoints match final/; LoRA checkpoints hold the adapter as one process holds
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from tests.conftest import REPO
 
 FINAL_STEP = 12  # the strategy runs save their last checkpoint at the final step
 
 
 def converted(checkpoint, out_dir) -> dict[str, torch.Tensor]:
-    """The script's model.safetensors, run as a user runs it."""
-    subprocess.run([sys.executable, "scripts/checkpoint_weights.py", str(checkpoint), str(out_dir)], cwd=REPO,
-                   check=True, capture_output=True)
+    """The script's model.safetensors: its `main`, in this process."""
+    from scripts.checkpoint_weights import main
+
+    main([str(checkpoint), str(out_dir)])
     return load_file(out_dir / "model.safetensors")
 
 

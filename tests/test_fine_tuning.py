@@ -89,7 +89,7 @@ def test_a_lora_run_resumes_under_another_strategy(lora_run, tied_base_model, tm
     shutil.copytree(uninterrupted / "checkpoints" / "step_3", tmp_path / "checkpoints" / "step_3")
     result = train("deepspeed_zero3", tmp_path, *lora_args("deepspeed_zero3", tied_base_model),
                    "--resume_from_checkpoint", "latest")
-    assert "resuming a fsdp checkpoint of 2 process(es) under deepspeed_zero3 with 2" in result.stderr
+    assert "resuming a fsdp checkpoint of 2 processes under deepspeed_zero3 with 2" in result.stderr
     expected, actual = logged_after(uninterrupted, 3), logged_after(tmp_path, 3)
     assert actual.keys() == expected.keys()
     assert {step for step, key in actual if key == "loss"} == set(range(4, LORA_STEPS + 1))

@@ -149,8 +149,9 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     if resume_path:
         state = load_checkpoint(accelerator, resume_path, global_batch, max_steps, layout, model, optimizer, scheduler)
         if (state.strategy, state.num_processes) != (launched, accelerator.num_processes):
-            logger.info(f"resuming a {state.strategy or 'older'} checkpoint of {state.num_processes} process(es) under "
-                        f"{launched} with {accelerator.num_processes}", main_process_only=True)
+            saved_on = f"{state.num_processes} process{'es' if state.num_processes > 1 else ''}"
+            logger.info(f"resuming a {state.strategy or 'older'} checkpoint of {saved_on} under {launched} with "
+                        f"{accelerator.num_processes}", main_process_only=True)
         state.num_processes, state.strategy = accelerator.num_processes, launched
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
     state.per_device_train_batch_size, state.gradient_accumulation_steps = (args.per_device_train_batch_size,
