@@ -27,7 +27,7 @@ from training.batchnorm import average_running_statistics
 from training.errors import ArgumentError, ResumeError
 from training.parts import ModelRunner, filled
 from training.strategy_adapters import (base_optimizer, held_pieces, load_optimizer_states, model_tensors,
-                                        own_class_while_saving, set_full_state)
+                                        own_class_while_saving, set_full_state, whole_shape)
 
 TRAINER_STATE = "trainer_state.json"
 PLAIN_MODEL = "model.json"  # in final/: how to rebuild a plain nn.Module (its class and constructor arguments)
@@ -176,7 +176,7 @@ def save_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer
     directory.mkdir(parents=True, exist_ok=True)
     base, rank, pieces, shapes = base_optimizer(optimizer), accelerator.process_index, {}, {}
     for name, tensor in model_tensors(accelerator.unwrap_model(model)).items():
-        shapes[name] = list(getattr(tensor, "ds_shape", tensor.shape))  # (a ZeRO-3 partition knows its whole shape)
+        shapes[name] = whole_shape(tensor)
         for key, (start, piece) in held_pieces(tensor, base, rank).items():
             pieces[f"{name}|{key}|{start}"] = piece
     save_file(pieces, directory / f"rank{rank}.safetensors", metadata={"shapes": json.dumps(shapes)})
@@ -225,8 +225,7 @@ def load_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer
                               "it was trained with (--model_config, --config_overrides, --model_name_or_path)")
         base, torch_states = base_optimizer(optimizer), {}
         for name, tensor in tensors.items():
-            shape = list(getattr(tensor, "ds_shape", tensor.shape))
-            if saved.shapes[name] != shape:
+            if saved.shapes[name] != (shape := whole_shape(tensor)):
                 raise ResumeError(f"{directory.parent} holds {name} of shape {saved.shapes[name]}, this model's is "
                                   f"{shape}; resume with the model it was trained with")
             set_full_state(tensor, saved.whole(name), base, torch_states)

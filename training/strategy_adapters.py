@@ -158,6 +158,11 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def whole_shape(tensor: torch.Tensor) -> list[int]:
+    """A tensor's shape as the model defines it (a ZeRO-3 parameter holds a partition and knows the whole shape)."""
+    return list(getattr(tensor, "ds_shape", tensor.shape))
+
+
 def base_optimizer(optimizer) -> torch.optim.Optimizer:
     """The torch optimizer that steps, inside accelerate's wrapper and DeepSpeed's ZeRO optimizer, its state ready to
     be read or set per parameter. ZeRO makes that state at its first step (before it, a step that changes nothing
