@@ -260,8 +260,9 @@ def _zero_pieces(tensor: torch.Tensor, optimizer: torch.optim.Optimizer, rank: i
 
 def set_full_state(tensor: torch.Tensor, saved: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                    torch_states: dict[int, dict]) -> None:
-    """Set `tensor` and its optimizer state from `full_state`'s, on every rank: ZeRO's partitions at once, a torch
-    optimizer's into `torch_states` (by the tensor's id), for `load_optimizer_states`."""
+    """Set `tensor` and its optimizer state from their whole values (training/checkpoint.py `ModelState.whole`), on
+    every rank: ZeRO's partitions at once, a torch optimizer's into `torch_states` (by the tensor's id), for
+    `load_optimizer_states`."""
     value = saved["value"]
     if hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"):
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
