@@ -4,17 +4,23 @@ is restarted by torchrun and the run ends as if it had not crashed; a non-finite
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from tests.conftest import (
     MAX_STEPS,
+    REPO,
+    TINY_RUN,
     SPLIT_OF,
     SPLITS,
     assert_continues_exactly,
     end_launch,
+    free_port,
     launch,
     logged_loss_steps,
     rank_processes,
@@ -108,6 +114,26 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_ends_as_if_it_had_not_cr
     if mid_save:  # the half-written save was done again, and rotated away with the others
         assert [p.name for p in checkpoints.iterdir()] == [f"step_{MAX_STEPS}"]
     assert_continues_exactly(uninterrupted, tmp_path, 0)
+
+def test_a_restarted_rank_whose_peers_never_rejoin_fails_in_one_line_within_the_ddp_timeout(tmp_path) -> None:
+    """Rank 0 in torchrun's restart 1 and rank 1 still in the first round (on two machines under static rendezvous,
+    only the failed machine's workers restart): neither hangs; each names itself and --ddp_timeout, and exits 4."""
+    port, timeout_s = free_port(), 5
+    ranks = [subprocess.Popen(
+        [sys.executable, "train.py", *TINY_RUN, "--output_dir", str(tmp_path), "--ddp_timeout", str(timeout_s)],
+        cwd=REPO, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
+                          "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": str(1 - rank)},
+    ) for rank in (0, 1)]
+    for rank, process in enumerate(ranks):
+        _, stderr = process.communicate(timeout=120)
+        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert process.returncode == 4 and "Traceback" not in stderr, stderr[-3000:]
+        assert errors == [f"error: rank {rank} waited more than --ddp_timeout {timeout_s}s for all 2 ranks to start "
+                          f"the process group (torchrun restart {1 - rank}): a rank died or never started; check the "
+                          "other ranks' logs, and restart a job of several machines with c10d rendezvous "
+                          "(--rdzv_backend c10d, as scripts/slurm/launch_node.sh does)"]
+    assert not any(tmp_path.iterdir())  # nothing written
 
 def test_a_non_finite_loss_stops_the_run_before_anything_is_saved(tmp_path) -> None:
     """A learning rate of 1e4 without clipping breaks the tiny model within a few steps."""

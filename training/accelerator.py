@@ -11,7 +11,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 
-from training.collectives import start_restarted_process_group
+from training.collectives import joining_process_group, start_restarted_process_group
 from training.cpu_accommodations import cpu_process_group
 from training.parts import each, merged
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
@@ -26,14 +26,15 @@ def build_accelerator(args, **accelerator_kwargs) -> Accelerator:
     each("at_start", strategy, on_cpu)  # the parts' (start-up work skipped: parts/fast_start), before DeepSpeed loads
     timeout = timedelta(seconds=args.ddp_timeout)
     check_launch(args, strategy, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
-    start_restarted_process_group("gloo" if on_cpu else InitProcessGroupKwargs.backend, timeout)
-    cpu, backend = cpu_process_group(strategy, timeout) if on_cpu else (False, InitProcessGroupKwargs.backend)
-    handler = InitProcessGroupKwargs(backend=backend, timeout=timeout)
     # DDP: gradients live in its buckets (one copy, not two), and buffers are not copied from rank 0 before each
     # forward: BatchNorm statistics are averaged instead, on every strategy alike (training/batchnorm.py).
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False,
                                         **merged("ddp_settings", args, on_cpu))
-    return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
+    with joining_process_group(timeout):  # started here (a restarted round; FSDP2 on CPU) or by accelerate
+        start_restarted_process_group("gloo" if on_cpu else InitProcessGroupKwargs.backend, timeout)
+        cpu, backend = cpu_process_group(strategy, timeout) if on_cpu else (False, InitProcessGroupKwargs.backend)
+        handler = InitProcessGroupKwargs(backend=backend, timeout=timeout)
+        return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
 
 
 def check_launch(args, strategy: Strategy, processes: int, on_cpu: bool) -> None:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+
+from training.errors import CollectiveTimeoutError
 
 
 def start_restarted_process_group(backend: str, timeout: timedelta) -> None:
@@ -23,6 +27,23 @@ def start_restarted_process_group(backend: str, timeout: timedelta) -> None:
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
                             world_size=world_size, timeout=timeout)
+
+
+@contextmanager
+def joining_process_group(timeout: timedelta) -> Iterator[None]:
+    """Starting the process group: ranks that do not all arrive within --ddp_timeout end it with one line (exit 4),
+    where torch would print its store's traceback. A restarted round (`--max_restarts`) waits on ranks that died
+    again or never restarted: on several machines, only c10d rendezvous restarts every machine's workers."""
+    try:
+        yield
+    except dist.DistStoreError as error:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        raise CollectiveTimeoutError(
+            f"rank {os.environ.get('RANK', '0')} waited more than --ddp_timeout {int(timeout.total_seconds())}s for "
+            f"all {os.environ.get('WORLD_SIZE', '1')} ranks to start the process group (torchrun restart {attempt}): "
+            "a rank died or never started; check the other ranks' logs, and restart a job of several machines with "
+            "c10d rendezvous (--rdzv_backend c10d, as scripts/slurm/launch_node.sh does)"
+        ) from error
 
 
 @functools.cache

@@ -148,10 +148,14 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                          layout=layout)
     if resume_path:
         state = load_checkpoint(accelerator, resume_path, global_batch, max_steps, layout, model, optimizer, scheduler)
+        reseeded = ""
+        if state.num_processes != accelerator.num_processes:  # a rank's saved generators have no counterpart now
+            set_seed(args.seed + state.completed_steps, device_specific=True)  # every rank its own, reproducibly
+            reseeded = f"; random generators reseeded from --seed + step {state.completed_steps} + rank"
         if (state.strategy, state.num_processes) != (launched, accelerator.num_processes):
             saved_on = f"{state.num_processes} process{'es' if state.num_processes > 1 else ''}"
             logger.info(f"resuming a {state.strategy or 'older'} checkpoint of {saved_on} under {launched} with "
-                        f"{accelerator.num_processes}", main_process_only=True)
+                        f"{accelerator.num_processes}{reseeded}", main_process_only=True)
         state.num_processes, state.strategy = accelerator.num_processes, launched
         logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
     state.per_device_train_batch_size, state.gradient_accumulation_steps = (args.per_device_train_batch_size,
