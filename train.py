@@ -69,7 +69,7 @@ def train(run: Run) -> dict[str, float]:
     """Optimizer steps until `max_steps`, with logging, evaluation, checkpoints and agreed stops
     between them; returns the last logged loss and evaluation."""
     args, accelerator, state, task = run.args, run.accelerator, run.state, run.task
-    metrics = MetricsLogger(accelerator, args.output_dir, state.completed_steps if run.resumed else None)
+    metrics = MetricsLogger(accelerator, args.output_dir, run.first_step or None)
     at_start = {}  # the step-0 baseline, kept for the summary (e.g. eval_exact_match before and after)
     if state.completed_steps == 0 and args.eval_on_start and args.eval_strategy != "no":
         at_start = evaluate(run.model, run.eval_loader, accelerator, task, run.ranks_per_batch)

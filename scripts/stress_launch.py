@@ -83,7 +83,7 @@ def main() -> int:
         aborts = sum(aborted for _, aborted, _ in results)
         rows.append((config, args.launches, exits, aborts, sum(seconds for _, _, seconds in results) / len(results)))
 
-    print(f"\n| config | launches | exit 0 | other exits | aborts | s/launch |\n|---|---:|---:|---|---:|---:|")
+    print("\n| config | launches | exit 0 | other exits | aborts | s/launch |\n|---|---:|---:|---|---:|---:|")
     for config, launches, exits, aborts, mean_s in rows:
         other = ", ".join(f"{code}: {count}" for code, count in exits.items() if code != 0) or "none"
         print(f"| {config} | {launches} | {exits[0]} | {other} | {aborts} | {mean_s:.1f} |")

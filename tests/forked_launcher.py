@@ -82,10 +82,14 @@ _READ_AT_RUN_TIME_NAMES = {
 def read_at_run_time_only(name: str) -> bool:
     """Whether `name` is on the list above: a launch whose environment differs only in these may fork its ranks."""
     return name in _READ_AT_RUN_TIME_NAMES or name.startswith(_READ_AT_RUN_TIME)
+
+
 _POPEN = subprocess.Popen
 _PR_SET_NAME = 15  # from <linux/prctl.h>
 # A forked rank's command line and /proc environment are the forkserver's: its launcher records its global rank
 # here, by process id, for the tests that find a launch's ranks (tests/conftest.py `rank_processes`).
+
+
 @functools.cache
 def rank_records() -> Path:
     """The directory of those records, made by the first launch of this process (tests/conftest.py removes it as

@@ -12,6 +12,7 @@ from training.checkpoint import TRAINER_STATE, complete_checkpoints, resolve_res
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
 
+
 def make_checkpoint(root, name: str, complete: bool) -> None:
     directory = root / "checkpoints" / name
     directory.mkdir(parents=True)

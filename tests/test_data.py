@@ -16,6 +16,7 @@ from models.language import build_tokenizer
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
 
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer(None, None)

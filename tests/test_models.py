@@ -15,6 +15,7 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
 
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer(None, None)

@@ -115,6 +115,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_ends_as_if_it_had_not_cr
         assert [p.name for p in checkpoints.iterdir()] == [f"step_{MAX_STEPS}"]
     assert_continues_exactly(uninterrupted, tmp_path, 0)
 
+
 def test_a_restarted_rank_whose_peers_never_rejoin_fails_in_one_line_within_the_ddp_timeout(tmp_path) -> None:
     """Rank 0 in torchrun's restart 1 and rank 1 still in the first round (on two machines under static rendezvous,
     only the failed machine's workers restart): neither hangs; each names itself and --ddp_timeout, and exits 4."""
@@ -134,6 +135,7 @@ def test_a_restarted_rank_whose_peers_never_rejoin_fails_in_one_line_within_the_
                           "other ranks' logs, and restart a job of several machines with c10d rendezvous "
                           "(--rdzv_backend c10d, as scripts/slurm/launch_node.sh does)"]
     assert not any(tmp_path.iterdir())  # nothing written
+
 
 def test_a_non_finite_loss_stops_the_run_before_anything_is_saved(tmp_path) -> None:
     """A learning rate of 1e4 without clipping breaks the tiny model within a few steps."""

@@ -56,6 +56,7 @@ def describe(accelerator: Accelerator, strategy: Strategy) -> str:
         f"strategy={strategy.value}{detail} processes={accelerator.num_processes} "
         f"backend={backend} device={accelerator.device.type} mixed_precision={accelerator.mixed_precision}")
 
+
 @contextmanager
 def model_construction(accelerator: Accelerator, pretrained: bool, can_build_empty: bool) -> Iterator[bool]:
     """Build the model so that no rank holds a whole fp32 copy in host memory when it need not (7B: 28 GB per rank);
@@ -82,6 +83,7 @@ def model_construction(accelerator: Accelerator, pretrained: bool, can_build_emp
         yield False
     finally:
         plugin.set_deepspeed_weakref()
+
 
 def release_model_construction_hooks() -> None:
     """After training, let one process alone build `transformers` models again (the summary loads the export): with

@@ -183,10 +183,6 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
         raise ArgumentError("--config_overrides changes a --model_config trained from scratch: drop it or --model_name_or_path")
 
 
-def model_splits(model_args: ModelArguments, train_args: TrainArguments) -> list[str]:
-    """What splits one model over processes or devices (the parts': --device_map, pipeline stages, tensor parallel)."""
-    return found("model_split", model_args, train_args)
-
-
 def split_model(model_args: ModelArguments, train_args: TrainArguments) -> str | None:
-    return next(iter(model_splits(model_args, train_args)), None)
+    """The first flag that splits one model over processes or devices (the parts': --device_map, pipeline stages)."""
+    return next(iter(found("model_split", model_args, train_args)), None)

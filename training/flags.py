@@ -13,6 +13,7 @@ from training.errors import ArgumentError
 from training.optim import OPTIMIZERS
 from training.parts import part_flags
 
+
 class FlagParser(HfArgumentParser):
     """Its own errors (an unknown choice, a missing value) are ArgumentErrors: one `error:` line, as any bad input."""
 

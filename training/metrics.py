@@ -46,11 +46,6 @@ def resolve_trackers(names: list[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def tracker_config(settings: dict) -> dict[str, bool | int | float | str]:
-    """The run's settings as trackers take them: scalars and strings only (None and lists as text)."""
-    return {key: value if isinstance(value, (bool, int, float, str)) else str(value) for key, value in settings.items()}
-
-
 METRICS_FILE = "metrics.jsonl"
 
 

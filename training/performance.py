@@ -106,11 +106,6 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     return total
 
 
-def frozen_parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters this rank holds of a model that is never trained (no gradients, no optimizer state)."""
-    return storage_bytes(model.parameters(), set())
-
-
 class SpeedMeter:
     """Throughput (`unit`s/s), step time, MFU and peak memory over the optimizer steps since the last report.
 

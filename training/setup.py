@@ -28,7 +28,6 @@ from training.console import one_voice
 from training.cpu_accommodations import use_share_of_cores
 from training.errors import ModelError
 from training.flags import DataArguments, ModelArguments, TrainArguments
-from training.metrics import tracker_config
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
 from training.parts import ModelRunner, each, filled, found, merged, through
 from training.performance import SpeedMeter, compute_dtype, parameter_count, peak_flops
@@ -62,14 +61,13 @@ class Run:
     train_loader: DataLoader | Iterable[dict]  # a part's loader keeps its own position (a stream's)
     eval_loader: DataLoader
     state: TrainerState  # the step, epoch and position within it: what a checkpoint resumes
-    resumed: bool
     steps_per_epoch: int
     max_steps: int
     model_name: str
     title: str  # "<model>: <strategy, processes, precision>", for the report
     num_parameters: int
     speed: SpeedMeter
-    first_step: int  # the step this launch started from (0, or the resumed checkpoint's)
+    first_step: int  # the step this launch started from (0, or the resumed checkpoint's: never 0)
     model_args: ModelArguments
     part_figures: list[Callable[[int], dict]]  # the parts' figures for summary.json, given the steps run
     forward_backward: Callable[[dict, torch.Tensor], torch.Tensor]  # one micro-step: (batch, window targets) -> loss
@@ -167,9 +165,10 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     run_settings = {"strategy": strategy.value, "num_processes": accelerator.num_processes,
                     "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch,
                     "total_steps": max_steps, "parameters": num_parameters, **task.settings}
+    settings = vars(model_args) | vars(data_args) | vars(args) | run_settings
     accelerator.init_trackers(
-        args.run_name,
-        config=tracker_config(vars(model_args) | vars(data_args) | vars(args) | run_settings),
+        args.run_name,  # trackers take scalars and strings only: None and lists as text
+        config={key: value if isinstance(value, (bool, int, float, str)) else str(value) for key, value in settings.items()},
         # A resumed run replaces what the run it continues logged after its checkpoint.
         init_kwargs={"tensorboard": {"purge_step": state.completed_steps + 1 if resume_path else 0},
                      "wandb": {"name": args.run_name}},
@@ -185,7 +184,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                        replica_processes,  # ranks that read each batch
                        memory_devices=devices if len(devices) > 1 else None)
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
-               bool(resume_path), steps_per_epoch, max_steps, model_name,
+               steps_per_epoch, max_steps, model_name,
                f"{model_name}: {run_description}", num_parameters, speed, state.completed_steps, model_args, part_figures,
                forward_backward, replica_processes)
 

@@ -21,8 +21,10 @@ class Strategy(str, Enum):
     FSDP = "fsdp"
     DEEPSPEED = "deepspeed"
 
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
+
 
 def requested_strategy() -> Strategy:
     if _env_flag("ACCELERATE_USE_DEEPSPEED"):
@@ -34,8 +36,10 @@ def requested_strategy() -> Strategy:
         return Strategy.DDP
     return Strategy.SINGLE
 
+
 def has_accelerator_device() -> bool:
     return torch.accelerator.is_available()
+
 
 def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
     """Before any process group, reject what accelerate would fail on or silently run otherwise (same on every rank)."""
@@ -59,6 +63,7 @@ def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
         raise StrategyError("fp16 mixed precision needs a GPU (loss scaling runs on the device) and this machine has "
                             "none; use --mixed_precision bf16 or no")
 
+
 def wrapped_strategy(model: torch.nn.Module) -> Strategy:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
@@ -72,9 +77,11 @@ def wrapped_strategy(model: torch.nn.Module) -> Strategy:
         return Strategy.DDP  # (pipeline stages: their replicas average gradients as DDP does, parts/pipeline)
     return Strategy.SINGLE
 
+
 EXPECTED_TYPES = {
     Strategy.SINGLE: {DistributedType.NO}, Strategy.DDP: {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU},
     Strategy.FSDP: {DistributedType.FSDP}, Strategy.DEEPSPEED: {DistributedType.DEEPSPEED}}
+
 
 def verify_strategy(accelerator: Accelerator, prepared_model: torch.nn.Module | None = None) -> Strategy:
     """Refuse to train unless the strategy in use is the configured one (again with the model after `prepare`)."""
@@ -100,6 +107,7 @@ def verify_strategy(accelerator: Accelerator, prepared_model: torch.nn.Module | 
             raise StrategyError("the FSDP version in use differs from the config's fsdp_version")
     return requested
 
+
 def _auto_keys(config: dict, prefix: str = "") -> list[str]:
     found = []
     for key, value in config.items():
@@ -109,6 +117,7 @@ def _auto_keys(config: dict, prefix: str = "") -> list[str]:
             found.append(prefix + key)
     return found
 
+
 def master_weight_dtypes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> set[torch.dtype]:
     """The dtypes of the weights the optimizer updates (DeepSpeed keeps its own flat copies)."""
     if wrapped_strategy(model) is Strategy.DEEPSPEED:
@@ -116,6 +125,7 @@ def master_weight_dtypes(model: torch.nn.Module, optimizer: torch.optim.Optimize
         partitions = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
         return {partition.dtype for partition in partitions}
     return {param.dtype for group in optimizer.param_groups for param in group["params"]}
+
 
 def verify_prepared(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                     per_device_batch: int, max_grad_norm: float) -> None:

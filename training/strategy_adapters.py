@@ -28,12 +28,14 @@ def optimizer_offload_device(accelerator: Accelerator) -> str:
         return "none"
     return plugin.deepspeed_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
 
+
 def config_name(accelerator: Accelerator, strategy: Strategy) -> str:
     """The strategy as its config file is named (ddp, fsdp, deepspeed_zero3_offload): what a checkpoint records."""
     if strategy is not Strategy.DEEPSPEED:
         return strategy.value
     offload = "_offload" if optimizer_offload_device(accelerator) != "none" else ""
     return f"deepspeed_zero{accelerator.state.deepspeed_plugin.zero_stage}{offload}"
+
 
 def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_grad_norm: float, per_device_batch: int) -> None:
     """Before the optimizer and `prepare`: make the strategy run what train.py asks for."""
@@ -53,10 +55,12 @@ def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_gr
         if half is not torch.float32:
             batch_norm_statistics_in(model, half)
 
+
 def persistent_buffers(model: torch.nn.Module) -> list[str]:
     """Names of the buffers in the model's state dict (BatchNorm statistics; not rotary tables)."""
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return [name for name in model.state_dict() if name not in parameters]
+
 
 def answer_none_for_missing_embeddings(model: torch.nn.Module) -> None:
     """accelerate 1.15's FSDP2 expects None from models without input embeddings; `transformers` raises instead."""
@@ -65,11 +69,13 @@ def answer_none_for_missing_embeddings(model: torch.nn.Module) -> None:
     except (NotImplementedError, AttributeError):  # (a plain nn.Module has no such method: accelerate then skips it)
         model.get_input_embeddings = lambda: None
 
+
 def _reduce_gradients_in_fp32(accelerator: Accelerator) -> None:
     """accelerate's FSDP2 bf16/fp16 policy reduces gradients in 8 mantissa bits: use fp32, as torchtitan and DDP do."""
     plugin = accelerator.state.fsdp_plugin
     if plugin.fsdp_version == 2 and plugin.mixed_precision_policy is not None:
         plugin.mixed_precision_policy = dataclasses.replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32)
+
 
 def gradient_reduction_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
     """The dtypes the ranks average gradients in (DeepSpeed's default under bf16: bf16)."""
@@ -80,6 +86,7 @@ def gradient_reduction_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
         return {state._mp_policy.reduce_dtype or state._mp_policy.param_dtype or torch.float32 for state in states}
     return {param.dtype for param in model.parameters() if param.requires_grad}
 
+
 def keep_batch_norm_in_fp32(model: torch.nn.Module, accelerator: Accelerator) -> None:
     """FSDP2 casts BatchNorm weights to bf16, not running stats, which BatchNorm refuses (pytorch/torchtitan#674)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -88,10 +95,12 @@ def keep_batch_norm_in_fp32(model: torch.nn.Module, accelerator: Accelerator) ->
     for layer in batch_norm_layers(model):
         fully_shard(layer, mp_policy=fp32, reshard_after_forward=accelerator.state.fsdp_plugin.reshard_after_forward)
 
+
 def batch_norm_statistics_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """DeepSpeed's half-precision engines cast parameters, not buffers; BatchNorm needs both in one dtype."""
     for buffer in running_statistics(model):
         buffer.data = buffer.to(dtype)
+
 
 def align_deepspeed_config(config: dict, max_grad_norm: float, per_device_batch: int) -> None:
     """Fill DeepSpeed's "auto"s from our flags: accelerate would clip at 1.0 and take the smallest (eval's) batch."""
@@ -105,6 +114,7 @@ def align_deepspeed_config(config: dict, max_grad_norm: float, per_device_batch:
             f"gradient_clipping is {clipping} in the DeepSpeed JSON but --max_grad_norm is {max_grad_norm}; "
             'set "gradient_clipping": "auto" in the JSON so the flag decides')
 
+
 def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor | float:
     """The norm before clipping, on the device (DeepSpeed clips in its step; accelerate's `.item()` would sync)."""
     if wrapped_strategy(model) is Strategy.DEEPSPEED:
@@ -112,6 +122,7 @@ def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
     if isinstance(model, ModelRunner):  # a part's model that clips itself (pipeline stages: the norm over every stage)
         return model.clip_grad_norm_(max_norm)
     return accelerator.clip_grad_norm_(model.parameters(), max_norm)
+
 
 def write_effective_deepspeed_config(accelerator: Accelerator, output_dir: str) -> None:
     plugin = accelerator.state.deepspeed_plugin

@@ -41,7 +41,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from models.language import loading
 from training.errors import ModelError
 from training.loss import IGNORE_INDEX
-from training.performance import compute_dtype, frozen_parameter_bytes, parameter_count
+from training.performance import compute_dtype, parameter_count, storage_bytes
 from training.strategy import Strategy
 from training.strategy_adapters import (answer_none_for_missing_embeddings, batch_norm_statistics_in,
                                          keep_batch_norm_in_fp32)
@@ -169,7 +169,7 @@ def build_distillation(accelerator: Accelerator, task: Task, strategy: Strategy,
     if warning := memory_warning(path, planned, free_memory_bytes(accelerator.device), accelerator.device):
         logger.warning(warning, main_process_only=True)
     teacher = place_frozen_model(accelerator, teacher)
-    held = frozen_parameter_bytes(teacher)
+    held = storage_bytes(teacher.parameters(), set())  # the frozen weights this rank holds
     logger.info(f"teacher {path}: {parameters:,} parameters, frozen, placed as {type(teacher).__name__} "
                 f"({held / 2**20:,.1f} MiB of weights on this rank); distilled with {args.distillation_loss} at "
                 f"temperature {args.distillation_temperature}, alpha {args.distillation_alpha}", main_process_only=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from training.errors import ArgumentError
 from training.parts import Part
 
+
 @dataclass
 class LoraFlags:
     use_peft: bool = field(default=False, metadata={
