@@ -57,3 +57,19 @@ def test_the_layout_page_shows_the_measured_lines_of_the_core_and_each_part() ->
 
     assert table() in (REPO / "docs" / "layout.md").read_text(), "run python scripts/count_lines.py --write"
     assert set(counts()) == {"core", *(f"parts/{part.name}" for part in installed_parts())}  # every part counted
+
+
+def test_the_counted_code_keeps_two_blank_lines_before_each_top_level_definition() -> None:
+    """The line count is only a fair measure if the code keeps PEP 8's layout (E302): two blank lines before each
+    top-level function or class that follows other code, comments directly above it included."""
+    from scripts.count_lines import CORE
+
+    counted = [REPO / "train.py", *(path for name in [*CORE[1:], "parts"] for path in sorted((REPO / name).rglob("*.py")))]
+    for path in counted:
+        lines = path.read_text().splitlines()
+        for node in ast.parse("\n".join(lines)).body[1:]:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                first = min([node.lineno, *(decorator.lineno for decorator in node.decorator_list)]) - 1
+                while first > 0 and lines[first - 1].lstrip().startswith("#"):
+                    first -= 1
+                assert lines[max(first - 2, 0):first] == ["", ""], f"{path.relative_to(REPO)}:{first + 1}"
