@@ -43,7 +43,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the template's modules: metrics, the planner, data preparation
 
 from scripts.data_benchmark import data_table  # noqa: E402
-from scripts.mfu_benchmark import CPU_DEFAULTS, GPU_DEFAULTS, mfu_table  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
 from training.parts import installed  # noqa: E402
 
@@ -97,6 +96,11 @@ def start_launch(command: list[str], env: dict[str, str], log) -> subprocess.Pop
     """`accelerate launch ...` (`command`) started in the repository with `env`, both streams to the file `log`.
     The one place a launch starts: tests/test_benchmark.py runs most tables with the suite's forked launcher here."""
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def shown_mfu(run: dict) -> str:
+    """A row's MFU as the table shows it (n/a: a project without the part mfu, or a device of unknown peak)."""
+    return f"{run['mfu']:.1%}" if "mfu" in run else "n/a"
 
 
 def train_run(config: str, args: argparse.Namespace, output_dir: Path, flags: tuple[str, ...] | None = None,
@@ -433,7 +437,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.configs = args.configs or (SCALING_CONFIGS if args.scaling else CONFIGS)
     if args.mfu:  # one process per GPU; on a machine without one, a tiny shape on one process
+        if not installed("mfu"):
+            raise SystemExit("error: --mfu needs the part mfu, which this project left out (scripts/new_project.py)")
         import torch
+
+        from scripts.mfu_benchmark import CPU_DEFAULTS, GPU_DEFAULTS, mfu_table
 
         defaults = GPU_DEFAULTS if torch.cuda.is_available() else CPU_DEFAULTS
         args.num_processes = args.num_processes or torch.cuda.device_count() or 1
@@ -448,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     table = {"fine_tuning": fine_tuning_table, "compression": compression_table, "scaling": scaling_table,
              "pipeline": pipeline_table, "distillation": distillation_table,
              "data": lambda args, scratch: data_table(args, scratch, train_run),
-             "mfu": lambda args, scratch: mfu_table(args, scratch, train_run)}
+             "mfu": lambda args, scratch: mfu_table(args, scratch, train_run)}  # (imported with --mfu only)
     if chosen := [name for name in table if getattr(args, name)]:
         with tempfile.TemporaryDirectory() as scratch:
             lines, results = table[chosen[0]](args, Path(scratch))
@@ -471,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
             results["strategies"][config] = run | {"model_state_bytes": measured, "planned_bytes": planned}
             lines.append(
                 f"| {config} | {run['processes']} | {run['tokens_per_sec']:,.0f} | {run['step_time'] * 1000:,.0f} | "
-                f"{run.get('mfu', float('nan')):.1%} | {run['time_to_first_step']:.1f} | "
+                f"{shown_mfu(run)} | {run['time_to_first_step']:.1f} | "
                 f"{run['peak_memory_gb'] * 1024:,.0f} | {mib(measured)}: "
                 f"{mib(state['parameters'])} + {mib(state['gradients'])} + {mib(state['optimizer'])} | "
                 f"{mib(planned)} | {measured / planned:.3f} |"

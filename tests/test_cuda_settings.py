@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from parts.cuda_settings.settings import idle_gpus, loader_workers, use_tf32
-from training.performance import TF32, gpu_peak_flops
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
 
@@ -25,11 +24,6 @@ def test_tf32_is_on_for_fp32_gpu_runs_unless_told(requested, device, mixed_preci
         assert torch.backends.cuda.matmul.allow_tf32 is enabled and torch.backends.cudnn.allow_tf32 is enabled
     finally:
         use_tf32(False, CPU, "no")
-
-
-def test_mfu_counts_tf32_runs_against_the_tensor_core_peak() -> None:
-    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", TF32) == 494.7e12
-    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", TF32) == 156.0e12
 
 
 @pytest.mark.parametrize(("usable", "cores", "processes", "workers"), [

@@ -88,7 +88,7 @@ def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
     held = "".join(f", {key.removesuffix('_bytes_per_rank').replace('_', ' ')} "
                    + (f"{sum(state.values()) / 2**20:,.1f} MiB" if state else "not measured (needs 2 optimizer steps)")
                    for key, state in summary.items() if key.endswith("_state_bytes_per_rank"))
-    mfu = f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (unknown device peak or model FLOPs)"
+    mfu = f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ""  # (parts/mfu)
     per_device = "".join(f", {key.removeprefix('peak_memory_gb_')} {gb:.2f}" for key, gb in summary.items()
                          if key.startswith("peak_memory_gb_"))
     evaluation, at_start = (", ".join(f"{key.removesuffix('_at_start')} {value:.4f}" for key, value in summary.items()
@@ -97,7 +97,7 @@ def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
     print(
         "\n===== training summary =====\n"
         f"steps:           {summary['steps']}\n"
-        f"{task.unit + '/s:':<17}{summary[f'{task.unit}_per_sec']:,.0f} ({summary['step_time'] * 1000:,.0f} ms/step, MFU {mfu})\n"
+        f"{task.unit + '/s:':<17}{summary[f'{task.unit}_per_sec']:,.0f} ({summary['step_time'] * 1000:,.0f} ms/step{mfu})\n"
         f"memory/rank:     peak {summary['peak_memory_gb']:.2f} GiB{per_device}{held}\n"
         f"final eval:      {evaluation or 'none (--eval_strategy no)'}\n"
         + (f"eval at start:   {at_start}\n" if at_start else "") +

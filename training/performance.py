@@ -1,5 +1,5 @@
-"""How fast and how big: model FLOPs per token, the device's peak FLOP/s, MFU, peak memory, and the bytes of
-tensors each rank really holds (parts/memory_plan measures the model state with it)."""
+"""How fast and how big: model FLOPs per token, throughput, peak memory, and the bytes of tensors each rank really
+holds (parts/memory_plan measures the model state with it). MFU, from the device's peak: parts/mfu."""
 
 from __future__ import annotations
 
@@ -7,28 +7,9 @@ import resource
 import statistics
 import time
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
-
-TF32 = "tf32"  # fp32 matmuls on tensor cores (--tf32)
-
-
-def _peaks(half: float, tf32: float, fp32: float) -> dict[torch.dtype | str, float]:
-    return {torch.bfloat16: half, torch.float16: half, TF32: tf32, torch.float32: fp32}  # fp16 runs at bf16's rate
-
-
-# Dense peak FLOP/s from NVIDIA's datasheets (no 2:4 sparsity), by a fragment of
-# `torch.cuda.get_device_name()`: the first fragment the name contains wins, so the NVL and
-# PCIe variants come before plain "H200"/"H100" (SXM). fp32 is true fp32 (torch's default
-# matmul precision); TF32 is the tensor-core rate for fp32 under --tf32.
-GPU_PEAK_FLOPS: dict[str, dict[torch.dtype | str, float]] = {
-    "H200 NVL": _peaks(835.5e12, 417.5e12, 60.0e12),
-    "H200": _peaks(989.4e12, 494.7e12, 66.9e12),
-    "H100 NVL": _peaks(835.5e12, 417.5e12, 60.0e12),
-    "H100 PCIe": _peaks(756.0e12, 378.0e12, 51.2e12),
-    "H100": _peaks(989.4e12, 494.7e12, 66.9e12),  # SXM: "NVIDIA H100 80GB HBM3"
-    "A100": _peaks(312.0e12, 156.0e12, 19.5e12),
-}
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
@@ -47,36 +28,6 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     tied = output is not None and output.weight is embedding
     matmul_params = parameter_count(model) - (0 if tied else _full_numel(embedding))
     return 6 * matmul_params + 12 * layers * heads * head_dim * seq_len
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool = False) -> float | None:
-    """Peak matmul FLOP/s in `dtype` (fp32 as TF32 under `tf32`): the datasheet on known GPUs, a probe on CPU."""
-    if device.type == "cuda":
-        return gpu_peak_flops(torch.cuda.get_device_name(device), TF32 if tf32 and dtype == torch.float32 else dtype)
-    if device.type == "cpu":
-        return measured_matmul_flops(dtype)
-    return None
-
-
-def gpu_peak_flops(name: str, dtype: torch.dtype | str) -> float | None:
-    """The datasheet peak for a GPU called `name`, or None if the table does not know it."""
-    return next((peaks.get(dtype) for fragment, peaks in GPU_PEAK_FLOPS.items() if fragment in name), None)
-
-
-def measured_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 0.1) -> float:
-    """The best FLOP/s of square matmuls on this process's CPU threads, over `seconds`."""
-    # Its own generator: drawing from the global RNG would shift dropout's masks, and a resumed run
-    # (which restores that RNG, then probes again) would train differently from an uninterrupted one.
-    generator = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(size, size, dtype=dtype, generator=generator) for _ in range(2))
-    a @ b  # warm-up: thread pool and kernels
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start))
-    return best
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -106,8 +57,19 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     return total
 
 
+class SpeedFigures(Protocol):
+    """A part's figures beside the throughput (parts/mfu: MFU): each rank's, gathered with the rest, then combined."""
+
+    steady: tuple[str, ...]  # of `report`'s keys, those summary.json also gets as medians after warm-up
+
+    def local(self, units: int, seconds: float) -> dict[str, float]: ...
+
+    def report(self, ranks: dict[str, torch.Tensor], units_per_sec: float) -> dict[str, float]: ...
+
+
 class SpeedMeter:
-    """Throughput (`unit`s/s), step time, MFU and peak memory over the optimizer steps since the last report.
+    """Throughput (`unit`s/s), step time and peak memory over the optimizer steps since the last report, and the
+    parts' figures (`SpeedFigures`).
 
     A step's clock runs from the end of the step before (or `resume`) to its `end_step`, loading included; logging,
     evaluation and saves pause it. The whole-run figures leave out a launch's first step (start-up, torch.compile:
@@ -116,10 +78,10 @@ class SpeedMeter:
     """
 
     def __init__(
-        self, device: torch.device, flops_per_unit: float | None, peak_flops_per_device: float | None,
-        unit: str = "tokens", ranks_per_batch: int = 1, memory_devices: list[torch.device] | None = None,
+        self, device: torch.device, unit: str = "tokens", ranks_per_batch: int = 1,
+        memory_devices: list[torch.device] | None = None, figures: list[SpeedFigures] | None = None,
     ) -> None:
-        self.device, self.flops_per_unit, self.peak, self.unit = device, flops_per_unit, peak_flops_per_device, unit
+        self.device, self.unit, self.figures = device, unit, figures or []
         # one process holding layers on several GPUs (parts/layer_split): each with its own peak
         self.memory_devices = memory_devices or [device]
         self.ranks_per_batch = ranks_per_batch  # tensor parallelism: a group of ranks works on one batch
@@ -161,14 +123,10 @@ class SpeedMeter:
 
     def _local(self, units: int, steps: int, seconds: float) -> dict[str, float]:
         seconds = max(seconds, 1e-9)
-        peak = self.peak or float("nan")
-        if self.device.type == "cpu" and self.peak and self.flops_per_unit:
-            # A CPU's peak is a 0.1 s probe, a lower bound: another process may have slowed it. The
-            # run's own FLOP/s are a lower bound too, so MFU stays at most 100%.
-            peak = max(peak, units / seconds * self.flops_per_unit / self.ranks_per_batch)
         # by position, not device name: every rank must send the same names (rank 1's GPU is its cuda:1)
         peaks = {f"peak_memory {i}": peak_memory_bytes(device) for i, device in enumerate(self.memory_devices)}
-        return {"units_per_sec": units / seconds, "step_time": seconds / max(steps, 1), "peak_flops": peak, **peaks}
+        figures = {key: value for part in self.figures for key, value in part.local(units, seconds).items()}
+        return {"units_per_sec": units / seconds, "step_time": seconds / max(steps, 1), **peaks, **figures}
 
     def report(self, ranks: dict[str, torch.Tensor]) -> dict[str, float]:
         """The figures of all ranks together, from `gather_scalars` of `interval()` or `whole_run()`."""
@@ -181,11 +139,7 @@ class SpeedMeter:
         }
         if len(peaks) > 1:
             report |= {f"peak_memory_gb_{device.replace(':', '')}": gb for device, gb in peaks.items()}
-        if self.peak and self.flops_per_unit:  # unknown GPUs have no MFU
-            # the peak beside the MFU, so that a reader recomputes it: units/s x flops per unit / peak
-            report["peak_flops"] = float(ranks["peak_flops"].sum())
-            report["mfu"] = units_per_sec * self.flops_per_unit / report["peak_flops"]
-        return report
+        return report | {key: value for part in self.figures for key, value in part.report(ranks, units_per_sec).items()}
 
     def report_interval(self, ranks: dict[str, torch.Tensor]) -> dict[str, float]:
         """`report` of a logged interval (`gather_scalars` of `interval()`), kept for `steady_state`."""
@@ -194,10 +148,11 @@ class SpeedMeter:
 
     def steady_state(self) -> dict[str, float]:
         """Medians over the logged intervals after the first (the warm-up): `steady_<unit>_per_sec`,
-        `steady_step_time`, `steady_mfu`; empty with fewer than two intervals."""
+        `steady_step_time` and the parts' (`steady_mfu`); empty with fewer than two intervals."""
         after_warm_up = self.reported[1:]
-        keys = [f"{self.unit}_per_sec", "step_time", *(["mfu"] if after_warm_up and "mfu" in after_warm_up[0] else [])]
-        return {f"steady_{key}": statistics.median(r[key] for r in after_warm_up) for key in keys} if after_warm_up else {}
+        keys = [f"{self.unit}_per_sec", "step_time", *(key for part in self.figures for key in part.steady)]
+        return {f"steady_{key}": statistics.median(r[key] for r in after_warm_up)
+                for key in keys if after_warm_up and key in after_warm_up[0]}
 
 
 def parameter_count(model: torch.nn.Module) -> int:

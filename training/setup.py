@@ -23,14 +23,13 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from training.accelerator import build_accelerator, describe, model_construction
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
-from training.collectives import gather_scalars
 from training.console import one_voice
 from training.cpu_accommodations import use_share_of_cores
 from training.errors import ModelError
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
 from training.parts import ModelRunner, each, filled, found, merged, through
-from training.performance import SpeedMeter, compute_dtype, parameter_count, peak_flops
+from training.performance import SpeedMeter, parameter_count
 from training.loss import forward_backward as data_parallel_forward_backward
 from training.loss import label_loss_sums
 from training.strategy import Strategy, master_weight_dtypes, verify_prepared, verify_strategy
@@ -72,16 +71,6 @@ class Run:
     part_figures: list[Callable[[int], dict]]  # the parts' figures for summary.json, given the steps run
     forward_backward: Callable[[dict, torch.Tensor], torch.Tensor]  # one micro-step: (batch, window targets) -> loss
     ranks_per_batch: int  # ranks that read the same batches (a tensor-parallel group): counted once
-
-
-def device_peak_flops(accelerator: Accelerator) -> float | None:
-    """Each device's peak FLOP/s for MFU. On CPU a probe, run by the main process alone while the others wait
-    (the same kind of cores on every node, and a probe alone is not slowed by the other ranks' probes)."""
-    dtype = compute_dtype(accelerator.mixed_precision)
-    if accelerator.device.type != "cpu":
-        return peak_flops(accelerator.device, dtype, tf32=torch.backends.cuda.matmul.allow_tf32)
-    measured = peak_flops(accelerator.device, dtype) if accelerator.is_main_process else 0.0
-    return float(gather_scalars(accelerator, {"peak": measured})["peak"].max())
 
 
 def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArguments) -> Run:
@@ -179,10 +168,9 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         f"training to step {max_steps}, {len(eval_set)} examples for evaluation",
         main_process_only=True,
     )
-    peak = device_peak_flops(accelerator)
-    speed = SpeedMeter(accelerator.device, task.flops_per_unit, peak, task.unit,
-                       replica_processes,  # ranks that read each batch
-                       memory_devices=devices if len(devices) > 1 else None)
+    speed = SpeedMeter(accelerator.device, task.unit, replica_processes,  # ranks that read each batch
+                       memory_devices=devices if len(devices) > 1 else None,
+                       figures=found("speed_figures", accelerator, task, replica_processes))  # the parts' (MFU)
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                steps_per_epoch, max_steps, model_name,
                f"{model_name}: {run_description}", num_parameters, speed, state.completed_steps, model_args, part_figures,
@@ -265,7 +253,7 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
     strategy = verify_strategy(accelerator)
     one_voice(accelerator.is_main_process)  # the other ranks report errors only
     run_description = describe(accelerator, strategy)
-    if accelerator.device.type == "cpu":  # before the peak-FLOP probe, which measures the same threads
+    if accelerator.device.type == "cpu":  # before parts/mfu's peak-FLOP probe, which measures the same threads
         run_description += f", {use_share_of_cores(int(os.environ.get('LOCAL_WORLD_SIZE', '1')))}"
     logger.info(run_description, main_process_only=True)
     for line in found("started", accelerator, args):  # the parts' (TF32 on GPUs, the preflight's map of ranks)

@@ -1,0 +1,24 @@
+"""MFU, model FLOPs utilisation: the training FLOP/s a run reaches (the task's FLOPs per token or image, times its
+rate) over the devices' peak, in every logged interval and in summary.json (`mfu`, `steady_mfu`, with `peak_flops`
+beside them so that a reader recomputes them). The peak comes from NVIDIA's datasheets, or a probe on CPU
+(peaks.py). `python scripts/benchmark.py --mfu` measures it on the shape the field compares. See docs/mfu.md."""
+
+from training.parts import Part
+
+
+def speed_figures(accelerator, task, ranks_per_batch: int):
+    """MFU for the task's model on this device; None (and a line saying why) when the peak or the FLOPs are unknown."""
+    from accelerate.logging import get_logger
+
+    from parts.mfu.peaks import Mfu, device_peak_flops
+
+    peak = device_peak_flops(accelerator)  # on every rank: a collective on CPU
+    if peak and task.flops_per_unit:
+        return Mfu(accelerator.device, task.flops_per_unit, peak, ranks_per_batch)
+    unknown = "the task's FLOPs per unit" if peak else f"the peak FLOP/s of {accelerator.device} (parts/mfu/peaks.py)"
+    get_logger(__name__).info(f"no MFU: {unknown} unknown", main_process_only=True)
+    return None
+
+
+PART = Part("mfu", "MFU (model FLOPs utilisation) in the logs and summary, from datasheet peaks or a CPU probe",
+            speed_figures=speed_figures, files=("scripts/mfu_benchmark.py",))
