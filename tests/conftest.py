@@ -320,10 +320,11 @@ def flag_refusal(args: list[str], env: dict[str, str], monkeypatch: pytest.Monke
     return str(refused.value)
 
 
-def wait_for(condition: Callable[[], object], seconds: float, what: str, poll: float = 0.2) -> None:
+def wait_for(condition: Callable[[], object], seconds: float, what: str | Callable[[], str], poll: float = 0.2) -> None:
+    """`what`: what is awaited, for the failure message (a function: read when it fails)."""
     deadline = time.monotonic() + seconds
     while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
         time.sleep(poll)
 
 
@@ -354,6 +355,32 @@ def signal_pending(process: psutil.Process) -> bool:
     return any(int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:")))
 
 
+def freeze(processes) -> None:
+    """SIGSTOP each process and wait until every one has stopped: a signal sent to a rank not yet stopped (its SIGSTOP
+    still pending) is delivered first, lower-numbered, and handled, never seen pending (SIGTERM: a rare failure)."""
+    processes = list(processes)
+    for process in processes:
+        process.suspend()
+    wait_for(lambda: all(process.status() == psutil.STATUS_STOPPED for process in processes), 60, "the ranks to stop",
+             poll=0.001)
+
+
+def signal_states(launcher, ranks: dict[int, psutil.Process]) -> str:
+    """The signal masks and states of a launcher and its ranks, and the launcher's processes, for a failure message."""
+    def state(pid: int) -> str:
+        try:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        except (OSError, ValueError):
+            return f"{pid}: gone"
+        return f"{pid}: " + " ".join(f"{key} {fields[key].strip()}" for key in
+                                     ("State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+
+    children = [f"{child.pid} (rank record {forked_launcher.forked_rank(child.pid)})"
+                for child in psutil.Process(launcher.pid).children(recursive=True)]
+    return "; ".join([f"launcher {state(launcher.pid)}", *(f"rank {rank} {state(process.pid)}" for rank, process
+                                                            in ranks.items()), f"its processes {children}"])
+
+
 def stop_after_step(launcher, output_dir: Path, step: int, sig: int, processes: int = 2, to_rank_1: bool = False) -> None:
     """Once `step` is logged, freeze the ranks, send `sig` to the launcher (or to rank 1 alone), let them go on,
     and wait for the launcher to fail and its ranks to end; nothing outlives a failed test."""
@@ -362,12 +389,12 @@ def stop_after_step(launcher, output_dir: Path, step: int, sig: int, processes: 
         wait_for(lambda: len(rank_processes(launcher)) == processes, 120, "the ranks to start")
         ranks = rank_processes(launcher)
         wait_for(lambda: logged_loss_steps(output_dir) >= step, 120, f"step {step} logged", poll=0.005)
-        for rank in ranks.values():
-            rank.suspend()
+        freeze(ranks.values())
         (ranks[1] if to_rank_1 else psutil.Process(launcher.pid)).send_signal(sig)
         if not to_rank_1:  # through a launcher (forwarded, or as its parent's death): resumed once a rank holds
             # it, or a single process's steps, faster than a launcher's death, would train on to the end
-            wait_for(lambda: any(map(signal_pending, ranks.values())), 120, "the signal to reach a rank", poll=0.005)
+            wait_for(lambda: any(map(signal_pending, ranks.values())), 120,
+                     lambda: f"the signal to reach a rank ({signal_states(launcher, ranks)})", poll=0.005)
         for rank in ranks.values():
             rank.resume()
         assert launcher.wait(timeout=120) != 0

@@ -21,6 +21,7 @@ from tests.conftest import (
     assert_continues_exactly,
     end_launch,
     free_port,
+    freeze,
     launch,
     logged_loss_steps,
     rank_processes,
@@ -82,8 +83,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_ends_as_if_it_had_not_cr
 
     def frozen_mid_save() -> bool:
         """Freeze both ranks; keep them frozen only if a save is in progress."""
-        for rank in ranks.values():
-            rank.suspend()
+        freeze(ranks.values())
         if any(checkpoints.glob("*.tmp")):
             return True
         for rank in ranks.values():
