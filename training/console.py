@@ -19,14 +19,10 @@ def quiet_third_party_output() -> None:
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     # accelerate 1.15 passes DDP only `broadcast_buffers` (off on purpose: training/batchnorm.py), which torch 2.13 renames.
     warnings.filterwarnings("ignore", message=r"`broadcast_buffers` is deprecated", category=FutureWarning)
-    # peft 0.21 reads transformers 5.23's deprecated `is_gradient_checkpointing` as it wraps a model (3 per LoRA run).
-    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     if not torch.accelerator.is_available():  # else DeepSpeed warns on every rank that it uses the CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     logging.getLogger("accelerate.accelerator").setLevel(logging.WARNING)  # notes on how it filled DeepSpeed's "auto"s
     logging.getLogger("accelerate.checkpointing").setLevel(logging.WARNING)  # a line per file saved; train.py says one
-    # torch 2.13 warns for each tensor of FSDP2 x tensor parallelism gathered whole (a checkpoint's model_state/)
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def one_voice(is_main_process: bool) -> None:

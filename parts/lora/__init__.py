@@ -7,6 +7,7 @@ and, with `--merge_adapter`, merged into a plain model. `adapters.py` holds the 
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 
 from training.errors import ArgumentError
@@ -62,6 +63,9 @@ def adapt_model(model, model_args, args):
     if not model_args.use_peft:
         return model
     from parts.lora.adapters import add_adapter, trainable_summary
+
+    # peft 0.21 reads transformers 5.23's deprecated `is_gradient_checkpointing` as it wraps a model (3 per LoRA run)
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
     model = add_adapter(model, model_args)
     if os.environ.get("RANK", "0") == "0":  # the main process (the dry run has no Accelerator to ask)

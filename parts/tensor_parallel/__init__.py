@@ -5,6 +5,7 @@ ranks of a tp group read the same batch. See docs/tensor_parallel.md.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -57,6 +58,8 @@ def wrap_model(model, accelerator, args):
 
     from parts.tensor_parallel.slicing import apply_tensor_parallel
 
+    # torch 2.13 warns for each tensor gathered whole (a checkpoint's model_state/, training/checkpoint.py)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     get_logger(__name__).info(f"tensor parallel: every layer sliced over tp={tp_size()} processes "
                               f"(data-parallel {accelerator.num_processes // tp_size()})", main_process_only=True)
     return apply_tensor_parallel(accelerator, model, tp_size())
