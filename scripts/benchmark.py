@@ -8,7 +8,7 @@
     python scripts/benchmark.py --pipeline --plot docs/pipeline.png         # pipeline schedules against a layer split
     python scripts/benchmark.py --distillation --plot docs/distillation.png # a student alone and distilled
     python scripts/benchmark.py --data --corpus_mb 200                      # data paths against training's appetite
-    python scripts/benchmark.py --mfu                                       # MFU at a 50k vocabulary (GPU: docs/gpus.md)
+    python scripts/benchmark.py --mfu                                       # MFU at a 50k vocabulary (part mfu)
 
 Every config trains the same model on the same data for `--steps` optimizer steps with
 `accelerate launch train.py`. The table shows, per strategy: tokens/s and step time
@@ -21,7 +21,7 @@ is its tokens over its time after `--warmup`, loading included; the overhead fig
 the per-round ratios: back-to-back runs share the machine's state), and the data preparation rate (tokenize + pack of the default corpus) is measured
 in-process. The other tables are described by their functions (`fine_tuning_table`,
 `compression_table`, `scaling_table`, `pipeline_table`,
-`distillation_table`; the data table: scripts/data_benchmark.py; MFU: scripts/mfu_benchmark.py).
+`distillation_table`; the data table: scripts/data_benchmark.py; MFU: scripts/mfu_benchmark.py, the part mfu's).
 """
 
 from __future__ import annotations

@@ -86,10 +86,10 @@ def read_at_run_time_only(name: str) -> bool:
 
 _POPEN = subprocess.Popen
 _PR_SET_NAME = 15  # from <linux/prctl.h>
+
+
 # A forked rank's command line and /proc environment are the forkserver's: its launcher records its global rank
 # here, by process id, for the tests that find a launch's ranks (tests/conftest.py `rank_processes`).
-
-
 @functools.cache
 def rank_records() -> Path:
     """The directory of those records, made by the first launch of this process (tests/conftest.py removes it as

@@ -234,3 +234,14 @@ def test_the_profile_names_where_each_step_goes_without_a_train_py_edit(tmp_path
     for kind, ms in profile["kinds"].items():
         assert f"| {kind} | {ms:,.2f} | {ms / profile['ms_per_step']:.1%} |" in result.stdout
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 5  # the run itself went on to its end
+
+
+@pytest.mark.quick
+def test_the_mfu_table_is_refused_in_one_line_without_its_part(monkeypatch) -> None:
+    """A project made without the part mfu (scripts/new_project.py) has no scripts/mfu_benchmark.py either."""
+    import scripts.benchmark as benchmark
+
+    monkeypatch.setattr(benchmark, "installed", lambda name: name != "mfu")
+    with pytest.raises(SystemExit, match=r"^error: --mfu needs the part mfu, which this project left out"):
+        benchmark.main(["--mfu"])
+

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from parts.mfu.peaks import TF32, Mfu, gpu_peak_flops, measured_matmul_flops
+from parts.mfu.peaks import TF32, Mfu, agreed_peak, gpu_peak_flops, measured_matmul_flops
 from tests.conftest import read_metrics
 from tests.test_benchmark import assert_figures_follow_the_logged_intervals, run_benchmark
 from tests.test_performance import SHORT_RUN
@@ -66,6 +68,31 @@ def test_the_cpu_probe_draws_nothing_from_the_global_rng() -> None:
     state = torch.get_rng_state()
     measured_matmul_flops(torch.float32, size=64, seconds=0.01)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("own", "everyone", "on_cpu", "agreed"), [
+    (0.0, [2e11, 0.0], True, 2e11),  # CPU: the main process's probe, for every rank
+    (989.4e12, [989.4e12, 312.0e12], False, 989.4e12),  # GPUs: each its own datasheet figure (the report sums them)
+    (989.4e12, [989.4e12, 0.0], False, None),  # one rank's GPU not in the table: no rank counts MFU
+])
+def test_every_rank_decides_alike_whether_it_counts_mfu(own, everyone, on_cpu, agreed) -> None:
+    """Each rank must log the same figures (one gather by position): a peak unknown on one rank is unknown on all."""
+    assert agreed_peak(own, torch.tensor(everyone, dtype=torch.float64), on_cpu) == agreed
+
+
+@pytest.mark.quick
+def test_a_task_without_flops_gets_no_mfu_and_the_log_says_why(caplog) -> None:
+    from accelerate import Accelerator
+
+    from parts.mfu import speed_figures
+
+    accelerator = Accelerator(cpu=True)  # one process: the probe's gather is its own figure
+    with caplog.at_level(logging.INFO):
+        assert speed_figures(accelerator, SimpleNamespace(flops_per_unit=None), 1) is None
+    assert "no MFU: the task's FLOPs per unit are unknown" in caplog.text
+    figures = speed_figures(accelerator, SimpleNamespace(flops_per_unit=1e6), 1)
+    assert isinstance(figures, Mfu) and 1e8 < figures.peak < 1e14
 
 
 @pytest.mark.quick

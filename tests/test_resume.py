@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -116,24 +117,40 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_ends_as_if_it_had_not_cr
     assert_continues_exactly(uninterrupted, tmp_path, 0)
 
 
-def test_a_restarted_rank_whose_peers_never_rejoin_fails_in_one_line_within_the_ddp_timeout(tmp_path) -> None:
-    """Rank 0 in torchrun's restart 1 and rank 1 still in the first round (on two machines under static rendezvous,
-    only the failed machine's workers restart): neither hangs; each names itself and --ddp_timeout, and exits 4."""
+# rank -> TORCHELASTIC_RESTART_COUNT (None: not under torchrun) of the ranks started
+NEVER_MEET = {
+    # on two machines under static rendezvous only the failed machine's workers restart: two rounds never meet
+    "peers in another round": {0: "1", 1: "0"},
+    "the store's host never started": {1: None},  # rank 0, which hosts the store, died (outside torchrun's agent)
+}
+
+
+@pytest.mark.parametrize("ranks", NEVER_MEET.values(), ids=NEVER_MEET)
+def test_ranks_that_never_all_meet_fail_in_one_line_within_the_ddp_timeout(ranks, tmp_path) -> None:
+    """Neither hangs nor prints a traceback: each rank names itself, the store and --ddp_timeout, and exits 4."""
     port, timeout_s = free_port(), 5
-    ranks = [subprocess.Popen(
+    started = time.monotonic()
+    processes = {rank: subprocess.Popen(
         [sys.executable, "train.py", *TINY_RUN, "--output_dir", str(tmp_path), "--ddp_timeout", str(timeout_s)],
         cwd=REPO, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        env=os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
-                          "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": str(1 - rank)},
-    ) for rank in (0, 1)]
-    for rank, process in enumerate(ranks):
-        _, stderr = process.communicate(timeout=120)
-        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
-        assert process.returncode == 4 and "Traceback" not in stderr, stderr[-3000:]
-        assert errors == [f"error: rank {rank} waited more than --ddp_timeout {timeout_s}s for all 2 ranks to start "
-                          f"the process group (torchrun restart {1 - rank}): a rank died or never started; check the "
-                          "other ranks' logs, and restart a job of several machines with c10d rendezvous "
-                          "(--rdzv_backend c10d, as scripts/slurm/launch_node.sh does)"]
+        env={key: value for key, value in os.environ.items() if key != "TORCHELASTIC_RESTART_COUNT"} | {
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", **({"TORCHELASTIC_RESTART_COUNT": attempt} if attempt else {})},
+    ) for rank, attempt in ranks.items()}
+    try:
+        for rank, process in processes.items():
+            _, stderr = process.communicate(timeout=120)
+            errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+            assert process.returncode == 4 and "Traceback" not in stderr, stderr[-3000:]
+            restart = f", torchrun restart {ranks[rank]}" if ranks[rank] else ""
+            assert errors == [f"error: rank {rank} waited more than --ddp_timeout {timeout_s}s for all 2 ranks to start "
+                              f"the process group (store 127.0.0.1:{port}{restart}): a rank died or never started; "
+                              "check the other ranks' logs, and restart a job of several machines with c10d rendezvous "
+                              "(--rdzv_backend c10d, as scripts/slurm/launch_node.sh does)"]
+    finally:
+        for process in processes.values():
+            process.kill()
+    assert time.monotonic() - started < timeout_s + 60  # the timeout, and each rank's start-up (imports: seconds)
     assert not any(tmp_path.iterdir())  # nothing written
 
 

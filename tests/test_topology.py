@@ -48,7 +48,7 @@ def test_a_chain_of_resumes_through_every_config_continues_one_process_run(split
         if previous:
             (saved_by, saved_on, *_), recorded = CHAIN[step - 1], config.removesuffix("_tp")  # (tp: a layout of fsdp)
             saved = f"{saved_on} process{'es' if saved_on > 1 else ''}"
-            reseeded = f"; random generators reseeded from --seed + step {step} + rank" if saved_on != processes else ""
+            reseeded = f"; random generators reseeded from --seed + step {step}" if saved_on != processes else ""
             assert (f"resuming a {saved_by.removesuffix('_tp')} checkpoint of {saved} under {recorded} "
                     f"with {processes}{reseeded}\n" in result.stderr), result.stderr[-3000:]
         logged = {m["step"]: m["loss"] for m in read_metrics(run) if "loss" in m}

@@ -36,13 +36,15 @@ def joining_process_group(timeout: timedelta) -> Iterator[None]:
     again or never restarted: on several machines, only c10d rendezvous restarts every machine's workers."""
     try:
         yield
-    except dist.DistStoreError as error:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    except (dist.DistStoreError, dist.DistNetworkError) as error:  # the others never came; the store's host neither
+        store = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         raise CollectiveTimeoutError(
             f"rank {os.environ.get('RANK', '0')} waited more than --ddp_timeout {int(timeout.total_seconds())}s for "
-            f"all {os.environ.get('WORLD_SIZE', '1')} ranks to start the process group (torchrun restart {attempt}): "
-            "a rank died or never started; check the other ranks' logs, and restart a job of several machines with "
-            "c10d rendezvous (--rdzv_backend c10d, as scripts/slurm/launch_node.sh does)"
+            f"all {os.environ.get('WORLD_SIZE', '1')} ranks to start the process group (store {store}"
+            f"{f', torchrun restart {attempt}' if attempt else ''}): a rank died or never started; check the other "
+            "ranks' logs, and restart a job of several machines with c10d rendezvous (--rdzv_backend c10d, as "
+            "scripts/slurm/launch_node.sh does)"
         ) from error
 
 

@@ -147,7 +147,7 @@ class Part:
     # added to checkpoints); `figures(steps_run)`, called on every rank at the end, adds to summary.json
     after_prepare: Hook = None
     # (accelerator, task, ranks_per_batch) -> SpeedFigures | None: figures beside the throughput, on every rank (a
-    # collective may run), logged each interval and summed up in summary.json (MFU: training/performance.py)
+    # collective may run), logged each interval and summed up in summary.json (MFU: parts/mfu)
     speed_figures: Hook = None
     # (accelerator, args, current_step) -> context manager: what the loop runs within (a timed-out collective)
     around_training: Hook = None

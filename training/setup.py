@@ -137,8 +137,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         state = load_checkpoint(accelerator, resume_path, global_batch, max_steps, layout, model, optimizer, scheduler)
         reseeded = ""
         if state.num_processes != accelerator.num_processes:  # a rank's saved generators have no counterpart now
-            set_seed(args.seed + state.completed_steps, device_specific=True)  # every rank its own, reproducibly
-            reseeded = f"; random generators reseeded from --seed + step {state.completed_steps} + rank"
+            set_seed(args.seed + state.completed_steps)  # alike on every rank, as a fresh start seeds them
+            reseeded = f"; random generators reseeded from --seed + step {state.completed_steps}"
         if (state.strategy, state.num_processes) != (launched, accelerator.num_processes):
             saved_on = f"{state.num_processes} process{'es' if state.num_processes > 1 else ''}"
             logger.info(f"resuming a {state.strategy or 'older'} checkpoint of {saved_on} under {launched} with "

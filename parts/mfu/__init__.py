@@ -8,15 +8,19 @@ from training.parts import Part
 
 def speed_figures(accelerator, task, ranks_per_batch: int):
     """MFU for the task's model on this device; None (and a line saying why) when the peak or the FLOPs are unknown."""
+    import torch
     from accelerate.logging import get_logger
 
     from parts.mfu.peaks import Mfu, device_peak_flops
 
-    peak = device_peak_flops(accelerator)  # on every rank: a collective on CPU
+    peak = device_peak_flops(accelerator)  # a collective: every rank decides alike
     if peak and task.flops_per_unit:
         return Mfu(accelerator.device, task.flops_per_unit, peak, ranks_per_batch)
-    unknown = "the task's FLOPs per unit" if peak else f"the peak FLOP/s of {accelerator.device} (parts/mfu/peaks.py)"
-    get_logger(__name__).info(f"no MFU: {unknown} unknown", main_process_only=True)
+    device = accelerator.device
+    here = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    unknown = ("the task's FLOPs per unit are unknown" if peak else
+               f"a rank's device has no known peak FLOP/s (this one: {here}; GPU_PEAK_FLOPS in parts/mfu/peaks.py)")
+    get_logger(__name__).info(f"no MFU: {unknown}", main_process_only=True)
     return None
 
 

@@ -53,17 +53,26 @@ def measured_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 
 
 
 def device_peak_flops(accelerator: Accelerator) -> float | None:
-    """Each device's peak matmul FLOP/s in the run's compute dtype (fp32 as TF32 when torch allows it): the datasheet
-    on known GPUs; on CPU a probe, run by the main process alone while the others wait (the same kind of cores on
-    every node, and a probe alone is not slowed by the other ranks' probes)."""
+    """This rank's device's peak matmul FLOP/s in the run's compute dtype (fp32 as TF32 when torch allows it): the
+    datasheet on known GPUs; on CPU a probe, run by the main process alone while the others wait (a probe alone is
+    not slowed by the other ranks' probes). A collective: see `agreed_peak`."""
     dtype, device = compute_dtype(accelerator.mixed_precision), accelerator.device
+    own = 0.0  # unknown
     if device.type == "cuda":
         tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-        return gpu_peak_flops(torch.cuda.get_device_name(device), TF32 if tf32 else dtype)
-    if device.type != "cpu":
-        return None
-    measured = measured_matmul_flops(dtype) if accelerator.is_main_process else 0.0
-    return float(gather_scalars(accelerator, {"peak": measured})["peak"].max())
+        own = gpu_peak_flops(torch.cuda.get_device_name(device), TF32 if tf32 else dtype) or 0.0
+    elif device.type == "cpu" and accelerator.is_main_process:
+        own = measured_matmul_flops(dtype)
+    return agreed_peak(own, gather_scalars(accelerator, {"peak": own})["peak"], device.type == "cpu")
+
+
+def agreed_peak(own: float, everyone: torch.Tensor, on_cpu: bool) -> float | None:
+    """The peak this rank counts MFU against, decided alike on every rank (each must log the same figures): on CPU
+    the main process's probe (the same kind of cores on every node); on GPUs its own datasheet figure, or None on
+    every rank when any rank's GPU is not in the table."""
+    if on_cpu:
+        return float(everyone.max()) or None
+    return own if bool((everyone > 0).all()) else None
 
 
 class Mfu:
