@@ -212,8 +212,10 @@ class ModelState:
         return state
 
 
-def load_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, directory: Path) -> None:
-    """`save_model_state`'s tensors into this run's model and optimizer, however they are laid out."""
+def load_model_state(accelerator: Accelerator, model: torch.nn.Module, base: torch.optim.Optimizer,
+                     directory: Path) -> None:
+    """`save_model_state`'s tensors into this run's model and optimizer (`base`: the one inside the wrappers,
+    `base_optimizer`), however they are laid out."""
     tensors = model_tensors(accelerator.unwrap_model(model))
     with contextlib.ExitStack() as files:
         saved = ModelState(directory, files)
@@ -223,7 +225,7 @@ def load_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer
                 (sorted(set(tensors) - set(saved.shapes)), "of this model's tensors are not in it")) if names]
             raise ResumeError(f"{directory.parent} holds another model: {'; '.join(differences)}; resume with the model "
                               "it was trained with (--model_config, --config_overrides, --model_name_or_path)")
-        base, torch_states = base_optimizer(optimizer), {}
+        torch_states = {}
         for name, tensor in tensors.items():
             if saved.shapes[name] != (shape := whole_shape(tensor)):
                 raise ResumeError(f"{directory.parent} holds {name} of shape {saved.shapes[name]}, this model's is "
@@ -291,8 +293,9 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
         raise ResumeError(f"{path} holds pickled objects that are not plain tensors or data; refused to load them, "
                           "as unpickling can run code. Resume only checkpoints this template wrote") from None
     if (path / MODEL_STATE).is_dir():
-        load_model_state(accelerator, model, optimizer, path / MODEL_STATE)
-        set_next_rate(base_optimizer(optimizer), getattr(scheduler, "scheduler", scheduler))
+        base = base_optimizer(optimizer)  # (made and linked once: ZeRO's state, training/strategy_adapters.py)
+        load_model_state(accelerator, model, base, path / MODEL_STATE)
+        set_next_rate(base, getattr(scheduler, "scheduler", scheduler))
     # Resumes start at an optimizer-step boundary: the restored micro-step counter (when gradients sync) is stale if
     # accumulation or process count changed, or 0 on some ranks only (a missing rank file); mismatched syncs hang.
     accelerator.step = 0

@@ -149,7 +149,7 @@ def own_class_while_saving(model: torch.nn.Module) -> Iterator[None]:
 
 
 # The checkpoint's model state, one tensor at a time in the same terms under every strategy (training/checkpoint.py):
-# its full fp32 value and optimizer state, gathered (a collective on every rank) or set from them.
+# the pieces of its fp32 value and optimizer state that this rank holds, or the whole of them set into its layout.
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -240,8 +240,7 @@ def held_pieces(tensor: torch.Tensor, optimizer: torch.optim.Optimizer, rank: in
 
 
 def _flat(tensor: torch.Tensor | float) -> torch.Tensor:
-    tensor = tensor.to_local() if hasattr(tensor, "to_local") else torch.as_tensor(tensor)
-    return tensor.detach().float().cpu().reshape(-1)
+    return torch.as_tensor(_local(tensor)).detach().float().cpu().reshape(-1)
 
 
 def _zero_pieces(tensor: torch.Tensor, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, tuple[int, torch.Tensor]]:
@@ -298,7 +297,7 @@ def set_full_state(tensor: torch.Tensor, saved: dict[str, torch.Tensor], optimiz
                                     for key, state in saved.items() if key != "value"}
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def _local(tensor: torch.Tensor | float) -> torch.Tensor | float:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
