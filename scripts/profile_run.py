@@ -9,7 +9,8 @@ compilation, autotuning). The main process prints its device's kernels (the CPU'
 machine without a GPU): the top `--top` by time, then the share of each kind (matrix multiplies,
 attention, loss, other elementwise and reductions, optimizer, communication, copies), as per-step
 milliseconds. That names what a speed lever would have to remove (docs/gpus.md), and
-`--sdpa_backends` tries one (which attention kernels torch may choose) before it becomes a flag. On a GPU the host runs
+`--sdpa_backends` narrows which attention kernels torch may choose; `--causal_mask_skip`
+gives an older torch (a GPU image's 2.11) the pinned 2.13's compiled attention. On a GPU the host runs
 ahead of the device, so the window also holds kernels queued by the steps just before it: read the
 shares and each kernel's time per call, not the step total.
 """
@@ -41,6 +42,15 @@ KINDS = [("communication", r"nccl|allreduce|all_reduce|gloo|broadcast|reduce_sca
 # torch picks the first that can run a call (cuDNN's, on Hopper): these switches take the others out of its choice
 SDPA_BACKENDS = {"flash": torch.backends.cuda.enable_flash_sdp, "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
                  "cudnn": torch.backends.cuda.enable_cudnn_sdp, "math": torch.backends.cuda.enable_math_sdp}
+
+
+def skip_causal_mask_under_compile() -> None:
+    """transformers' causal mask skipped under torch.compile as on the pinned torch 2.13: before pytorch#176499
+    dynamo read `torch.compiler.is_exporting()` as True while compiling, so transformers built a (batch, 1, T, T)
+    mask for every packed batch and attention ran its masked kernels instead of `is_causal`."""
+    import transformers.masking_utils as masking
+
+    masking.is_torchdynamo_exporting = lambda: False  # train.py never exports
 
 
 def kind_of(name: str) -> str:
@@ -78,7 +88,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="Also write the figures here (main process).")
     parser.add_argument("--sdpa_backends", nargs="+", choices=sorted(SDPA_BACKENDS), help="A lever to try before it "
                         "becomes a flag: attention may use only these of torch's CUDA backends (default: torch's choice).")
+    parser.add_argument("--causal_mask_skip", action="store_true", help="On a torch older than the pinned 2.13: let "
+                        "transformers skip the causal mask under torch.compile, as there (no mask tensor, is_causal).")
     ours, train_flags = parser.parse_known_args()
+    if ours.causal_mask_skip:
+        skip_causal_mask_under_compile()
     if ours.sdpa_backends:
         for name, switch in SDPA_BACKENDS.items():
             switch(name in ours.sdpa_backends)

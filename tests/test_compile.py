@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -56,3 +58,31 @@ def test_the_launchers_own_torch_compile_is_refused_before_any_process_group(mon
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
     with pytest.raises(StrategyError, match="dynamo backend inductor, which train.py would replace"):
         check_launch(None, requested_strategy(), 1, True)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("mask_skip", [False, True], ids=["pinned torch", "profile_run --causal_mask_skip"])
+def test_compiled_attention_on_packed_blocks_gets_no_mask_tensor(mask_skip: bool, monkeypatch) -> None:
+    """A packed batch carries no attention_mask, so under torch.compile transformers calls SDPA with `is_causal`
+    and no (batch, 1, T, T) mask: the fast causal kernels. A torch older than the pin built the mask there (an
+    H200 image's 2.11: its compiled attention ran 2.5x slower per call), which profile_run's switch undoes."""
+    import scripts.profile_run as profile_run
+    import transformers.masking_utils as masking
+    from models.language import build_model, build_tokenizer
+    from training.tasks import CausalLM
+
+    if mask_skip:
+        monkeypatch.setattr(masking, "is_torchdynamo_exporting", masking.is_torchdynamo_exporting)  # undone after
+        profile_run.skip_causal_mask_under_compile()
+    model = build_model(None, "llama-tiny", build_tokenizer(None, None))
+    calls = []
+
+    def inspecting_backend(graph: torch.fx.GraphModule, _inputs) -> Callable:
+        calls.extend(node.kwargs for node in graph.graph.nodes if "scaled_dot_product" in str(node.target))
+        return graph.forward
+
+    torch._dynamo.reset()
+    batch = {"input_ids": torch.randint(0, 100, (2, 16))}
+    torch.compile(CausalLM.forward, backend=inspecting_backend)(None, model, batch)
+    assert len(calls) == model.config.num_hidden_layers
+    assert all(call["attn_mask"] is None and call["is_causal"] for call in calls)
