@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from training.accelerator import build_accelerator, describe, model_construction
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
 from training.console import one_voice
-from training.cpu_accommodations import use_share_of_cores
+from training.cpu_accommodations import keep_freed_memory, use_share_of_cores
 from training.errors import ModelError
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
@@ -255,6 +255,7 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
     run_description = describe(accelerator, strategy)
     if accelerator.device.type == "cpu":  # before parts/mfu's peak-FLOP probe, which measures the same threads
         run_description += f", {use_share_of_cores(int(os.environ.get('LOCAL_WORLD_SIZE', '1')))}"
+        keep_freed_memory()
     logger.info(run_description, main_process_only=True)
     for line in found("started", accelerator, args):  # the parts' (TF32 on GPUs, the preflight's map of ranks)
         logger.info(line, main_process_only=True)
