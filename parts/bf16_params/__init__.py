@@ -1,0 +1,66 @@
+"""bf16 parameters with fp32 master weights on ddp.yaml and one process (`--mixed_precision_param bfloat16`,
+torchtitan's name): each micro-step's forward and backward run on bf16 copies of the parameters, cast inside the
+autograd graph, so gradients reach the fp32 parameters in fp32 and the optimizer, clipping, DDP's all-reduce and
+the checkpoints keep fp32. fsdp.yaml's FSDP2 policy and DeepSpeed's bf16 mode compute this way already; the
+default, autocast over fp32 weights, keeps the residual stream and the norms in fp32. Evaluation keeps autocast.
+Measured and tested: docs/bf16_params.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from training.parts import Part
+
+
+@dataclass
+class Bf16ParamFlags:
+    mixed_precision_param: str = field(default="float32", metadata={
+        "help": "bfloat16: the training step computes on bf16 copies of the fp32 parameters (ddp.yaml, one "
+                "process; needs --mixed_precision bf16), as fsdp.yaml and DeepSpeed's bf16 do. float32: autocast "
+                "over the fp32 weights.", "choices": ["float32", "bfloat16"]})
+
+
+def check_flags(model_args, data_args, args) -> None:
+    """A model split over stages or devices runs its own forward, past the training objective: refused."""
+    from training.arguments import split_model
+    from training.errors import ArgumentError
+
+    if args.mixed_precision_param != "float32" and (splitter := split_model(model_args, args)):
+        raise ArgumentError(f"--mixed_precision_param bfloat16 with {splitter} is not supported: drop one")
+
+
+def check_launch(args, strategy, processes: int, on_cpu: bool) -> None:
+    """Where the flag would change nothing: refused in one line."""
+    from training.errors import StrategyError
+    from training.strategy import Strategy
+
+    if args.mixed_precision_param == "float32":
+        return
+    if strategy not in (Strategy.SINGLE, Strategy.DDP):
+        raise StrategyError(f"--mixed_precision_param bfloat16 is for ddp.yaml and one process: under {strategy.value} "
+                            "--mixed_precision bf16 already computes on bf16 parameters; drop the flag")
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "bf16":
+        raise StrategyError("--mixed_precision_param bfloat16 needs the launcher's --mixed_precision bf16: add it, or "
+                            "drop the flag")
+
+
+def started(accelerator, args) -> str | None:
+    if args.mixed_precision_param == "bfloat16":
+        return "--mixed_precision_param bfloat16: the training step computes on bf16 copies of the fp32 parameters"
+    return None
+
+
+def training_objective(objective, accelerator, task, strategy, args):
+    """The micro-step's loss sums computed on bf16 copies of the parameters, under --mixed_precision_param."""
+    if args.mixed_precision_param == "float32":
+        return objective, None
+    from parts.bf16_params.cast import on_bf16_copies
+
+    return on_bf16_copies(objective, accelerator.unwrap_model), None
+
+
+PART = Part("bf16_params", "bf16 parameters with fp32 master weights on ddp.yaml and one process "
+            "(--mixed_precision_param bfloat16)", Bf16ParamFlags, check_flags=check_flags, check_launch=check_launch,
+            started=started, training_objective=training_objective)
