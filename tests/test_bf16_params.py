@@ -55,10 +55,12 @@ def test_the_flag_is_refused_where_it_would_change_nothing(strategy, launcher_pr
 
 
 @pytest.mark.quick
-def test_a_model_split_into_pipeline_stages_is_refused(tmp_path) -> None:
-    """Its stages run their own forward, past the training objective the flag wraps."""
-    with pytest.raises(ArgumentError, match="^--mixed_precision_param bfloat16 with --pipeline_parallel_size is not"):
-        parse_args([*FLAG, "--pipeline_parallel_size", "2", "--output_dir", str(tmp_path)])
+@pytest.mark.parametrize("clash", [("--pipeline_parallel_size", "2"), ("--gradient_checkpointing",)])
+def test_a_forward_outside_the_training_objective_is_refused(clash: tuple[str, ...], tmp_path) -> None:
+    """Pipeline stages run their own forward, and gradient checkpointing recomputes the forward during the
+    backward, when the parameters are fp32 again (torch's checkpoint then raises on the dtype)."""
+    with pytest.raises(ArgumentError, match=f"^--mixed_precision_param bfloat16 with {clash[0]} is not supported"):
+        parse_args([*FLAG, *clash, "--output_dir", str(tmp_path)])
 
 
 def test_bf16_parameters_train_what_autocast_trains_and_keep_fp32_weights(tmp_path) -> None:

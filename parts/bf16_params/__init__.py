@@ -23,12 +23,16 @@ class Bf16ParamFlags:
 
 
 def check_flags(model_args, data_args, args) -> None:
-    """A model split over stages or devices runs its own forward, past the training objective: refused."""
+    """Refused where a forward runs outside the training objective, on the fp32 parameters: a model split over
+    stages or devices runs its own, and gradient checkpointing recomputes the forward during the backward."""
     from training.arguments import split_model
     from training.errors import ArgumentError
 
-    if args.mixed_precision_param != "float32" and (splitter := split_model(model_args, args)):
-        raise ArgumentError(f"--mixed_precision_param bfloat16 with {splitter} is not supported: drop one")
+    if args.mixed_precision_param == "float32":
+        return
+    checkpointing = "--gradient_checkpointing" if model_args.gradient_checkpointing else None
+    if clash := split_model(model_args, args) or checkpointing:
+        raise ArgumentError(f"--mixed_precision_param bfloat16 with {clash} is not supported: drop one")
 
 
 def check_launch(args, strategy, processes: int, on_cpu: bool) -> None:
