@@ -52,15 +52,43 @@ def test_the_flag_is_refused_where_it_would_change_nothing(strategy, launcher_pr
     with pytest.raises(StrategyError, match=f"^--mixed_precision_param bfloat16 .*{message}"):
         check_launch(args, strategy, 2, True)
     check_launch(parse_args(["--output_dir", str(tmp_path)])[2], strategy, 2, True)  # the default: nothing refused
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    for accepted in (Strategy.DDP, Strategy.SINGLE):
+        check_launch(args, accepted, 2, True)
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("clash", [("--pipeline_parallel_size", "2"), ("--gradient_checkpointing",)])
-def test_a_forward_outside_the_training_objective_is_refused(clash: tuple[str, ...], tmp_path) -> None:
-    """Pipeline stages run their own forward, and gradient checkpointing recomputes the forward during the
-    backward, when the parameters are fp32 again (torch's checkpoint then raises on the dtype)."""
+@pytest.mark.parametrize("clash", [
+    ("--gradient_checkpointing",),
+    pytest.param(("--pipeline_parallel_size", "2"), marks=pytest.mark.parts("pipeline")),
+    pytest.param(("--torch_compile",), marks=pytest.mark.parts("compile")),
+    pytest.param(("--teacher_model_name_or_path", "teacher"), marks=pytest.mark.parts("distillation")),
+], ids=lambda clash: clash[0])
+def test_a_step_that_would_not_run_on_the_copies_is_refused(clash: tuple[str, ...], tmp_path) -> None:
+    """Gradient checkpointing recomputes the forward during the backward, when the parameters are fp32 again
+    (torch's checkpoint then raises on the dtype); pipeline stages and distillation run their own forward and
+    objective; torch.compile with it is untested."""
     with pytest.raises(ArgumentError, match=f"^--mixed_precision_param bfloat16 with {clash[0]} is not supported"):
         parse_args([*FLAG, *clash, "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.quick
+def test_batch_norm_keeps_fp32_parameters_beside_its_fp32_statistics() -> None:
+    """A convolution's bf16 output into BatchNorm with fp32 weight and statistics, as under autocast: bf16 weights
+    beside fp32 running statistics stop torch's kernel with a dtype error."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 6 * 6, 2))
+    seen = {}
+
+    def objective(module: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        seen.update(conv=module[0].weight.dtype, norm=module[1].weight.dtype)
+        return module(batch).float().sum()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = on_bf16_copies(objective, lambda wrapped: wrapped)(model, torch.randn(2, 3, 8, 8))
+    loss.backward()
+    assert seen == {"conv": torch.bfloat16, "norm": torch.float32}
+    assert {parameter.grad.dtype for parameter in model.parameters()} == {torch.float32}
 
 
 def test_bf16_parameters_train_what_autocast_trains_and_keep_fp32_weights(tmp_path) -> None:
@@ -80,5 +108,6 @@ def test_bf16_parameters_train_what_autocast_trains_and_keep_fp32_weights(tmp_pa
     assert {tensor.dtype for tensor in weights["bf16 parameters"].values()} == {torch.float32}  # the masters
     for name, tensor in weights["bf16 parameters"].items():
         torch.testing.assert_close(tensor, weights["autocast"][name], rtol=0, atol=2e-2)
-    # updated in fp32: values that bf16 cannot hold
-    assert any(not torch.equal(tensor, tensor.bfloat16().float()) for tensor in weights["bf16 parameters"].values())
+    # updated in fp32: the norms' weights start at 1.0, which bf16 holds, and end at values it cannot
+    norms = [tensor for name, tensor in weights["bf16 parameters"].items() if "norm" in name]
+    assert norms and all(not torch.equal(tensor, tensor.bfloat16().float()) for tensor in norms)

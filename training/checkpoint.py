@@ -175,7 +175,9 @@ def save_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer
     as fast as the strategies' own saves) to one file, with the tensors' whole shapes."""
     directory.mkdir(parents=True, exist_ok=True)
     base, rank, pieces, shapes = base_optimizer(optimizer), accelerator.process_index, {}, {}
-    for name, tensor in model_tensors(accelerator.unwrap_model(model)).items():
+    # keep_torch_compile=False: the default points --torch_compile's wrapper at the module inside DDP, and the
+    # compiled step, traced again, then skips DDP: gradients no longer averaged after a checkpoint
+    for name, tensor in model_tensors(accelerator.unwrap_model(model, keep_torch_compile=False)).items():
         shapes[name] = whole_shape(tensor)
         for key, (start, piece) in held_pieces(tensor, base, rank).items():
             pieces[f"{name}|{key}|{start}"] = piece
@@ -216,7 +218,7 @@ def load_model_state(accelerator: Accelerator, model: torch.nn.Module, base: tor
                      directory: Path) -> None:
     """`save_model_state`'s tensors into this run's model and optimizer (`base`: the one inside the wrappers,
     `base_optimizer`), however they are laid out."""
-    tensors = model_tensors(accelerator.unwrap_model(model))
+    tensors = model_tensors(accelerator.unwrap_model(model, keep_torch_compile=False))  # as save_model_state
     with contextlib.ExitStack() as files:
         saved = ModelState(directory, files)
         if sorted(saved.shapes) != sorted(tensors):

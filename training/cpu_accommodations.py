@@ -57,16 +57,19 @@ def use_share_of_cores(local_processes: int) -> str:
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+MALLOC_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
 
 
 def keep_freed_memory() -> None:
     """On CPU a step's activations live in malloc's memory. glibc gives freed memory at the heap's top back to the
     OS and maps large blocks afresh, so each step faulted its pages in again: 8,000 to 10,500 minor page faults
     per step on `llama-small` (2 processes, bf16) against 1,100 in scripts/raw_ddp.py, and 3% of the step
-    (docs/performance.md). Kept instead, as torch's CPU launcher (`torch.backends.xeon.run_cpu`) keeps it with
-    jemalloc: the heap is never trimmed, and blocks up to 32 MiB (glibc's limit) come from it."""
-    if platform.libc_ver()[0] != "glibc":
+    (docs/performance.md). Kept instead, as torch's CPU launcher (`torch.backends.xeon.run_cpu`) keeps it by
+    preloading tcmalloc: glibc's heap is never trimmed, and blocks up to 32 MiB (its limit) come from it. Unless
+    the user set the allocator up (its variables, or another malloc preloaded)."""
+    chosen = any(name in os.environ for name in MALLOC_SETTINGS) or "malloc" in os.environ.get("LD_PRELOAD", "")
+    if chosen or platform.libc_ver()[0] != "glibc":
         return
     libc = ctypes.CDLL(None)
-    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+    libc.mallopt(M_TRIM_THRESHOLD, -1)  # -1: never trim (mallopt(3))
     libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import partial
 
 from training.parts import Part
 
@@ -23,15 +24,18 @@ class Bf16ParamFlags:
 
 
 def check_flags(model_args, data_args, args) -> None:
-    """Refused where a forward runs outside the training objective, on the fp32 parameters: a model split over
-    stages or devices runs its own, and gradient checkpointing recomputes the forward during the backward."""
+    """Refused where the training step would not run the objective this part wraps, or where it is untested: a model
+    split over stages, devices or tensor-parallel ranks, gradient checkpointing (its recomputed forward runs during
+    the backward, on the fp32 parameters again), distillation (its own objective), and torch.compile."""
     from training.arguments import split_model
     from training.errors import ArgumentError
 
     if args.mixed_precision_param == "float32":
         return
-    checkpointing = "--gradient_checkpointing" if model_args.gradient_checkpointing else None
-    if clash := split_model(model_args, args) or checkpointing:
+    others = {"--gradient_checkpointing": model_args.gradient_checkpointing,  # the others: flags of parts
+              "--torch_compile": getattr(args, "torch_compile", False),
+              "--teacher_model_name_or_path": getattr(args, "teacher_model_name_or_path", None)}
+    if clash := split_model(model_args, args) or next((flag for flag, given in others.items() if given), None):
         raise ArgumentError(f"--mixed_precision_param bfloat16 with {clash} is not supported: drop one")
 
 
@@ -51,6 +55,7 @@ def check_launch(args, strategy, processes: int, on_cpu: bool) -> None:
 
 
 def started(accelerator, args) -> str | None:
+    """The start-up line that says the flag took effect."""
     if args.mixed_precision_param == "bfloat16":
         return "--mixed_precision_param bfloat16: the training step computes on bf16 copies of the fp32 parameters"
     return None
@@ -62,7 +67,8 @@ def training_objective(objective, accelerator, task, strategy, args):
         return objective, None
     from parts.bf16_params.cast import on_bf16_copies
 
-    return on_bf16_copies(objective, accelerator.unwrap_model), None
+    # keep_torch_compile=False: the default would take DDP out of the compiled step (training/checkpoint.py)
+    return on_bf16_copies(objective, partial(accelerator.unwrap_model, keep_torch_compile=False)), None
 
 
 PART = Part("bf16_params", "bf16 parameters with fp32 master weights on ddp.yaml and one process "

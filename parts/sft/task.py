@@ -122,7 +122,9 @@ class SupervisedFineTuning(CausalLM):
     def generation_metrics(self, model: torch.nn.Module, accelerator: Accelerator) -> dict[str, float]:
         if not self.prompts:
             return {}
-        answers = generate_answers(accelerator.unwrap_model(model), self.processor, self.prompts, self.answer_end(),
+        # keep_torch_compile=False: the default takes DDP out of the compiled training step (training/checkpoint.py)
+        bare = accelerator.unwrap_model(model, keep_torch_compile=False)
+        answers = generate_answers(bare, self.processor, self.prompts, self.answer_end(),
                                    accelerator.device, self.block_size, synced=accelerator.num_processes > 1)
         right = sum(answer == reference.strip() for answer, (_, reference) in zip(answers, self.prompts))
         return {"eval_exact_match": right / len(self.prompts)}
