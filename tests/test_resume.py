@@ -33,7 +33,7 @@ from tests.conftest import (
     train,
     wait_for,
 )
-from training.checkpoint import complete_checkpoints
+from training.checkpoint import MODEL_STATE, complete_checkpoints
 from training.parts import installed
 
 RESUME_STEP = 8  # mid-epoch, in the second epoch (6 steps per epoch on `uneven_data`)
@@ -83,9 +83,10 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_ends_as_if_it_had_not_cr
     checkpoints, ranks = tmp_path / "checkpoints", {}
 
     def frozen_mid_save() -> bool:
-        """Freeze both ranks; keep them frozen only if a save is in progress."""
+        """Freeze both ranks; keep them frozen only if a save is in progress that rank 1 has not written its part of
+        (past that, rank 0 may complete it alone: the save would count)."""
         freeze(ranks.values())
-        if any(checkpoints.glob("*.tmp")):
+        if any(not (staging / MODEL_STATE / "rank1.safetensors").exists() for staging in checkpoints.glob("*.tmp")):
             return True
         for rank in ranks.values():
             rank.resume()
