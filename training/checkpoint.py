@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from training.batchnorm import average_running_statistics
 from training.errors import ArgumentError, ResumeError
 from training.parts import ModelRunner, filled
-from training.strategy_adapters import (base_optimizer, held_pieces, load_optimizer_states, model_tensors,
+from training.strategy_adapters import (bare_model, base_optimizer, held_pieces, load_optimizer_states, model_tensors,
                                         own_class_while_saving, set_full_state, whole_shape)
 
 TRAINER_STATE = "trainer_state.json"
@@ -175,9 +175,7 @@ def save_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer
     as fast as the strategies' own saves) to one file, with the tensors' whole shapes."""
     directory.mkdir(parents=True, exist_ok=True)
     base, rank, pieces, shapes = base_optimizer(optimizer), accelerator.process_index, {}, {}
-    # keep_torch_compile=False: the default points --torch_compile's wrapper at the module inside DDP, and the
-    # compiled step, traced again, then skips DDP: gradients no longer averaged after a checkpoint
-    for name, tensor in model_tensors(accelerator.unwrap_model(model, keep_torch_compile=False)).items():
+    for name, tensor in model_tensors(bare_model(accelerator, model)).items():
         shapes[name] = whole_shape(tensor)
         for key, (start, piece) in held_pieces(tensor, base, rank).items():
             pieces[f"{name}|{key}|{start}"] = piece
@@ -218,7 +216,7 @@ def load_model_state(accelerator: Accelerator, model: torch.nn.Module, base: tor
                      directory: Path) -> None:
     """`save_model_state`'s tensors into this run's model and optimizer (`base`: the one inside the wrappers,
     `base_optimizer`), however they are laid out."""
-    tensors = model_tensors(accelerator.unwrap_model(model, keep_torch_compile=False))  # as save_model_state
+    tensors = model_tensors(bare_model(accelerator, model))
     with contextlib.ExitStack() as files:
         saved = ModelState(directory, files)
         if sorted(saved.shapes) != sorted(tensors):

@@ -115,6 +115,13 @@ def align_deepspeed_config(config: dict, max_grad_norm: float, per_device_batch:
             'set "gradient_clipping": "auto" in the JSON so the flag decides')
 
 
+def bare_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside the strategy's wrapper and torch.compile's, for use during training. Not accelerate's
+    default unwrap (`keep_torch_compile=True`), which points torch.compile's wrapper at the module inside DDP: the
+    compiled step, traced again, then skipped DDP, and gradients were no longer averaged after a checkpoint."""
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
 def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor | float:
     """The norm before clipping, on the device (DeepSpeed clips in its step; accelerate's `.item()` would sync)."""
     if wrapped_strategy(model) is Strategy.DEEPSPEED:

@@ -66,9 +66,9 @@ def training_objective(objective, accelerator, task, strategy, args):
     if args.mixed_precision_param == "float32":
         return objective, None
     from parts.bf16_params.cast import on_bf16_copies
+    from training.strategy_adapters import bare_model
 
-    # keep_torch_compile=False: the default would take DDP out of the compiled step (training/checkpoint.py)
-    return on_bf16_copies(objective, partial(accelerator.unwrap_model, keep_torch_compile=False)), None
+    return on_bf16_copies(objective, partial(bare_model, accelerator)), None
 
 
 PART = Part("bf16_params", "bf16 parameters with fp32 master weights on ddp.yaml and one process "

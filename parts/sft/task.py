@@ -36,6 +36,7 @@ from parts.sft.chat import (
 from parts.sft.default_sft import SFT_VERSION, default_sft_splits
 from models.language import ModelError, resolve_block_size
 from training.flags import DataArguments, ModelArguments
+from training.strategy_adapters import bare_model
 from training.tasks import CausalLM
 
 GENERATION_BATCH = 16
@@ -122,9 +123,7 @@ class SupervisedFineTuning(CausalLM):
     def generation_metrics(self, model: torch.nn.Module, accelerator: Accelerator) -> dict[str, float]:
         if not self.prompts:
             return {}
-        # keep_torch_compile=False: the default takes DDP out of the compiled training step (training/checkpoint.py)
-        bare = accelerator.unwrap_model(model, keep_torch_compile=False)
-        answers = generate_answers(bare, self.processor, self.prompts, self.answer_end(),
+        answers = generate_answers(bare_model(accelerator, model), self.processor, self.prompts, self.answer_end(),
                                    accelerator.device, self.block_size, synced=accelerator.num_processes > 1)
         right = sum(answer == reference.strip() for answer, (_, reference) in zip(answers, self.prompts))
         return {"eval_exact_match": right / len(self.prompts)}
