@@ -86,8 +86,8 @@ def main() -> None:
     parser.add_argument("--profile_steps", type=int, default=3, help="Optimizer steps profiled.")
     parser.add_argument("--top", type=int, default=15, help="Kernels (operators on CPU) listed by time.")
     parser.add_argument("--json", type=Path, help="Also write the figures here (main process).")
-    parser.add_argument("--sdpa_backends", nargs="+", choices=sorted(SDPA_BACKENDS), help="A lever to try before it "
-                        "becomes a flag: attention may use only these of torch's CUDA backends (default: torch's choice).")
+    parser.add_argument("--sdpa_backends", nargs="+", choices=sorted(SDPA_BACKENDS), help="Attention may use only these "
+                        "of torch's CUDA backends (default: torch's choice).")
     parser.add_argument("--causal_mask_skip", action="store_true", help="On a torch older than the pinned 2.13: let "
                         "transformers skip the causal mask under torch.compile, as there (no mask tensor, is_causal).")
     ours, train_flags = parser.parse_known_args()
