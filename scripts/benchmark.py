@@ -430,6 +430,8 @@ def main(argv: list[str] | None = None) -> None:
                              "50k vocabulary, at the largest micro-batch that fits (scripts/mfu_benchmark.py).")
     parser.add_argument("--block_sizes", type=int, nargs="+", help="--mfu: sequence lengths T. Default 1024 2048 (CPU: 64 128).")
     parser.add_argument("--no_tokenizer_row", action="store_true", help="--mfu: leave out the row at the shipped tokenizer's vocabulary.")
+    parser.add_argument("--eager_only", action="store_true",
+                        help="--mfu: leave out the compiled rows (for --train_flags that --torch_compile refuses).")
     parser.add_argument("--max_micro_batch", type=int, help="--mfu: the first micro-batch tried. Default 64 (CPU: 4).")
     parser.add_argument("--plot", type=Path, help="--compression/--scaling/--pipeline/--distillation: also draw the figure to this PNG.")
     parser.add_argument("--output", type=Path, help="Also write the tables to this markdown file.")

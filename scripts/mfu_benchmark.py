@@ -3,6 +3,7 @@
     python scripts/benchmark.py --mfu                                   # GPU: the figures in docs/gpus.md
     python scripts/benchmark.py --mfu --configs ddp --block_sizes 1024  # fewer rows
     python scripts/benchmark.py --mfu --configs ddp --no_tokenizer_row --train_flags=--use_liger_kernel
+    python scripts/benchmark.py --mfu --configs ddp --no_tokenizer_row --eager_only --train_flags=--fused_linear_cross_entropy
 
 - **Model**: the `llama-125m` body (GPT-2 small's: 12 layers, d = 768) with a 50,304-token vocabulary
   (`--config_overrides vocab_size=50304`), as llm.c, modded-nanogpt and nanochat measure it. The data is
@@ -78,19 +79,27 @@ def fitting_run(train_run: Callable, config: str, args: argparse.Namespace, outp
             print(f"{config}: out of memory, trying a micro-batch of {micro_batch}", flush=True)
 
 
-def mfu_table(args: argparse.Namespace, scratch: Path, train_run: Callable) -> tuple[list[str], dict]:
-    """One row per (config, compiled) of ROWS in --configs at each --block_sizes, then the first compiled
-    row's setting with the shipped tokenizer's vocabulary."""
-    extra = tuple(shlex.split(args.train_flags))
-    compiled_by_flags = any(flag.startswith("--torch_compile") for flag in extra)  # a compile option: compiled rows only
+def mfu_rows(args: argparse.Namespace) -> list[tuple[str, bool, int | None, int]]:
+    """(config, compiled, vocabulary or None for the tokenizer's, T): one per (config, compiled) of ROWS in --configs
+    at each --block_sizes, then the first compiled row's setting with the shipped tokenizer's vocabulary."""
+    compiled_by_flags = any(flag.startswith("--torch_compile") for flag in shlex.split(args.train_flags))
     rows = [(config, compiled, ANCHOR_VOCABULARY, length) for length in args.block_sizes
             for config, compiled in ROWS if config in args.configs and (compiled or not compiled_by_flags)
+            and not (compiled and args.eager_only)  # eager levers (bf16 parameters, the fused loss)
             and (installed("compile") or not compiled)]  # a project may leave the compile part out
     if not rows:
         raise SystemExit(f"error: --mfu measures {sorted({c for c, _ in ROWS})}; --configs names none of them")
     if not args.no_tokenizer_row:
         config, compiled, _, length = next((row for row in rows if row[1]), rows[0])
         rows.append((config, compiled, None, length))
+    return rows
+
+
+def mfu_table(args: argparse.Namespace, scratch: Path, train_run: Callable) -> tuple[list[str], dict]:
+    """train.py on each of `mfu_rows`, a table line each."""
+    extra = tuple(shlex.split(args.train_flags))
+    compiled_by_flags = any(flag.startswith("--torch_compile") for flag in extra)  # a compile option: compiled rows only
+    rows = mfu_rows(args)
     lines = [f"MFU: {args.model_config}, {args.num_processes} process(es), {args.mixed_precision}, micro-batch up to "
              f"{args.max_micro_batch} sequences, no accumulation, fused AdamW, {args.steps} steps; medians over the "
              f"logged intervals ({args.log_every} steps each) after the first"

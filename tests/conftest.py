@@ -438,20 +438,31 @@ def made_once(directory: Path, make: Callable[[Path], None]) -> Path:
 
 @pytest.fixture(scope="session")
 def cached_run(shared_dir):
-    """`cached_run(config, *args, fresh=False)` trains once per distinct (config, args, fresh) in the test run."""
+    """`cached_run(config, *args, fresh=False, launcher_args=())` trains once per distinct (config, args, fresh,
+    launcher_args) in the test run."""
 
-    def trained(config: str | Path, args: tuple[str, ...], fresh: bool) -> Callable[[Path], None]:
+    def trained(config: str | Path, args: tuple[str, ...], fresh: bool,
+                launcher_args: tuple[str, ...]) -> Callable[[Path], None]:
         def make(output_dir: Path) -> None:
-            result = train(config, output_dir, *args, fresh=fresh)
+            result = train(config, output_dir, *args, fresh=fresh, launcher_args=launcher_args)
             (output_dir / "launch.log").write_text(result.stdout + result.stderr)
 
         return make
 
-    def run(config: str | Path, *args: str, fresh: bool = False) -> Path:
-        key = hashlib.sha256(json.dumps([str(config), *args, *(["fresh"] if fresh else [])]).encode()).hexdigest()[:16]
-        return made_once(shared_dir / "runs" / key, trained(config, args, fresh))
+    def run(config: str | Path, *args: str, fresh: bool = False, launcher_args: tuple[str, ...] = ()) -> Path:
+        launch_key = [*(["fresh"] if fresh else []), *(["launcher", *launcher_args] if launcher_args else [])]
+        key = hashlib.sha256(json.dumps([str(config), *args, *launch_key]).encode()).hexdigest()[:16]
+        return made_once(shared_dir / "runs" / key, trained(config, args, fresh, launcher_args))
 
     return run
+
+
+@pytest.fixture(scope="session")
+def bf16_run(cached_run):
+    """`bf16_run(config, *flags)`: 8 steps launched with --mixed_precision bf16 (autocast on CPU), trained once per
+    test run: bf16 parameters and the fused loss compare with the same runs."""
+    steps = ("--max_steps", "8", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no")
+    return lambda config, *flags: cached_run(config, *steps, *flags, launcher_args=("--mixed_precision", "bf16"))
 
 
 @pytest.fixture(scope="session")

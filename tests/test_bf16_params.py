@@ -10,14 +10,12 @@ from safetensors.torch import load_file
 
 from parts.bf16_params import check_launch
 from parts.bf16_params.cast import on_bf16_copies
-from tests.conftest import read_metrics, train
+from tests.conftest import read_metrics
 from training.arguments import parse_args
 from training.errors import ArgumentError, StrategyError
 from training.strategy import Strategy
 
 FLAG = ("--mixed_precision_param", "bfloat16")
-BF16 = ("--mixed_precision", "bf16")
-STEPS = ("--max_steps", "8", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no")
 
 
 @pytest.mark.quick
@@ -91,21 +89,20 @@ def test_batch_norm_keeps_fp32_parameters_beside_its_fp32_statistics() -> None:
     assert {parameter.grad.dtype for parameter in model.parameters()} == {torch.float32}
 
 
-def test_bf16_parameters_train_what_autocast_trains_and_keep_fp32_weights(tmp_path) -> None:
+def test_bf16_parameters_train_what_autocast_trains_and_keep_fp32_weights(bf16_run) -> None:
     """ddp.yaml on 2 processes with and without the flag, and one process at the same global batch with it (two
     micro-steps accumulated: the copies are made again for each)."""
-    runs = {"autocast": ("ddp", ()), "bf16 parameters": ("ddp", FLAG),
-            "bf16 parameters, one process": ("single", (*FLAG, "--gradient_accumulation_steps", "2"))}
-    logs = {name: train(config, tmp_path / name, *STEPS, *flags, launcher_args=BF16).stderr
-            for name, (config, flags) in runs.items()}
+    runs = {"autocast": bf16_run("ddp"), "bf16 parameters": bf16_run("ddp", *FLAG),
+            "bf16 parameters, one process": bf16_run("single", *FLAG, "--gradient_accumulation_steps", "2")}
+    logs = {name: (run / "launch.log").read_text() for name, run in runs.items()}
     assert "computes on bf16 copies of the fp32 parameters" in logs["bf16 parameters"]
     assert "computes on bf16 copies" not in logs["autocast"]
-    losses = {name: [m["loss"] for m in read_metrics(tmp_path / name) if "loss" in m] for name in runs}
+    losses = {name: [m["loss"] for m in read_metrics(run) if "loss" in m] for name, run in runs.items()}
     assert len(losses["bf16 parameters"]) == 8
     assert losses["bf16 parameters"] == pytest.approx(losses["autocast"], rel=2e-3)  # measured: 2e-4
     assert losses["bf16 parameters"] != losses["autocast"]  # the residual stream and the norms ran in bf16
     assert losses["bf16 parameters, one process"] == pytest.approx(losses["bf16 parameters"], rel=1e-5)  # 4e-8
-    weights = {name: load_file(tmp_path / name / "final" / "model.safetensors") for name in runs}
+    weights = {name: load_file(run / "final" / "model.safetensors") for name, run in runs.items()}
     assert {tensor.dtype for tensor in weights["bf16 parameters"].values()} == {torch.float32}  # the masters
     for name, tensor in weights["bf16 parameters"].items():
         torch.testing.assert_close(tensor, weights["autocast"][name], rtol=0, atol=2e-2)

@@ -36,14 +36,19 @@ def test_a_cpu_launch_with_liger_kernels_is_one_error_line_and_exit_2(tmp_path) 
 
 
 @pytest.mark.gpu
-def test_liger_kernels_follow_the_plain_bf16_losses(tmp_path) -> None:
-    """--use_liger_kernel (fused RMSNorm and SwiGLU) against the same bf16 run without it, on 1 GPU; the run's
-    sample of final/ on CPU, after it, uses transformers' own modules. Passed on an H200 (docs/gpus.md)."""
+@pytest.mark.parametrize("flags", [
+    ("--use_liger_kernel",),
+    pytest.param(("--use_liger_kernel", "--fused_linear_cross_entropy"), marks=pytest.mark.parts("fused_loss")),
+], ids=["norms and SwiGLU", "and the fused loss"])
+def test_liger_kernels_follow_the_plain_bf16_losses(flags: tuple[str, ...], tmp_path) -> None:
+    """--use_liger_kernel (fused RMSNorm and SwiGLU; with --fused_linear_cross_entropy also Liger's linear
+    cross-entropy) against the same bf16 run without it, on 1 GPU; the run's sample of final/ on CPU, after it, uses
+    transformers' own modules. The first case passed on an H200 (docs/gpus.md); the second has not run yet."""
     pytest.importorskip("liger_kernel", reason="liger-kernel is an optional install (pip install liger-kernel==0.8.5)")
     one_process = with_processes("ddp", 1, tmp_path / "configs")
     args = ("--max_steps", str(GPU_STEPS), "--logging_steps", "1", "--eval_steps", "100", "--block_size", "64")
-    for run, flags in {"plain": (), "liger": ("--use_liger_kernel",)}.items():
-        result = launch(one_process, "train.py", *TINY_RUN, "--output_dir", str(tmp_path / run), *args, *flags,
+    for run, run_flags in {"plain": (), "liger": flags}.items():
+        result = launch(one_process, "train.py", *TINY_RUN, "--output_dir", str(tmp_path / run), *args, *run_flags,
                         launcher_args=("--mixed_precision", "bf16"), gpu=True)
         assert result.returncode == 0, result.stderr[-6000:]
     losses = {run: [m["loss"] for m in read_metrics(tmp_path / run) if "loss" in m] for run in ("plain", "liger")}

@@ -143,21 +143,31 @@ def test_the_mfu_table_recomputes_every_figure_from_what_train_py_logged(tmp_pat
 
 @pytest.mark.quick
 @pytest.mark.parts("compile")
-def test_a_compile_option_in_the_mfu_train_flags_leaves_only_the_compiled_rows(tmp_path) -> None:
+@pytest.mark.parametrize(("train_flags", "eager_only", "rows"), [
+    ("", False, [("ddp", False), ("ddp", True), ("fsdp", False), ("ddp", True)]),
+    ("--torch_compile_mode max-autotune-no-cudagraphs", False, [("ddp", True), ("ddp", True)]),
+    ("--fused_linear_cross_entropy", True, [("ddp", False), ("fsdp", False), ("ddp", False)]),
+], ids=["every row", "a compile option", "eager only"])
+def test_the_mfu_rows_follow_the_train_flags(train_flags: str, eager_only: bool, rows: list, tmp_path) -> None:
     """`--train_flags="--torch_compile_mode ..."` compiles every run: the eager rows would be mislabelled, so only the
-    compiled ones run (the first launch's flags recorded, then the table stopped)."""
-    from scripts.mfu_benchmark import CPU_DEFAULTS, mfu_table
+    compiled ones run; `--eager_only` leaves the compiled rows out (levers --torch_compile refuses). The last row is
+    the tokenizer's vocabulary; a compile option's first launch gets it, not a second --torch_compile."""
+    from scripts.mfu_benchmark import ANCHOR_VOCABULARY, CPU_DEFAULTS, mfu_rows, mfu_table
 
+    args = argparse.Namespace(**CPU_DEFAULTS | {"configs": ["ddp", "fsdp"], "num_processes": 1, "block_sizes": [64],
+                                                "no_tokenizer_row": False, "train_flags": train_flags,
+                                                "eager_only": eager_only})
+    planned = mfu_rows(args)
+    assert [(config, compiled) for config, compiled, _, _ in planned] == rows
+    assert [vocabulary for _, _, vocabulary, _ in planned] == [ANCHOR_VOCABULARY] * (len(rows) - 1) + [None]
     launched = []
 
     def first_launch_only(config, args, output_dir, flags):
         launched.append((config, flags))
         raise SystemExit("recorded")
 
-    args = argparse.Namespace(**CPU_DEFAULTS | {"configs": ["ddp", "fsdp"], "num_processes": 1, "no_tokenizer_row": False,
-                                                "train_flags": "--torch_compile_mode max-autotune-no-cudagraphs"})
     with pytest.raises(SystemExit, match="recorded"):
         mfu_table(args, tmp_path, first_launch_only)
     (config, flags), = launched
-    assert config == "ddp" and "--torch_compile" not in flags
-    assert " --torch_compile_mode max-autotune-no-cudagraphs " in f" {' '.join(flags)} "
+    assert flags.count("--torch_compile") == (rows[0][1] and not train_flags.startswith("--torch_compile"))
+    assert not train_flags or f" {train_flags} " in f" {' '.join(flags)} "

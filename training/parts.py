@@ -137,8 +137,11 @@ class Part:
     wrap_model: Hook = None
     checkpoint_layout: Hook = None  # (args) -> dict: how the model is cut, recorded; a resume must match it
     held_parameters: Hook = None  # (model, args) -> int | None: the most parameters one process holds (dry run)
-    # (objective, accelerator, task, strategy, args) -> (objective, figures | None): the micro-step's per-example
-    # loss sums `objective(model, batch)`, kept, compiled or replaced (distillation); after `prepare`
+    # (model, accelerator, task, args) -> objective | None: after `prepare`, the task's own objective computed
+    # another way (a fused loss): loss sums `objective(model, batch)`, per example or one for the micro-batch
+    label_objective: Hook = None
+    # (objective, accelerator, task, strategy, args) -> (objective, figures | None): the micro-step's loss sums
+    # `objective(model, batch)`, kept, wrapped, compiled or replaced (distillation)
     training_objective: Hook = None
     # (prepared, accelerator, task, objective, train_set, args, prepare_training, loader_for, resumed) -> prepared:
     # (model, optimizer, loaders, scheduler, torch optimizer), kept or prepared again for another micro-batch

@@ -108,8 +108,9 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         train_data = train_set = Subset(train_set, range(steps_per_epoch * global_batch))
     prepare_training = partial(prepared_for_training, accelerator, task, train_data, eval_set, args, loading, max_steps)
     prepared = prepare_training(model)
-    # per-example loss sums of a micro-batch; a part may compile it with the model, or replace it
-    objective, part_figures = partial(label_loss_sums, task), []
+    # loss sums of a micro-batch; a part may compute them another way, compile them with the model, or replace them
+    objective = next(iter(found("label_objective", prepared[0], accelerator, task, args)), partial(label_loss_sums, task))
+    part_figures = []
     for hook in filled("training_objective"):
         objective, figures = hook(objective, accelerator, task, strategy, args)
         part_figures += [figures] if figures else []

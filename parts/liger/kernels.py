@@ -1,7 +1,7 @@
 """Liger's kernels patched into a model's own modules (parts/liger): the part's one hook, and its refusals.
 
-Liger's fused linear cross-entropy is left off: the loss is the task's (training/loss.py), which
-`--torch_compile` fuses instead.
+Liger's fused linear cross-entropy joins through another part, `--fused_linear_cross_entropy` (parts/fused_loss),
+which computes the task's loss with the output layer: here it would replace the model's forward.
 """
 
 from __future__ import annotations

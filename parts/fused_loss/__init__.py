@@ -1,0 +1,101 @@
+"""The causal LM's training loss fused with its output layer (`--fused_linear_cross_entropy`): computed from the
+last hidden states in chunks, so the (tokens x vocabulary) logits, and their fp32 copy, never exist in a training
+step. torch's `F.linear_cross_entropy` computes it, or Liger's Triton kernel under --use_liger_kernel. For eager
+runs: --torch_compile fuses the loss with the model itself. Measured and tested: docs/fused_loss.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from training.parts import Part
+
+
+@dataclass
+class FusedLossFlags:
+    fused_linear_cross_entropy: bool = field(default=False, metadata={
+        "help": "The causal LM's training loss computed from the last hidden states in chunks, with the output "
+                "layer: the logits are never made (torch's F.linear_cross_entropy; Liger's kernel with "
+                "--use_liger_kernel). Evaluation still computes the logits."})
+
+
+def check_flags(model_args, data_args, args) -> None:
+    """Refused where the training step computes its loss another way: torch.compile's graph (which fuses the loss
+    itself), distillation's objective, a model split over stages, devices or tensor-parallel ranks."""
+    from training.arguments import split_model
+    from training.errors import ArgumentError
+
+    if not args.fused_linear_cross_entropy:
+        return
+    others = {"--torch_compile": getattr(args, "torch_compile", False),  # the others: flags of parts
+              "--teacher_model_name_or_path": getattr(args, "teacher_model_name_or_path", None)}
+    if clash := split_model(model_args, args) or next((flag for flag, given in others.items() if given), None):
+        raise ArgumentError(f"--fused_linear_cross_entropy with {clash} is not supported: drop one")
+
+
+def output_layer(task, module):
+    """The model's `nn.Linear` output layer, which computes the loss; refused in one line for a task with its own
+    forward or objective, or a model without such a layer."""
+    import torch
+
+    from training.errors import ArgumentError
+    from training.tasks import CausalLM, Task
+
+    kind, own = type(task), (CausalLM.forward, CausalLM.loss_sums, Task.objective_sums)
+    if (kind.forward, kind.loss_sums, kind.objective_sums) != own:
+        raise ArgumentError(f"--fused_linear_cross_entropy computes the causal LM's next-token cross-entropy; task "
+                            f"{task.name} has its own forward or objective: drop the flag")
+    layer = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if not isinstance(layer, torch.nn.Linear):
+        raise ArgumentError(f"--fused_linear_cross_entropy needs a model whose get_output_embeddings() is an "
+                            f"nn.Linear (a transformers causal LM); {type(module).__name__} has none: drop the flag")
+    return layer
+
+
+def loss_kernel(args) -> tuple[Callable, str]:
+    """The kernel that computes the loss, and its description; refused where none can run."""
+    import torch
+
+    from parts.fused_loss.head import CHUNK_ROWS, liger_kernel, torch_kernel
+    from training.errors import ArgumentError
+
+    if getattr(args, "use_liger_kernel", False):
+        return liger_kernel, "Liger's fused kernel"
+    if not hasattr(torch.nn.functional, "linear_cross_entropy"):
+        raise ArgumentError(f"--fused_linear_cross_entropy needs torch 2.13's F.linear_cross_entropy (this is torch "
+                            f"{torch.__version__}): install the pinned torch, or add --use_liger_kernel on an NVIDIA GPU")
+    return torch_kernel, f"torch's F.linear_cross_entropy, {CHUNK_ROWS} tokens per chunk"
+
+
+def label_objective(model, accelerator, task, args):
+    """The task's loss sums computed by the model's output layer, under --fused_linear_cross_entropy."""
+    if not args.fused_linear_cross_entropy:
+        return None
+    from parts.fused_loss.head import LossHead
+    from training.strategy_adapters import bare_model
+
+    head = LossHead(output_layer(task, bare_model(accelerator, model)), loss_kernel(args)[0])
+    return partial(head.loss_sums, task)
+
+
+def dry_run_lines(task, model, model_args, args, strategy, processes: int, compute_dtype) -> list[str]:
+    """The same refusals as a run's, and what computes the loss."""
+    if not args.fused_linear_cross_entropy:
+        return []
+    output_layer(task, model)
+    return [f"loss:            fused with the output layer ({loss_kernel(args)[1]}); no logits"]
+
+
+def started(accelerator, args) -> str | None:
+    """The start-up line that says the flag took effect."""
+    if not args.fused_linear_cross_entropy:
+        return None
+    kernel = loss_kernel(args)[1]
+    return f"--fused_linear_cross_entropy: the training loss is computed with the output layer ({kernel}); no logits"
+
+
+PART = Part("fused_loss", "the causal LM's loss fused with its output layer, no logits (--fused_linear_cross_entropy)",
+            FusedLossFlags, check_flags=check_flags, label_objective=label_objective, started=started,
+            dry_run_lines=dry_run_lines)

@@ -1,0 +1,136 @@
+"""parts/fused_loss: `--fused_linear_cross_entropy` computes the causal LM's training loss with the output layer, in
+chunks, without logits. The same loss and gradients as the logits' (fp32, and under bf16 autocast); every sharding
+strategy's parity run with it gives one process's losses and weights; with bf16 parameters it trains what they
+train; and the refusals, each one line."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from parts.fused_loss import label_objective
+from parts.fused_loss.head import LossHead, torch_kernel
+from tests.conftest import assert_same_final_weights, bad_input_errors, launch, read_metrics, TINY_RUN
+from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
+from training.arguments import parse_args
+from training.errors import ArgumentError
+from training.loss import IGNORE_INDEX, token_loss_sums
+from training.tasks import CausalLM
+
+FLAG = "--fused_linear_cross_entropy"
+CAUSAL_LM = SimpleNamespace(forward=partial(CausalLM.forward, None))  # the task's forward, all the head runs
+NO_WRAPPER = SimpleNamespace(unwrap_model=lambda model, keep_torch_compile: model)  # an Accelerator's, one process
+
+
+def batch_of(vocabulary: int) -> dict[str, torch.Tensor]:
+    input_ids = torch.randint(0, vocabulary, (3, 16), generator=torch.Generator().manual_seed(0))
+    labels = input_ids.clone()
+    labels[0, 10:] = IGNORE_INDEX  # padding
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": torch.ones_like(input_ids)}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 3e-2)],  # measured: 6e-7, 1.2e-2
+                         ids=["fp32", "bf16"])
+def test_the_output_layer_gives_the_logits_loss_and_gradients(tiny_model, dtype, tolerance) -> None:
+    """Against the logits' cross-entropy: the same sum and parameter gradients, in fp32 and under bf16 autocast
+    (the matmul then in bf16, as the logits' is); with no targets set the layer gives the logits again."""
+    plain, fused = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
+    batch = batch_of(plain.config.vocab_size)
+    head = LossHead(fused.get_output_embeddings(), torch_kernel)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
+        expected = token_loss_sums(CAUSAL_LM.forward(plain, batch), batch["labels"])[0].sum()
+        loss = head.loss_sums(CAUSAL_LM, fused, batch)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    torch.testing.assert_close(loss, expected, rtol=tolerance / 10, atol=0)  # measured: 1e-8 and 1e-4
+    expected.backward()
+    loss.backward()
+    for (name, parameter), fused_parameter in zip(plain.named_parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(fused_parameter.grad, parameter.grad, rtol=0,  # relative to the largest entry
+                                   atol=tolerance * parameter.grad.abs().max().item(), msg=name)
+    with torch.no_grad():  # evaluation: the logits
+        torch.testing.assert_close(CAUSAL_LM.forward(fused, batch), CAUSAL_LM.forward(plain, batch))
+
+
+@pytest.mark.quick
+def test_a_model_that_changes_its_output_layers_result_is_refused_in_one_line(tiny_model) -> None:
+    """A softcap or a scaling of the logits after the output layer would act on the loss: the first step stops."""
+    model = copy.deepcopy(tiny_model)
+    head = LossHead(model.get_output_embeddings(), torch_kernel)
+    model.get_output_embeddings().register_forward_hook(lambda layer, inputs, output: output * 2)
+    with pytest.raises(ArgumentError, match="^--fused_linear_cross_entropy: the model changes what its output "
+                                            r"layer returns \(a scaling or a softcap of the logits\).*drop the flag$"):
+        head.loss_sums(CAUSAL_LM, model, batch_of(model.config.vocab_size))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("clash", [
+    pytest.param(("--pipeline_parallel_size", "2"), marks=pytest.mark.parts("pipeline")),
+    pytest.param(("--torch_compile",), marks=pytest.mark.parts("compile")),
+    pytest.param(("--teacher_model_name_or_path", "teacher"), marks=pytest.mark.parts("distillation")),
+], ids=lambda clash: clash[0])
+def test_a_step_that_computes_its_loss_elsewhere_is_refused(clash: tuple[str, ...], tmp_path) -> None:
+    """torch.compile fuses the loss with the model itself; pipeline stages and distillation run their own loss."""
+    with pytest.raises(ArgumentError, match=f"^{FLAG} with {clash[0]} is not supported: drop one$"):
+        parse_args([FLAG, *clash, "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.quick
+def test_the_dry_run_names_the_kernel_and_refuses_what_a_run_refuses(tmp_path) -> None:
+    from tests.test_dry_run import planned
+
+    assert ("loss:            fused with the output layer (torch's F.linear_cross_entropy, 1024 tokens per chunk); "
+            "no logits") in planned(tmp_path, FLAG)
+    with pytest.raises(ArgumentError, match="task recipes.label_smoothing:LabelSmoothedLM has its own forward or "
+                                            "objective: drop the flag$"):
+        planned(tmp_path, FLAG, "--task", "recipes.label_smoothing:LabelSmoothedLM")
+
+
+@pytest.mark.quick
+def test_a_model_without_a_linear_output_layer_is_refused(tmp_path) -> None:
+    args = parse_args([FLAG, "--output_dir", str(tmp_path)])[2]
+    task = object.__new__(CausalLM)  # the core's task (its methods are all the check reads)
+    with pytest.raises(ArgumentError, match=f"^{FLAG} needs a model whose get_output_embeddings.. is an nn.Linear "
+                                            r"\(a transformers causal LM\); Sequential has none: drop the flag$"):
+        label_objective(torch.nn.Sequential(torch.nn.Embedding(4, 2)), NO_WRAPPER, task, args)
+
+
+def test_a_task_with_its_own_objective_is_refused_in_one_line_and_exit_2(tmp_path) -> None:
+    """A real launch (2 processes): label smoothing (recipe c) would be dropped, so the flag is refused."""
+    result = launch("ddp", "train.py", *TINY_RUN, "--output_dir", str(tmp_path), FLAG,
+                    "--task", "recipes.label_smoothing:LabelSmoothedLM")
+    assert bad_input_errors(result) == [
+        f"error: {FLAG} computes the causal LM's next-token cross-entropy; task recipes.label_smoothing:LabelSmoothedLM "
+        "has its own forward or objective: drop the flag"]
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp", "deepspeed_zero3"])
+def test_every_sharding_matches_one_process_without_logits(config: str, cached_run, strategy_run, base_model) -> None:
+    """The parity run (tests/conftest.py `parity_args`) with the flag, against one process's without it: under FSDP2
+    and ZeRO-3 the output layer's weight is gathered inside the model's forward, where the loss now runs."""
+    from tests.conftest import parity_args
+
+    run = cached_run(config, *parity_args(config, base_model), FLAG)
+    reference = strategy_run("single")
+    assert "--fused_linear_cross_entropy: the training loss is computed with the output layer" in (
+        run / "launch.log").read_text()
+    logged = {key: [m[key] for m in read_metrics(run) if key in m] for key in ("loss", "eval_loss")}
+    expected = {key: [m[key] for m in read_metrics(reference) if key in m] for key in ("loss", "eval_loss")}
+    assert len(logged["loss"]) == 12 and len(logged["eval_loss"]) == 3
+    for key in logged:
+        assert logged[key] == pytest.approx(expected[key], abs=LOSS_TOLERANCE), key
+    assert_same_final_weights(reference, run, atol=WEIGHT_TOLERANCE)
+
+
+def test_with_bf16_parameters_it_trains_what_they_train(bf16_run) -> None:
+    """The eager GPU step's levers together (ddp.yaml, 2 processes, bf16): the output layer's matmul then runs on
+    the bf16 copy of its weight, as the logits' did."""
+    bf16_parameters = ("--mixed_precision_param", "bfloat16")
+    runs = {"logits": bf16_run("ddp", *bf16_parameters), "fused": bf16_run("ddp", *bf16_parameters, FLAG)}
+    losses = {name: [m["loss"] for m in read_metrics(run) if "loss" in m] for name, run in runs.items()}
+    assert len(losses["fused"]) == 8
+    assert losses["fused"] == pytest.approx(losses["logits"], rel=2e-3)
