@@ -58,13 +58,33 @@ def test_the_output_layer_gives_the_logits_loss_and_gradients(tiny_model, dtype,
 
 @pytest.mark.quick
 def test_a_model_that_changes_its_output_layers_result_is_refused_in_one_line(tiny_model) -> None:
-    """A softcap or a scaling of the logits after the output layer would act on the loss: the first step stops."""
+    """A softcap or a scaling of the logits after the output layer would act on the loss: the first step stops. So
+    does a forward that never calls the layer as a module."""
     model = copy.deepcopy(tiny_model)
     head = LossHead(model.get_output_embeddings(), torch_kernel)
     model.get_output_embeddings().register_forward_hook(lambda layer, inputs, output: output * 2)
     with pytest.raises(ArgumentError, match="^--fused_linear_cross_entropy: the model changes what its output "
                                             r"layer returns \(a scaling or a softcap of the logits\).*drop the flag$"):
         head.loss_sums(CAUSAL_LM, model, batch_of(model.config.vocab_size))
+    elsewhere = LossHead(torch.nn.Linear(2, 2), torch_kernel)  # a layer the model does not call
+    with pytest.raises(ArgumentError, match="^--fused_linear_cross_entropy: the model's forward does not call its "
+                                            r"output layer \(get_output_embeddings\(\)\) as a module: drop the flag$"):
+        elsewhere.loss_sums(CAUSAL_LM, model, batch_of(model.config.vocab_size))
+
+
+@pytest.mark.quick
+def test_a_sum_cast_to_bf16_on_its_way_out_keeps_the_layers_fp32_value_and_gradient(tiny_model) -> None:
+    """As FSDP2's bf16 policy casts a module's output: the loss is the layer's fp32 sum, its gradient the same."""
+    cast, plain = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
+    batch = batch_of(cast.config.vocab_size)
+    heads = [LossHead(model.get_output_embeddings(), torch_kernel) for model in (cast, plain)]
+    cast.get_output_embeddings().register_forward_hook(lambda layer, inputs, output: output.to(torch.bfloat16))
+    losses = [head.loss_sums(CAUSAL_LM, model, batch) for head, model in zip(heads, (cast, plain))]
+    assert losses[0].dtype == torch.float32 and torch.equal(losses[0], losses[1])
+    for loss in losses:
+        loss.backward()
+    for parameter, expected in zip(cast.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(parameter.grad, expected.grad, rtol=2**-8, atol=0)  # the scale rounded to bf16
 
 
 @pytest.mark.quick
@@ -126,11 +146,18 @@ def test_every_sharding_matches_one_process_without_logits(config: str, cached_r
     assert_same_final_weights(reference, run, atol=WEIGHT_TOLERANCE)
 
 
-def test_with_bf16_parameters_it_trains_what_they_train(bf16_run) -> None:
-    """The eager GPU step's levers together (ddp.yaml, 2 processes, bf16): the output layer's matmul then runs on
-    the bf16 copy of its weight, as the logits' did."""
-    bf16_parameters = ("--mixed_precision_param", "bfloat16")
-    runs = {"logits": bf16_run("ddp", *bf16_parameters), "fused": bf16_run("ddp", *bf16_parameters, FLAG)}
+@pytest.mark.parametrize(("config", "flags"), [
+    pytest.param("ddp", ("--mixed_precision_param", "bfloat16"), marks=pytest.mark.parts("bf16_params"),
+                 id="ddp, bf16 parameters"),
+    pytest.param("fsdp", (), id="fsdp"),
+    pytest.param("deepspeed_zero3", (), id="deepspeed_zero3"),
+])
+def test_in_bf16_it_trains_what_the_logits_train(config: str, flags: tuple[str, ...], bf16_run) -> None:
+    """2 processes, launched with bf16, 8 steps, against the same run without the flag. ddp.yaml with the eager GPU
+    step's other lever, bf16 parameters: the layer's matmul on the bf16 copy of its weight; fsdp.yaml: FSDP2's bf16
+    policy casts the sum to bf16 on its way out of the model (the logged loss stays the layer's fp32 sum);
+    deepspeed_zero3.yaml: bf16 weights without autocast, the weight gathered in the forward."""
+    runs = {"logits": bf16_run(config, *flags), "fused": bf16_run(config, *flags, FLAG)}
     losses = {name: [m["loss"] for m in read_metrics(run) if "loss" in m] for name, run in runs.items()}
     assert len(losses["fused"]) == 8
     assert losses["fused"] == pytest.approx(losses["logits"], rel=2e-3)

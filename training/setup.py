@@ -25,7 +25,7 @@ from training.accelerator import build_accelerator, describe, model_construction
 from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
 from training.console import one_voice
 from training.cpu_accommodations import keep_freed_memory, use_share_of_cores
-from training.errors import ModelError
+from training.errors import ArgumentError, ModelError
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
 from training.parts import ModelRunner, each, filled, found, merged, through
@@ -109,7 +109,10 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     prepare_training = partial(prepared_for_training, accelerator, task, train_data, eval_set, args, loading, max_steps)
     prepared = prepare_training(model)
     # loss sums of a micro-batch; a part may compute them another way, compile them with the model, or replace them
-    objective = next(iter(found("label_objective", prepared[0], accelerator, task, args)), partial(label_loss_sums, task))
+    own = found("label_objective", prepared[0], accelerator, task, args)
+    if len(own) > 1:
+        raise ArgumentError(f"{len(own)} parts' flags each compute the task's loss another way: keep one of them")
+    objective = own[0] if own else partial(label_loss_sums, task)
     part_figures = []
     for hook in filled("training_objective"):
         objective, figures = hook(objective, accelerator, task, strategy, args)
