@@ -6,6 +6,7 @@ train; and the refusals, each one line."""
 from __future__ import annotations
 
 import copy
+import shutil
 from functools import partial
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ import torch
 
 from parts.fused_loss import label_objective
 from parts.fused_loss.head import LossHead, torch_kernel
-from tests.conftest import assert_same_final_weights, bad_input_errors, launch, read_metrics, TINY_RUN
+from tests.conftest import TINY_RUN, assert_same_final_weights, bad_input_errors, launch, parity_args, read_metrics, train
 from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
 from training.arguments import parse_args
 from training.errors import ArgumentError
@@ -132,8 +133,6 @@ def test_a_task_with_its_own_objective_is_refused_in_one_line_and_exit_2(tmp_pat
 def test_every_sharding_matches_one_process_without_logits(config: str, cached_run, strategy_run, base_model) -> None:
     """The parity run (tests/conftest.py `parity_args`) with the flag, against one process's without it: under FSDP2
     and ZeRO-3 the output layer's weight is gathered inside the model's forward, where the loss now runs."""
-    from tests.conftest import parity_args
-
     run = cached_run(config, *parity_args(config, base_model), FLAG)
     reference = strategy_run("single")
     assert "--fused_linear_cross_entropy: the training loss is computed with the output layer" in (
@@ -144,6 +143,24 @@ def test_every_sharding_matches_one_process_without_logits(config: str, cached_r
     for key in logged:
         assert logged[key] == pytest.approx(expected[key], abs=LOSS_TOLERANCE), key
     assert_same_final_weights(reference, run, atol=WEIGHT_TOLERANCE)
+
+
+def test_a_fused_run_resumed_under_another_strategy_continues_one_process_run(cached_run, strategy_run, base_model,
+                                                                              tmp_path) -> None:
+    """fsdp.yaml's step-6 checkpoint of the fused parity run, resumed under deepspeed_zero3.yaml with the flag:
+    steps 7 to 12, the last evaluation and the final weights are one process's without it."""
+    saved = cached_run("fsdp", *parity_args("fsdp", base_model), FLAG)
+    shutil.copytree(saved / "checkpoints" / "step_6", tmp_path / "checkpoints" / "step_6")
+    result = train("deepspeed_zero3", tmp_path, *parity_args("deepspeed_zero3", base_model), FLAG,
+                   "--resume_from_checkpoint", "latest")
+    assert "resuming a fsdp checkpoint of 2 processes under deepspeed_zero3 with 2\n" in result.stderr
+    reference = strategy_run("single")
+    expected = {(m["step"], key): m[key] for m in read_metrics(reference) for key in ("loss", "eval_loss")
+                if key in m and m["step"] > 6}
+    logged = {(m["step"], key): m[key] for m in read_metrics(tmp_path) for key in ("loss", "eval_loss") if key in m}
+    assert logged.keys() == expected.keys() and len(logged) == 7  # steps 7-12, and the evaluation at 12
+    assert all(logged[entry] == pytest.approx(expected[entry], abs=LOSS_TOLERANCE) for entry in expected), logged
+    assert_same_final_weights(reference, tmp_path, atol=WEIGHT_TOLERANCE)
 
 
 @pytest.mark.parametrize(("config", "flags"), [
