@@ -35,8 +35,8 @@ def batch_of(vocabulary: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 3e-2)],  # measured: 6e-7, 1.2e-2
-                         ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 5e-6), (torch.bfloat16, 3e-2)],
+                         ids=["fp32", "bf16"])  # measured over 15 initialisations: up to 8.7e-7 and 1.1e-2
 def test_the_output_layer_gives_the_logits_loss_and_gradients(tiny_model, dtype, tolerance) -> None:
     """Against the logits' cross-entropy: the same sum and parameter gradients, in fp32 and under bf16 autocast
     (the matmul then in bf16, as the logits' is); with no targets set the layer gives the logits again."""
@@ -47,7 +47,7 @@ def test_the_output_layer_gives_the_logits_loss_and_gradients(tiny_model, dtype,
         expected = token_loss_sums(CAUSAL_LM.forward(plain, batch), batch["labels"])[0].sum()
         loss = head.loss_sums(CAUSAL_LM, fused, batch)
     assert loss.dtype == torch.float32 and loss.shape == ()
-    torch.testing.assert_close(loss, expected, rtol=tolerance / 10, atol=0)  # measured: 1e-8 and 1e-4
+    torch.testing.assert_close(loss, expected, rtol=tolerance / 10, atol=0)  # measured: 1e-8 and 3.1e-4
     expected.backward()
     loss.backward()
     for (name, parameter), fused_parameter in zip(plain.named_parameters(), fused.parameters(), strict=True):
