@@ -6,6 +6,7 @@ train; and the refusals, each one line."""
 from __future__ import annotations
 
 import copy
+import math
 import shutil
 from functools import partial
 from types import SimpleNamespace
@@ -71,6 +72,14 @@ def test_a_model_that_changes_its_output_layers_result_is_refused_in_one_line(ti
     with pytest.raises(ArgumentError, match="^--fused_linear_cross_entropy: the model's forward does not call its "
                                             r"output layer \(get_output_embeddings\(\)\) as a module: drop the flag$"):
         elsewhere.loss_sums(CAUSAL_LM, model, batch_of(model.config.vocab_size))
+
+
+@pytest.mark.quick
+def test_a_non_finite_first_loss_goes_on_to_the_non_finite_guard(tiny_model) -> None:
+    """A NaN sum is not a change of the layer's result: the step returns it, and the loop's guard names it."""
+    model = copy.deepcopy(tiny_model)
+    head = LossHead(model.get_output_embeddings(), lambda hidden, weight, bias, targets: (hidden.sum() * math.nan))
+    assert head.loss_sums(CAUSAL_LM, model, batch_of(model.config.vocab_size)).isnan()
 
 
 @pytest.mark.quick

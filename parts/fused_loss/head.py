@@ -80,8 +80,9 @@ class LossHead:
         # A model fixes what follows its output layer: checked once (a comparison waits for the device). Strategies
         # may wrap the sum on its way out: ZeRO-3 hooks its backward there, FSDP2's bf16 policy casts it to bf16
         # (rounding it by up to 2**-9), so the value is the layer's and the gradient goes through what was returned.
+        # A NaN passed through unchanged is the non-finite guard's to report, not a change of the layer's result.
         if not self.checked and not (returned.shape == loss.shape and
-                                     torch.allclose(returned.float(), loss, rtol=2**-7, atol=0)):
+                                     torch.allclose(returned.float(), loss, rtol=2**-7, atol=0, equal_nan=True)):
             raise ArgumentError("--fused_linear_cross_entropy: the model changes what its output layer returns (a "
                                 "scaling or a softcap of the logits), so its loss cannot be computed there: drop the flag")
         self.checked = True
