@@ -186,3 +186,9 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
 def split_model(model_args: ModelArguments, train_args: TrainArguments) -> str | None:
     """The first flag that splits one model over processes or devices (the parts': --device_map, pipeline stages)."""
     return next(iter(found("model_split", model_args, train_args)), None)
+
+
+def clashing_flag(model_args: ModelArguments, train_args: TrainArguments, *flags: str) -> str | None:
+    """`split_model`'s flag, else the first of `flags` given (fields of either; a part's a fork left out: never)."""
+    given = (f"--{flag}" for flag in flags if getattr(train_args, flag, getattr(model_args, flag, None)))
+    return split_model(model_args, train_args) or next(given, None)

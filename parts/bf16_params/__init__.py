@@ -27,15 +27,12 @@ def check_flags(model_args, data_args, args) -> None:
     """Refused where the training step would not run the objective this part wraps, or where it is untested: a model
     split over stages, devices or tensor-parallel ranks, gradient checkpointing (its recomputed forward runs during
     the backward, on the fp32 parameters again), distillation (its own objective), and torch.compile."""
-    from training.arguments import split_model
+    from training.arguments import clashing_flag
     from training.errors import ArgumentError
 
     if args.mixed_precision_param == "float32":
         return
-    others = {"--gradient_checkpointing": model_args.gradient_checkpointing,  # the others: flags of parts
-              "--torch_compile": getattr(args, "torch_compile", False),
-              "--teacher_model_name_or_path": getattr(args, "teacher_model_name_or_path", None)}
-    if clash := split_model(model_args, args) or next((flag for flag, given in others.items() if given), None):
+    if clash := clashing_flag(model_args, args, "gradient_checkpointing", "torch_compile", "teacher_model_name_or_path"):
         raise ArgumentError(f"--mixed_precision_param bfloat16 with {clash} is not supported: drop one")
 
 

@@ -24,14 +24,12 @@ class FusedLossFlags:
 def check_flags(model_args, data_args, args) -> None:
     """Refused where the training step computes its loss another way: torch.compile's graph (which fuses the loss
     itself), distillation's objective, a model split over stages, devices or tensor-parallel ranks."""
-    from training.arguments import split_model
+    from training.arguments import clashing_flag
     from training.errors import ArgumentError
 
     if not args.fused_linear_cross_entropy:
         return
-    others = {"--torch_compile": getattr(args, "torch_compile", False),  # the others: flags of parts
-              "--teacher_model_name_or_path": getattr(args, "teacher_model_name_or_path", None)}
-    if clash := split_model(model_args, args) or next((flag for flag, given in others.items() if given), None):
+    if clash := clashing_flag(model_args, args, "torch_compile", "teacher_model_name_or_path"):
         raise ArgumentError(f"--fused_linear_cross_entropy with {clash} is not supported: drop one")
 
 
