@@ -79,12 +79,17 @@ def fitting_run(train_run: Callable, config: str, args: argparse.Namespace, outp
             print(f"{config}: out of memory, trying a micro-batch of {micro_batch}", flush=True)
 
 
+def compiled_by_flags(args: argparse.Namespace) -> bool:
+    """--train_flags hold a compile option: every run compiles, so only the compiled rows run."""
+    return any(flag.startswith("--torch_compile") for flag in shlex.split(args.train_flags))
+
+
 def mfu_rows(args: argparse.Namespace) -> list[tuple[str, bool, int | None, int]]:
     """(config, compiled, vocabulary or None for the tokenizer's, T): one per (config, compiled) of ROWS in --configs
     at each --block_sizes, then the first compiled row's setting with the shipped tokenizer's vocabulary."""
-    compiled_by_flags = any(flag.startswith("--torch_compile") for flag in shlex.split(args.train_flags))
+    compile_option = compiled_by_flags(args)
     rows = [(config, compiled, ANCHOR_VOCABULARY, length) for length in args.block_sizes
-            for config, compiled in ROWS if config in args.configs and (compiled or not compiled_by_flags)
+            for config, compiled in ROWS if config in args.configs and (compiled or not compile_option)
             and not (compiled and args.eager_only)  # eager levers (bf16 parameters, the fused loss)
             and (installed("compile") or not compiled)]  # a project may leave the compile part out
     if not rows:
@@ -97,8 +102,7 @@ def mfu_rows(args: argparse.Namespace) -> list[tuple[str, bool, int | None, int]
 
 def mfu_table(args: argparse.Namespace, scratch: Path, train_run: Callable) -> tuple[list[str], dict]:
     """train.py on each of `mfu_rows`, a table line each."""
-    extra = tuple(shlex.split(args.train_flags))
-    compiled_by_flags = any(flag.startswith("--torch_compile") for flag in extra)  # a compile option: compiled rows only
+    extra, compile_flag = tuple(shlex.split(args.train_flags)), [] if compiled_by_flags(args) else ["--torch_compile"]
     rows = mfu_rows(args)
     lines = [f"MFU: {args.model_config}, {args.num_processes} process(es), {args.mixed_precision}, micro-batch up to "
              f"{args.max_micro_batch} sequences, no accumulation, fused AdamW, {args.steps} steps; medians over the "
@@ -111,7 +115,7 @@ def mfu_table(args: argparse.Namespace, scratch: Path, train_run: Callable) -> t
         overrides = f"max_position_embeddings={length}" + (f",vocab_size={vocabulary}" if vocabulary else "")
         flags = ("--model_config", args.model_config, "--config_overrides", overrides, "--block_size", str(length),
                  "--max_steps", str(args.steps), "--logging_steps", str(args.log_every), "--eval_strategy", "no",
-                 "--save_strategy", "no", *(["--torch_compile"] if compiled and not compiled_by_flags else []), *extra)
+                 "--save_strategy", "no", *(compile_flag if compiled else []), *extra)
         name = f"{config}{'-compiled' if compiled else ''}-{vocabulary or 'tokenizer'}-{length}"
         run = fitting_run(train_run, config, args, scratch / name, flags)
         results.append({"config": config, "compiled": compiled, "vocabulary": vocabulary, "block_size": length} | run)
