@@ -16,7 +16,9 @@ import torch
 
 from parts.fused_loss import label_objective
 from parts.fused_loss.head import LossHead, torch_kernel
-from tests.conftest import TINY_RUN, assert_same_final_weights, bad_input_errors, launch, parity_args, read_metrics, train
+from scripts.compare_metrics import compare, worst_difference
+from tests.conftest import (TINY_RUN, assert_same_final_weights, bad_input_errors, launch, logged_after, parity_args,
+                            read_metrics, train)
 from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
 from training.arguments import parse_args
 from training.errors import ArgumentError
@@ -146,11 +148,9 @@ def test_every_sharding_matches_one_process_without_logits(config: str, cached_r
     reference = strategy_run("single")
     assert "--fused_linear_cross_entropy: the training loss is computed with the output layer" in (
         run / "launch.log").read_text()
-    logged = {key: [m[key] for m in read_metrics(run) if key in m] for key in ("loss", "eval_loss")}
-    expected = {key: [m[key] for m in read_metrics(reference) if key in m] for key in ("loss", "eval_loss")}
-    assert len(logged["loss"]) == 12 and len(logged["eval_loss"]) == 3
-    for key in logged:
-        assert logged[key] == pytest.approx(expected[key], abs=LOSS_TOLERANCE), key
+    differences = compare(reference, run, keys=("loss", "lr", "eval_loss"))
+    assert len(differences) == 12 * 2 + 3  # as tests/test_parity.py: every step, and the three evaluations
+    assert (worst := worst_difference(differences)).absolute <= LOSS_TOLERANCE, worst
     assert_same_final_weights(reference, run, atol=WEIGHT_TOLERANCE)
 
 
@@ -164,10 +164,8 @@ def test_a_fused_run_resumed_under_another_strategy_continues_one_process_run(ca
                    "--resume_from_checkpoint", "latest")
     assert "resuming a fsdp checkpoint of 2 processes under deepspeed_zero3 with 2\n" in result.stderr
     reference = strategy_run("single")
-    expected = {(m["step"], key): m[key] for m in read_metrics(reference) for key in ("loss", "eval_loss")
-                if key in m and m["step"] > 6}
-    logged = {(m["step"], key): m[key] for m in read_metrics(tmp_path) for key in ("loss", "eval_loss") if key in m}
-    assert logged.keys() == expected.keys() and len(logged) == 7  # steps 7-12, and the evaluation at 12
+    expected, logged = logged_after(reference, 6), logged_after(tmp_path, 6)
+    assert logged.keys() == expected.keys() and len(logged) == 13  # loss and lr at steps 7-12, the evaluation at 12
     assert all(logged[entry] == pytest.approx(expected[entry], abs=LOSS_TOLERANCE) for entry in expected), logged
     assert_same_final_weights(reference, tmp_path, atol=WEIGHT_TOLERANCE)
 
