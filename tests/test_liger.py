@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parts.liger.kernels import apply_liger_kernel
+from parts.liger.kernels import apply_liger_kernel, on_gpu_tensors
 from tests.conftest import TINY_RUN, bad_input_errors, launch, read_metrics, with_processes
 from tests.test_gpu_path import GPU_STEPS
 from training.errors import ArgumentError
@@ -27,6 +27,23 @@ def test_liger_kernel_is_refused_in_one_line_where_it_cannot_run() -> None:
         apply_liger_kernel(torch.nn.Linear(2, 2), torch.device("cuda"))
 
 
+@pytest.mark.quick
+def test_liger_rope_leaves_cpu_tensors_to_transformers() -> None:
+    """Liger's RoPE, swapped into transformers' modeling module for the whole process, must leave the CPU sample
+    of final/ (after training, same process) to transformers' own function: Triton cannot run on CPU tensors."""
+    def transformers_rope(q, k, cos, sin, unsqueeze_dim=1):
+        return q * cos, k * sin * unsqueeze_dim
+
+    def liger_rope(*args, **kwargs):
+        raise AssertionError("Liger's kernel called with CPU tensors")
+
+    rope = on_gpu_tensors(liger_rope, transformers_rope)
+    q, k, cos, sin = (torch.full((2, 3), value) for value in (1.0, 2.0, 3.0, 4.0))
+    assert rope.__name__ == "transformers_rope"
+    for got, expected in zip(rope(q, k, cos, sin, unsqueeze_dim=2), (q * cos, k * sin * 2)):
+        assert torch.equal(got, expected)
+
+
 def test_a_cpu_launch_with_liger_kernels_is_one_error_line_and_exit_2(tmp_path) -> None:
     """Through the part's hook in a real launch: the flag is train.py's (the part's flags), and the refusal is
     bad input (training/errors.py)."""
@@ -39,11 +56,12 @@ def test_a_cpu_launch_with_liger_kernels_is_one_error_line_and_exit_2(tmp_path) 
 @pytest.mark.parametrize("flags", [
     ("--use_liger_kernel",),
     pytest.param(("--use_liger_kernel", "--fused_linear_cross_entropy"), marks=pytest.mark.parts("fused_loss")),
-], ids=["norms and SwiGLU", "and the fused loss"])
+], ids=["norms, SwiGLU and RoPE", "and the fused loss"])
 def test_liger_kernels_follow_the_plain_bf16_losses(flags: tuple[str, ...], tmp_path) -> None:
-    """--use_liger_kernel (fused RMSNorm and SwiGLU; with --fused_linear_cross_entropy also Liger's linear
+    """--use_liger_kernel (fused RMSNorm, SwiGLU and RoPE; with --fused_linear_cross_entropy also Liger's linear
     cross-entropy) against the same bf16 run without it, on 1 GPU; the run's sample of final/ on CPU, after it, uses
-    transformers' own modules. The first case passed on an H200 (docs/gpus.md); the second has not run yet."""
+    transformers' own modules and RoPE. The first case passed on an H200 without RoPE (docs/gpus.md); RoPE and the
+    second case have not run on a GPU yet."""
     pytest.importorskip("liger_kernel", reason="liger-kernel is an optional install (pip install liger-kernel==0.8.5)")
     one_process = with_processes("ddp", 1, tmp_path / "configs")
     args = ("--max_steps", str(GPU_STEPS), "--logging_steps", "1", "--eval_steps", "100", "--block_size", "64")

@@ -1,4 +1,4 @@
-"""Liger's Triton kernels (`--use_liger_kernel`): fused RMSNorm and SwiGLU for Llama-family models on
+"""Liger's Triton kernels (`--use_liger_kernel`): fused RMSNorm, SwiGLU and RoPE for Llama-family models on
 NVIDIA GPUs, an optional install (`pip install liger-kernel==0.8.5`), refused in one line elsewhere.
 
 Without torch.compile, elementwise steps are most of a small model's GPU time; with it, inductor fuses
@@ -14,7 +14,7 @@ from training.parts import Part
 @dataclass
 class LigerFlags:
     use_liger_kernel: bool = field(default=False, metadata={
-        "help": "Liger's Triton kernels for the model's RMSNorm and SwiGLU (Llama-family models on NVIDIA GPUs; "
+        "help": "Liger's Triton kernels for the model's RMSNorm, SwiGLU and RoPE (Llama-family models on NVIDIA GPUs; "
                 "pip install liger-kernel). transformers' name."})
 
 
@@ -27,5 +27,5 @@ def convert_model(model, accelerator, args):
     return model
 
 
-PART = Part("liger", "Liger's fused RMSNorm and SwiGLU kernels on NVIDIA GPUs (--use_liger_kernel)", LigerFlags,
+PART = Part("liger", "Liger's fused RMSNorm, SwiGLU and RoPE kernels on NVIDIA GPUs (--use_liger_kernel)", LigerFlags,
             convert_model=convert_model)
