@@ -38,7 +38,7 @@ def apply_liger_kernel(model: torch.nn.Module, device: torch.device) -> None:
     fused_rope = vars(modeling).get(ROPE)
     for name, value in before.items():
         setattr(modeling, name, value)
-    if fused_rope is not before.get(ROPE):
+    if ROPE in before and fused_rope is not before[ROPE]:
         setattr(modeling, ROPE, on_gpu_tensors(fused_rope, before[ROPE]))
 
 
