@@ -26,8 +26,8 @@ def checkpoint_weights(checkpoint: Path) -> dict:
         raise SystemExit(f"error: {checkpoint / MODEL_STATE} holds no tensors: give a checkpoints/step_N directory "
                          "written by this template")
     with contextlib.ExitStack() as files:
-        state = ModelState(checkpoint / MODEL_STATE, files)
-        return {name: state.whole(name)["value"] for name in state.shapes}
+        state = ModelState(checkpoint, files)
+        return {name: state.whole(name).value for name in state.shapes}
 
 
 def main(argv: list[str] | None = None) -> None:

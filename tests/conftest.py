@@ -134,15 +134,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the tests that need a part this project does not hold (`@pytest.mark.parts(...)`: a fork made by
-    scripts/new_project.py; here every part is installed and nothing is deselected). Skip the `gpu` tests on a
-    machine without a GPU (`pytest -m gpu` then skips them all)."""
+    scripts/new_project.py; here every part is installed and nothing is deselected), and the `nightly` ones unless
+    `-m` names them. Skip the `gpu` tests on a machine without a GPU (`pytest -m gpu` then skips them all)."""
     from training.parts import installed_parts
 
     installed = {part.name for part in installed_parts()}
-    missing = [item for item in items if not {name for mark in item.iter_markers("parts") for name in mark.args} <= installed]
-    if missing:
-        config.hook.pytest_deselected(items=missing)
-        items[:] = [item for item in items if item not in missing]
+    nightly = "nightly" in (config.option.markexpr or "")
+    deselected = [item for item in items if not {name for mark in item.iter_markers("parts") for name in mark.args} <= installed
+               or ("nightly" in item.keywords and not nightly)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item not in deselected]
     gpu_tests = [item for item in items if "gpu" in item.keywords]
     if gpu_tests and gpu_count() == 0:
         for item in gpu_tests:

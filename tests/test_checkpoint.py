@@ -1,24 +1,39 @@
-"""Which checkpoints count as complete: `latest` and rotation never see a half-written one."""
+"""Which checkpoints count as complete: `latest` and rotation never see a half-written one, nor another run's; a
+damaged one is named in one line. And the model state's format in one process: any optimizer's state, exactly."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
+import torch
 
 from training.arguments import ArgumentError, parse_args
-from training.checkpoint import TRAINER_STATE, complete_checkpoints, resolve_resume_path, rotate_checkpoints
-
+from training.checkpoint import (
+    TRAINER_STATE,
+    ModelState,
+    complete_checkpoints,
+    load_model_state,
+    require_complete_checkpoint,
+    resolve_resume_path,
+    rotate_checkpoints,
+    save_model_state,
+    write_manifest,
+)
+from training.errors import ResumeError
+from training.optim import OPTIMIZERS
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
 
 
-def make_checkpoint(root, name: str, complete: bool) -> None:
+def make_checkpoint(root, name: str, complete: bool, run_id: str = "run") -> None:
     directory = root / "checkpoints" / name
     directory.mkdir(parents=True)
     (directory / "model.safetensors").write_bytes(b"weights")
     if complete:
-        (directory / TRAINER_STATE).write_text(json.dumps({"completed_steps": int(name.split("_")[1].split(".")[0])}))
+        step = int(name.split("_")[1].split(".")[0])
+        (directory / TRAINER_STATE).write_text(json.dumps({"completed_steps": step, "run_id": run_id}))
 
 
 def test_latest_is_the_newest_complete_checkpoint(tmp_path) -> None:
@@ -56,3 +71,110 @@ def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path, limit, kep
     make_checkpoint(tmp_path, "step_7.tmp", complete=False)  # a save killed halfway is not rotation's business
     rotate_checkpoints(str(tmp_path), tmp_path / "checkpoints" / "step_6", limit)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == sorted([*kept, "step_7.tmp"])
+
+
+def test_a_resume_into_an_output_dir_holding_another_runs_checkpoints_is_refused(tmp_path) -> None:
+    """Rotation would have deleted this run's checkpoints and kept the other run's newer one, which `latest` then
+    resumed (issue 54)."""
+    make_checkpoint(tmp_path / "rot", "step_6", complete=True, run_id="earlier")
+    make_checkpoint(tmp_path / "other", "step_3", complete=True, run_id="this")
+    with pytest.raises(ArgumentError, match=r"rot holds checkpoints of another run \(step_6\), which rotation and "
+                                            "'latest' would take for this run's; resume into another --output_dir"):
+        parse_args(["--output_dir", str(tmp_path / "rot"), "--resume_from_checkpoint",
+                    str(tmp_path / "other" / "checkpoints" / "step_3")])
+
+
+def test_latest_never_picks_between_two_runs(tmp_path) -> None:
+    make_checkpoint(tmp_path, "step_5", complete=True, run_id="this")
+    make_checkpoint(tmp_path, "step_6", complete=True, run_id="earlier")  # copied in by hand
+    with pytest.raises(ResumeError, match="holds checkpoints of 2 runs, so 'latest' could continue the wrong one"):
+        resolve_resume_path("latest", str(tmp_path))
+    with pytest.raises(ResumeError, match="holds checkpoints of 2 runs"):
+        parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
+
+
+def test_rotation_deletes_only_its_own_runs_checkpoints(tmp_path) -> None:
+    for name in ("step_2", "step_4", "step_6"):
+        make_checkpoint(tmp_path, name, complete=True, run_id="this")
+    make_checkpoint(tmp_path, "step_8", complete=True, run_id="earlier")
+    rotate_checkpoints(str(tmp_path), tmp_path / "checkpoints" / "step_6", 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_4", "step_6", "step_8"]
+
+
+def test_a_missing_or_truncated_file_is_named_in_one_line(tmp_path) -> None:
+    """Every file of a checkpoint is listed with its size (manifest.json): one missing or cut short is found before
+    anything loads, by every rank alike (issue 54: a missing rank0.safetensors was a KeyError, a truncated
+    rank1.safetensors safetensors' traceback)."""
+    checkpoint = tmp_path / "checkpoints" / "step_4"
+    (checkpoint / "model_state").mkdir(parents=True)
+    for rank in (0, 1):
+        (checkpoint / "model_state" / f"rank{rank}.safetensors").write_bytes(b"x" * 100)
+    (checkpoint / "scheduler.bin").write_bytes(b"y" * 10)
+    write_manifest(checkpoint)
+    (checkpoint / TRAINER_STATE).write_text(json.dumps({"completed_steps": 4}))
+    assert require_complete_checkpoint(checkpoint) == checkpoint
+    (checkpoint / "model_state" / "rank1.safetensors").write_bytes(b"x" * 60)
+    with pytest.raises(ResumeError, match=r"step_4/model_state/rank1.safetensors is damaged \(60 bytes, saved as "
+                                          r"100\); resume an earlier checkpoint"):
+        require_complete_checkpoint(checkpoint)
+    (checkpoint / "model_state" / "rank1.safetensors").write_bytes(b"x" * 100)
+    (checkpoint / "model_state" / "rank0.safetensors").unlink()
+    with pytest.raises(ResumeError, match=r"step_4/model_state/rank0.safetensors is missing; resume an earlier"):
+        parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", str(checkpoint)])
+
+
+def small_model_and_optimizer(tmp_path, optim: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Linear(7, 5), torch.nn.Linear(5, 1, bias=False))
+    args = parse_args(["--output_dir", str(tmp_path / "out"), "--optim", optim])[2]
+    return model, OPTIMIZERS[optim].build([{"params": list(model.parameters())}], args)
+
+
+def saved_model_state(tmp_path, optim: str, processes_recorded: int = 1):
+    """A small model's state after two steps of `optim`, saved as train.py saves it (one process), and the model."""
+    from accelerate import Accelerator
+
+    model, optimizer = small_model_and_optimizer(tmp_path, optim, seed=0)
+    for _ in range(2):
+        model(torch.randn(3, 13)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    checkpoint = tmp_path / "step_2"
+    save_model_state(Accelerator(cpu=True), model, optimizer, checkpoint / "model_state")
+    (checkpoint / TRAINER_STATE).write_text(json.dumps({"completed_steps": 2, "num_processes": processes_recorded}))
+    return checkpoint, model, optimizer
+
+
+@pytest.mark.parametrize("optim", sorted(OPTIMIZERS))
+def test_any_optimizers_state_round_trips_exactly(optim, tmp_path) -> None:
+    """Shaped like its parameter or not (Adafactor's factored moments and RMS, a step count kept as a number),
+    every entry comes back as the optimizer held it, and the next step is the same."""
+    from accelerate import Accelerator
+
+    checkpoint, model, optimizer = saved_model_state(tmp_path, optim)
+    fresh, restored = small_model_and_optimizer(tmp_path, optim, seed=1)
+    load_model_state(Accelerator(cpu=True), fresh, restored, checkpoint)
+    for (name, before), after in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(before, after), name
+        saved, loaded = optimizer.state[before], restored.state[after]
+        assert saved.keys() == loaded.keys(), name
+        for key in saved:
+            assert type(loaded[key]) is type(saved[key]) and torch.equal(torch.as_tensor(loaded[key]),
+                                                                           torch.as_tensor(saved[key])), (name, key)
+    batch = torch.randn(3, 13)
+    for net, opt in ((model, optimizer), (fresh, restored)):
+        net(batch).square().sum().backward()
+        opt.step()
+    for before, after in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(before, after)
+
+
+def test_a_rank_file_missing_from_a_checkpoint_without_a_manifest_is_one_line(tmp_path) -> None:
+    checkpoint, _, _ = saved_model_state(tmp_path, "adamw_torch", processes_recorded=2)  # as if 2 ranks saved it
+    with contextlib.ExitStack() as files, pytest.raises(ResumeError, match=r"model_state/rank1.safetensors is missing "
+                                                                           r"\(the checkpoint was saved by 2 processes\)"):
+        ModelState(checkpoint, files)
+    (checkpoint / "model_state" / "rank1.safetensors").write_bytes(
+        (checkpoint / "model_state" / "rank0.safetensors").read_bytes()[:50])  # cut short: no manifest to find it
+    with contextlib.ExitStack() as files, pytest.raises(ResumeError, match=r"model_state/rank1.safetensors is damaged"):
+        ModelState(checkpoint, files)

@@ -71,6 +71,24 @@ def test_power_sgd_resumes_exactly_from_each_ranks_own_state(power_sgd_run, unev
     assert_continues_exactly(power_sgd_run, tmp_path, RESUME_STEP)
 
 
+def test_power_sgd_resumes_on_another_process_count_at_one_step_on_every_rank(power_sgd_run, uneven_data,
+                                                                             tmp_path) -> None:
+    """2 processes' checkpoint on 4: the new ranks started at PowerSGD's step 0 while the others restored theirs,
+    so they all-reduced uncompressed while the others compressed, and gloo aborted (issue 54). Every rank now takes
+    rank 0's step count, generator and warm start, and starts its error feedback afresh, and trains on."""
+    checkpoint = power_sgd_run / "checkpoints" / f"step_{RESUME_STEP}"
+    shutil.copytree(checkpoint, tmp_path / "checkpoints" / checkpoint.name)
+    result = train("ddp", tmp_path, *split_run_args(uneven_data, SPLIT), *POWER_SGD, "--per_device_train_batch_size",
+                   "2", "--gradient_accumulation_steps", "1", "--resume_from_checkpoint", "latest",
+                   launcher_args=("--num_processes", "4"))
+    assert (f"PowerSGD's state was saved by 2 processes: every rank resumes at its step {RESUME_STEP}, with its error "
+            "feedback started afresh" in result.stderr), result.stderr[-3000:]
+    resumed, went_on = losses(tmp_path), losses(power_sgd_run)
+    assert sorted(resumed) == list(range(RESUME_STEP + 1, max(went_on) + 1))
+    for step, loss in resumed.items():  # compressed updates of other sums: close, as PowerSGD to plain all-reduce
+        assert loss == pytest.approx(went_on[step], rel=0.05), step
+
+
 @pytest.mark.quick
 def test_power_sgd_state_round_trips_through_a_weights_only_file(tmp_path) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState

@@ -5,6 +5,7 @@ same checkpoint; the answer mask: tests/test_chat_data.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from scripts.compare_metrics import compare, worst_difference
+from training.checkpoint import ModelState
 from tests.conftest import (
     CONFIGS,
     LORA_STEPS,
@@ -113,3 +115,20 @@ def test_plain_peft_loads_the_adapter_and_reproduces_the_eval_loss(lora_run, tie
 
 def read_summary(run) -> dict:
     return json.loads((run / "summary.json").read_text())
+
+
+def test_frozen_weights_are_saved_as_built_under_deepspeeds_bf16_engine(cached_run, base_model) -> None:
+    """DeepSpeed's bf16 engine casts the whole model and keeps fp32 copies of the adapter only: the base weights in
+    its checkpoints were bf16-rounded (up to 3.9e-3 off, issue 54). They are the base model's fp32 values now."""
+    run = cached_run("deepspeed_zero2", "--task", "sft", "--model_name_or_path", str(base_model), "--use_peft",
+                     "--max_steps", "2", "--save_steps", "1", "--eval_strategy", "no",
+                     launcher_args=("--mixed_precision", "bf16"))
+    base = load_file(base_model / "model.safetensors")
+    with contextlib.ExitStack() as files:
+        saved = ModelState(run / "checkpoints" / "step_2", files)
+        frozen = {name: name.removeprefix("base_model.model.").replace(".base_layer", "") for name in saved.shapes
+                  if "lora_" not in name}
+        assert sorted(frozen.values()) == sorted(base)
+        assert any((base[name] != base[name].bfloat16().float()).any() for name in base)  # bf16 would round them
+        for name, base_name in frozen.items():
+            assert torch.equal(saved.whole(name).value, base[base_name]), name

@@ -141,7 +141,7 @@ def test_a_classifier_distils_from_a_teacher_with_the_same_labels(image_run, sha
     final = sorted(load_file(tmp_path / "final" / "model.safetensors"))
     for checkpoint in (tmp_path / "checkpoints").iterdir():  # the student's tensors alone: the teacher is in none
         with contextlib.ExitStack() as files:
-            assert sorted(ModelState(checkpoint / "model_state", files).shapes) == final
+            assert sorted(ModelState(checkpoint, files).shapes) == final
 
 
 def test_the_image_task_learns_the_shapes(tmp_path) -> None:

@@ -99,9 +99,15 @@ def test_a_pipeline_resumes_exactly_and_refuses_another_layout(pipeline_run, fou
     shutil.copytree(run / "checkpoints" / f"step_{SAVED}", tmp_path / "checkpoints" / f"step_{SAVED}")
     train("ddp", tmp_path, *layout_args(four_layer_model, "Interleaved1F1B"), "--resume_from_checkpoint", "latest")
     assert_continues_exactly(run, tmp_path, SAVED, last_step=STEPS)
-    with pytest.raises(ResumeError, match="laid out as pipeline_stages 4 and this run lays it out as one whole model per "
-                                          "process; resume with the flags that laid it out so"):
+    with pytest.raises(ResumeError, match="laid out as pipeline_stages 4, pipeline_stages_per_process 2 and this run "
+                                          "lays it out as one whole model per process; resume with the flags that laid "
+                                          "it out so"):
         load_checkpoint(None, run / "checkpoints" / f"step_{SAVED}", global_batch=8, max_steps=STEPS, layout={})
+    # the same 4 stages, one per process (1F1B on 4 processes): each process saved the optimizer of its own stages
+    with pytest.raises(ResumeError, match="laid out as pipeline_stages 4, pipeline_stages_per_process 2 and this run "
+                                          "lays it out as pipeline_stages 4;"):
+        load_checkpoint(None, run / "checkpoints" / f"step_{SAVED}", global_batch=8, max_steps=STEPS,
+                        layout={"pipeline_stages": 4})
 
 
 @pytest.mark.quick

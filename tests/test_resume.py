@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import (
     MAX_STEPS,
+    bad_input_errors,
     REPO,
     TINY_RUN,
     SPLIT_OF,
@@ -54,6 +55,24 @@ def test_resume_latest_in_a_fresh_launch_continues_exactly(config, split_run, un
     result = train(config, tmp_path, *args, "--resume_from_checkpoint", "latest")
     assert f"at step {RESUME_STEP}" in result.stderr
     assert_continues_exactly(full, tmp_path, RESUME_STEP)
+
+
+DAMAGES = {"rank0.safetensors missing": lambda file: file.unlink(),
+           "rank1.safetensors cut short": lambda file: file.write_bytes(file.read_bytes()[:1000])}
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=DAMAGES.keys())
+def test_a_damaged_checkpoint_stops_every_rank_in_one_line(damage, split_run, uneven_data, tmp_path) -> None:
+    """Before, a missing rank file was a KeyError and a truncated one safetensors' traceback (issue 54)."""
+    copy = tmp_path / "checkpoints" / f"step_{RESUME_STEP}"
+    shutil.copytree(split_run("2x4x1") / "checkpoints" / f"step_{RESUME_STEP}", copy)
+    name = damage.split()[0]
+    DAMAGES[damage](copy / MODEL_STATE / name)
+    result = launch("ddp", "train.py", *TINY_RUN, "--output_dir", str(tmp_path), *split_run_args(uneven_data, "2x4x1"),
+                    "--resume_from_checkpoint", "latest")
+    errors = bad_input_errors(result)
+    assert len(errors) == 1 and f"{MODEL_STATE}/{name} is " in errors[0] and "resume an earlier checkpoint" in errors[0]
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_rotation_keeps_the_newest_checkpoints(tmp_path) -> None:

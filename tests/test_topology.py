@@ -13,6 +13,8 @@ from tests.conftest import (
     MAX_STEPS,
     assert_same_final_weights,
     launch,
+    logged_after,
+    parity_args,
     read_metrics,
     split_args,
     train,
@@ -70,3 +72,18 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(split_run, uneven_
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "holds another model" in errors[0] and "model.layers.2" in errors[0], errors
     assert not (tmp_path / "metrics.jsonl").exists() or "loss" not in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_the_templates_model_resumes_under_zero3_on_3_processes(strategy_run, base_model, tmp_path) -> None:
+    """ZeRO-3 pads each partition to a multiple of the process count, and 3 divides none of llama-tiny's tensors:
+    a checkpoint of one process resumed there stopped in DeepSpeed's `set_full_hp_param` ("start (2732) + length
+    (1366) exceeds dimension size (4096)", issue 54). The parity run's (global batch 12) continues one process's run."""
+    single = strategy_run("single")
+    shutil.copytree(single / "checkpoints" / "step_6", tmp_path / "checkpoints" / "step_6")
+    train("deepspeed_zero3", tmp_path, *parity_args("single", base_model), "--per_device_train_batch_size", "4",
+          "--gradient_accumulation_steps", "1", "--resume_from_checkpoint", "latest", launcher_args=("--num_processes", "3"))
+    expected, resumed = logged_after(single, 6), logged_after(tmp_path, 6)
+    assert resumed.keys() == expected.keys() and len(resumed) == 6 * 2 + 1  # loss and lr at steps 7-12, eval at 12
+    for entry, value in expected.items():
+        assert abs(resumed[entry] - value) <= TOLERANCE, entry
+    assert_same_final_weights(single, tmp_path, atol=TOLERANCE)

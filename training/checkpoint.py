@@ -1,7 +1,9 @@
 """Resumable checkpoints and `final/`. A checkpoint (`checkpoints/step_N`) holds the model and optimizer state in one
 format for every strategy and process count (`model_state/`), accelerate's `save_state` of the rest (schedule, RNG,
-data position, the parts' objects) and `trainer_state.json`. Each is saved to `step_N.tmp` and renamed once every rank
-is done (a killed save never counts); multi-node needs a shared filesystem."""
+data position, the parts' objects), `manifest.json` (every file and its size, checked before a resume) and
+`trainer_state.json`. Each is saved to `step_N.tmp` and renamed once every rank is done (a killed save never counts);
+multi-node needs a shared filesystem. A checkpoint belongs to one run (`run_id`, kept across resumes): a resume never
+mixes its checkpoints with another run's."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pickle
 import re
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,21 +22,26 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from transformers import PreTrainedModel
-from accelerate.utils import broadcast_object_list
-from safetensors import safe_open
+from accelerate.logging import get_logger
+from accelerate.utils import broadcast_object_list, set_seed
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from training.batchnorm import average_running_statistics
 from training.errors import ArgumentError, ResumeError
+from training.optim import optimizer_for
 from training.parts import ModelRunner, filled
-from training.strategy_adapters import (bare_model, base_optimizer, held_pieces, load_optimizer_states, model_tensors,
-                                        own_class_while_saving, set_full_state, whole_shape)
+from training.strategy_adapters import (TensorState, bare_model, base_optimizer, held_pieces, load_optimizer_states,
+                                        model_tensors, own_class_while_saving, set_full_state, whole_shape)
 
 TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"  # every other file of the checkpoint and its size in bytes
 PLAIN_MODEL = "model.json"  # in final/: how to rebuild a plain nn.Module (its class and constructor arguments)
 MODEL_STATE = "model_state"  # rank<N>.safetensors: each rank's pieces of every tensor's fp32 value and optimizer state
 DEEPSPEED_DIR = "pytorch_model"  # what accelerate's save_state wrote for a DeepSpeed engine (before model_state/)
 STEP_DIR = re.compile(r"^step_(\d+)$")
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -47,6 +55,12 @@ class TrainerState:
     layout: dict[str, int] = field(default_factory=dict)  # how parts cut the model (pipeline stages), each saved apart
     per_device_train_batch_size: int = 0  # the micro-batch that ran (0: not recorded, before --auto_find_batch_size)
     gradient_accumulation_steps: int = 0
+    optim: str = ""  # the --optim whose state it holds ("": not recorded, before 2026-11-28)
+    run_id: str = ""  # the run it belongs to, made at a fresh start and kept by every resume
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
 
 
 def checkpoints_root(output_dir: str) -> Path:
@@ -67,12 +81,20 @@ RUN_OUTPUTS = ("checkpoints", "final", "runs", "metrics.jsonl", "summary.json", 
 
 def check_output_dir(output_dir: str, resume: str | None, overwrite: bool, inputs: dict[str, str | None]) -> None:
     """Before any process group: resume/overwrite flags agree, overwriting deletes no input (flag -> path), writable."""
-    if resume and resume != "latest":
+    if resume == "latest":
+        if found := latest_checkpoint(output_dir):  # (refused where checkpoints of several runs make it ambiguous)
+            require_complete_checkpoint(found)
+    elif resume:
         try:
             require_complete_checkpoint(Path(resume))
         except FileNotFoundError as error:
             raise ArgumentError(str(error)) from None
-        if newer := [p.name for p in newer_checkpoints(Path(resume), output_dir)]:
+        others = [p for p in complete_checkpoints(output_dir) if p.resolve() != Path(resume).resolve()]
+        if foreign := [p.name for p in others if run_of(p) != run_of(Path(resume))]:
+            raise ArgumentError(f"{output_dir} holds checkpoints of another run ({', '.join(foreign[:3])}), which "
+                                "rotation and 'latest' would take for this run's; resume into another --output_dir, or "
+                                "move them elsewhere first")
+        if newer := [p.name for p in others if step_of(p) > step_of(Path(resume))]:
             raise ArgumentError(f"{resume} is older than {newer} in the same output_dir, which 'latest' would pick "
                                 "after a restart; move those elsewhere first, or resume into another --output_dir")
     if resume and overwrite:
@@ -110,26 +132,59 @@ def resolve_resume_path(resume_from_checkpoint: str | None, output_dir: str,
     if not resume_from_checkpoint:
         return None
     if resume_from_checkpoint == "latest":
-        found = complete_checkpoints(output_dir)
-        choice = [str(found[-1]) if found else None]
+        found = latest_checkpoint(output_dir)
+        choice = [str(found) if found else None]
         if accelerator is not None:
             broadcast_object_list(choice)
-        return Path(choice[0]) if choice[0] else None
+        return require_complete_checkpoint(Path(choice[0])) if choice[0] else None
     return require_complete_checkpoint(Path(resume_from_checkpoint))
 
 
-def newer_checkpoints(path: Path, output_dir: str) -> list[Path]:
-    """Complete checkpoints of `output_dir` past `path`, when `path` is one of its checkpoints."""
-    match = STEP_DIR.match(path.name)
-    if not match or path.resolve().parent != checkpoints_root(output_dir).resolve():
-        return []
-    return [p for p in complete_checkpoints(output_dir) if int(STEP_DIR.match(p.name).group(1)) > int(match.group(1))]
+def latest_checkpoint(output_dir: str) -> Path | None:
+    """The newest complete checkpoint of `output_dir`, refused where they belong to more than one run."""
+    found = complete_checkpoints(output_dir)
+    if len(runs := {run_of(path) for path in found}) > 1:
+        raise ResumeError(f"{checkpoints_root(output_dir)} holds checkpoints of {len(runs)} runs, so 'latest' could "
+                          "continue the wrong one; name the checkpoint with --resume_from_checkpoint, or move the "
+                          "other run's elsewhere")
+    return found[-1] if found else None
+
+
+def step_of(checkpoint: Path) -> int:
+    return json.loads((checkpoint / TRAINER_STATE).read_text()).get("completed_steps", 0)
+
+
+def run_of(checkpoint: Path) -> str:
+    """The run a complete checkpoint belongs to ("" for checkpoints before 2026-11-28, or an unreadable state)."""
+    try:
+        return json.loads((checkpoint / TRAINER_STATE).read_text()).get("run_id", "")
+    except (OSError, ValueError):
+        return ""
 
 
 def require_complete_checkpoint(path: Path) -> Path:
+    """`path`, once it holds a complete checkpoint whose files are all there at the size they were saved."""
     if not (path / TRAINER_STATE).is_file():
         raise FileNotFoundError(f"no complete checkpoint at {path} (missing {TRAINER_STATE}); check --resume_from_checkpoint")
+    if not (path / MANIFEST).is_file():  # (checkpoints before 2026-11-28 have none)
+        return path
+    try:
+        sizes = json.loads((path / MANIFEST).read_text())
+    except ValueError:
+        raise ResumeError(f"{path / MANIFEST} is damaged; resume an earlier checkpoint") from None
+    for name, size in sizes.items():
+        file = path / name
+        found = file.stat().st_size if file.is_file() else None
+        if found != size:
+            what = "is missing" if found is None else f"is damaged ({found:,} bytes, saved as {size:,})"
+            raise ResumeError(f"{file} {what}; resume an earlier checkpoint (--resume_from_checkpoint <its path>)")
     return path
+
+
+def write_manifest(checkpoint: Path) -> None:
+    sizes = {str(file.relative_to(checkpoint)): file.stat().st_size for file in sorted(checkpoint.rglob("*"))
+             if file.is_file() and file.name not in (MANIFEST, TRAINER_STATE)}
+    (checkpoint / MANIFEST).write_text(json.dumps(sizes, indent=1))
 
 
 def save_checkpoint(accelerator: Accelerator, model: torch.nn.Module, optimizer, output_dir: str, state: TrainerState,
@@ -147,6 +202,7 @@ def save_checkpoint(accelerator: Accelerator, model: torch.nn.Module, optimizer,
         save_model_state(accelerator, model, optimizer, staging / MODEL_STATE)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        write_manifest(staging)
         (staging / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
         if path.exists():  # the same step saved before, e.g. by the run this one resumed
             shutil.rmtree(path)
@@ -170,65 +226,102 @@ def without_model_and_optimizer(accelerator: Accelerator, model) -> Iterator[Non
         accelerator._models, accelerator._optimizers = kept
 
 
+WHOLE = "whole"  # the offset of optimizer state kept as the optimizer holds it (`held_pieces`' offset None)
+
+
 def save_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, directory: Path) -> None:
     """Every rank writes the pieces it holds of every tensor and its optimizer state (`held_pieces`: no gathering, so
-    as fast as the strategies' own saves) to one file, with the tensors' whole shapes."""
+    as fast as the strategies' own saves) to one file, with the tensors' whole shapes; state that is a number (a step
+    count) goes into the file's metadata, as JSON keeps it."""
     directory.mkdir(parents=True, exist_ok=True)
-    base, rank, pieces, shapes = base_optimizer(optimizer), accelerator.process_index, {}, {}
+    base, rank, pieces, numbers, shapes = base_optimizer(optimizer), accelerator.process_index, {}, {}, {}
     for name, tensor in model_tensors(bare_model(accelerator, model)).items():
         shapes[name] = whole_shape(tensor)
         for key, (start, piece) in held_pieces(tensor, base, rank).items():
-            pieces[f"{name}|{key}|{start}"] = piece
-    save_file(pieces, directory / f"rank{rank}.safetensors", metadata={"shapes": json.dumps(shapes)})
+            if torch.is_tensor(piece):
+                pieces[f"{name}|{key}|{WHOLE if start is None else start}"] = piece
+            else:
+                numbers[f"{name}|{key}"] = piece
+    save_file(pieces, directory / f"rank{rank}.safetensors",
+              metadata={"shapes": json.dumps(shapes), "numbers": json.dumps(numbers)})
 
 
 class ModelState:
-    """`save_model_state`'s files, read lazily: one whole tensor (or its optimizer state) assembled at a time."""
+    """A checkpoint's `save_model_state` files, one per rank that saved it, read lazily: one whole tensor (and its
+    optimizer state) assembled at a time."""
 
-    def __init__(self, directory: Path, files: contextlib.ExitStack) -> None:
-        self.directory, self.shapes, self.pieces = directory, {}, {}
-        for path in sorted(directory.glob("rank*.safetensors")):
-            handle = files.enter_context(safe_open(path, "pt"))
-            self.shapes |= json.loads(handle.metadata()["shapes"])
+    def __init__(self, checkpoint: Path, files: contextlib.ExitStack) -> None:
+        self.directory, self.shapes, self.pieces, self.numbers = checkpoint / MODEL_STATE, {}, {}, {}
+        processes = json.loads((checkpoint / TRAINER_STATE).read_text())["num_processes"]
+        for rank in range(processes):
+            path = self.directory / f"rank{rank}.safetensors"
+            try:
+                handle = files.enter_context(safe_open(path, "pt"))
+                metadata = handle.metadata()
+                self.shapes |= json.loads(metadata["shapes"])
+                numbers = json.loads(metadata.get("numbers", "{}"))  # (checkpoints before 2026-11-28 have none)
+            except FileNotFoundError:
+                raise ResumeError(f"{path} is missing (the checkpoint was saved by {processes} processes); resume "
+                                  "an earlier checkpoint") from None
+            except (SafetensorError, OSError, KeyError, TypeError, ValueError) as error:
+                raise ResumeError(f"{path} is damaged ({str(error).splitlines()[0]}); resume an earlier "
+                                  "checkpoint") from None
+            for key, number in numbers.items():
+                name, kind = key.rsplit("|", 1)
+                self.numbers.setdefault(name, {})[kind] = number
             for key in handle.keys():
                 name, kind, start = key.rsplit("|", 2)
-                self.pieces.setdefault(name, {}).setdefault(kind, []).append((int(start), handle, key))
+                self.pieces.setdefault(name, {}).setdefault(kind, []).append((start, path, handle, key))
 
-    def whole(self, name: str) -> dict[str, torch.Tensor]:
+    def whole(self, name: str) -> TensorState:
         """`name`'s fp32 value and optimizer state, each assembled whole from the ranks' pieces."""
-        state = {}
+        state = TensorState(value=None, other=dict(self.numbers.get(name, {})))
         for kind, pieces in self.pieces.get(name, {}).items():
-            if kind == "step":  # the same count, written by every rank that holds a piece
-                state[kind] = pieces[0][1].get_tensor(pieces[0][2])[0]
+            if pieces[0][0] == WHOLE or kind == "step":  # the same on every rank that wrote it
+                kept = self._read(*pieces[0][1:])  # (before 2026-11-28 a step count was a piece of one value)
+                state.other[kind] = kept if pieces[0][0] == WHOLE else kept[0]
                 continue
             flat, covered = torch.empty(math.prod(self.shapes[name])), 0
-            for start, handle, key in pieces:
-                piece = handle.get_tensor(key)
-                flat[start:start + piece.numel()], covered = piece, covered + piece.numel()
+            for start, *where in pieces:
+                piece = self._read(*where)
+                flat[int(start):int(start) + piece.numel()], covered = piece, covered + piece.numel()
             if covered != flat.numel():
                 raise ResumeError(f"{self.directory} holds {covered} of {name}'s {flat.numel()} values ({kind}): a rank's "
-                                  "file is missing or damaged; resume an earlier checkpoint")
-            state[kind] = flat.view(self.shapes[name])
+                                  "file is damaged; resume an earlier checkpoint")
+            if kind == "value":
+                state.value = flat.view(self.shapes[name])
+            else:
+                state.elementwise[kind] = flat.view(self.shapes[name])
+        if state.value is None:
+            raise ResumeError(f"{self.directory} holds no values of {name}: a rank's file is damaged; resume an "
+                              "earlier checkpoint")
         return state
+
+    @staticmethod
+    def _read(path: Path, handle, key: str) -> torch.Tensor:
+        try:
+            return handle.get_tensor(key)
+        except (SafetensorError, OSError) as error:
+            raise ResumeError(f"{path} is damaged ({str(error).splitlines()[0]}); resume an earlier checkpoint") from None
 
 
 def load_model_state(accelerator: Accelerator, model: torch.nn.Module, base: torch.optim.Optimizer,
-                     directory: Path) -> None:
-    """`save_model_state`'s tensors into this run's model and optimizer (`base`: the one inside the wrappers,
-    `base_optimizer`), however they are laid out."""
+                     checkpoint: Path) -> None:
+    """The checkpoint's `save_model_state` tensors into this run's model and optimizer (`base`: the one inside the
+    wrappers, `base_optimizer`), however they are laid out."""
     tensors = model_tensors(bare_model(accelerator, model))
     with contextlib.ExitStack() as files:
-        saved = ModelState(directory, files)
+        saved = ModelState(checkpoint, files)
         if sorted(saved.shapes) != sorted(tensors):
             differences = [f"{len(names)} {whose} ({', '.join(names[:2])}...)" for names, whose in (
                 (sorted(set(saved.shapes) - set(tensors)), "of its tensors are not in this model"),
                 (sorted(set(tensors) - set(saved.shapes)), "of this model's tensors are not in it")) if names]
-            raise ResumeError(f"{directory.parent} holds another model: {'; '.join(differences)}; resume with the model "
+            raise ResumeError(f"{checkpoint} holds another model: {'; '.join(differences)}; resume with the model "
                               "it was trained with (--model_config, --config_overrides, --model_name_or_path)")
         torch_states = {}
         for name, tensor in tensors.items():
             if saved.shapes[name] != (shape := whole_shape(tensor)):
-                raise ResumeError(f"{directory.parent} holds {name} of shape {saved.shapes[name]}, this model's is "
+                raise ResumeError(f"{checkpoint} holds {name} of shape {saved.shapes[name]}, this model's is "
                                   f"{shape}; resume with the model it was trained with")
             set_full_state(tensor, saved.whole(name), base, torch_states)
         load_optimizer_states(base, torch_states)
@@ -246,22 +339,29 @@ def set_next_rate(optimizer: torch.optim.Optimizer, scheduler) -> None:
 
 
 def rotate_checkpoints(output_dir: str, newest: Path, limit: int) -> None:
-    """Keep `newest` (even below higher steps left by a resumed run) and the `limit - 1` highest others."""
-    others = [path for path in complete_checkpoints(output_dir) if path != newest]
+    """Keep `newest` (even below higher steps left by a resumed run) and the `limit - 1` highest others of its run."""
+    others = [path for path in complete_checkpoints(output_dir) if path != newest and run_of(path) == run_of(newest)]
     for old in others[: max(len(others) - (limit - 1), 0)]:
         shutil.rmtree(old)
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max_steps: int,
-                    layout: dict[str, int] | None = None, model=None, optimizer=None, scheduler=None) -> TrainerState:
-    """Check on every rank that `path` continues this run exactly, then restore it."""
+                    layout: dict[str, int] | None = None, model=None, optimizer=None, scheduler=None,
+                    optim: str | None = None) -> TrainerState:
+    """Check on every rank that `path` continues this run exactly (`optim`: this run's --optim), then restore it."""
     try:
         saved = json.loads((path / TRAINER_STATE).read_text())
         if (stages := saved.pop("pipeline_stages", 1)) > 1:  # how checkpoints before 2026-11-27 recorded a pipeline
             saved["layout"] = {"pipeline_stages": stages}
         state = TrainerState(**saved)
+    except json.JSONDecodeError:
+        raise ResumeError(f"{path / TRAINER_STATE} is damaged; resume an earlier checkpoint") from None
     except (TypeError, ValueError):
         raise ResumeError(f"{path / TRAINER_STATE} was not written by this version of train.py; cannot resume it")
+    if optim and state.optim and optimizer_for(state.optim).class_path != optimizer_for(optim).class_path:
+        raise ResumeError(f"{path} holds the state of --optim {state.optim}, and this run's is --optim {optim}; resume "
+                          f"with --optim {state.optim}, or start a new run from that run's final/ with "
+                          "--model_name_or_path (the optimizer state is not carried over)")
     if state.completed_steps >= max_steps:
         raise ResumeError(f"{path} is at step {state.completed_steps} and --max_steps is {max_steps}: nothing left "
                           "to train; raise --max_steps (the learning-rate schedule then stretches to the new length)")
@@ -294,11 +394,29 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
                           "as unpickling can run code. Resume only checkpoints this template wrote") from None
     if (path / MODEL_STATE).is_dir():
         base = base_optimizer(optimizer)  # (made and linked once: ZeRO's state, training/strategy_adapters.py)
-        load_model_state(accelerator, model, base, path / MODEL_STATE)
+        load_model_state(accelerator, model, base, path)
         set_next_rate(base, getattr(scheduler, "scheduler", scheduler))
     # Resumes start at an optimizer-step boundary: the restored micro-step counter (when gradients sync) is stale if
     # accumulation or process count changed, or 0 on some ranks only (a missing rank file); mismatched syncs hang.
     accelerator.step = 0
+    return state
+
+
+def resume(accelerator: Accelerator, path: Path, this_run: TrainerState, max_steps: int, seed: int, model, optimizer,
+           scheduler) -> TrainerState:
+    """Restore `path` into this run (`this_run`: its fresh state), on every rank; the state to continue from."""
+    state = load_checkpoint(accelerator, path, this_run.global_batch, max_steps, this_run.layout, model, optimizer,
+                            scheduler, this_run.optim)
+    reseeded = ""
+    if state.num_processes != this_run.num_processes:  # a rank's saved generators have no counterpart now
+        set_seed(seed + state.completed_steps)  # alike on every rank, as a fresh start seeds them
+        reseeded = f"; random generators reseeded from --seed + step {state.completed_steps}"
+    if (state.strategy, state.num_processes) != (this_run.strategy, this_run.num_processes):
+        saved_on = f"{state.num_processes} process{'es' if state.num_processes > 1 else ''}"
+        logger.info(f"resuming a {state.strategy or 'older'} checkpoint of {saved_on} under {this_run.strategy} with "
+                    f"{this_run.num_processes}{reseeded}", main_process_only=True)
+    state.num_processes, state.strategy, state.optim = this_run.num_processes, this_run.strategy, this_run.optim
+    logger.info(f"resumed from {path} at step {state.completed_steps}", main_process_only=True)
     return state
 
 

@@ -15,6 +15,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import (
     DataLoaderConfiguration,
+    broadcast_object_list,
     GradientAccumulationPlugin,
     ProjectConfiguration,
     set_seed,
@@ -22,7 +23,7 @@ from accelerate.utils import (
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from training.accelerator import build_accelerator, describe, model_construction
-from training.checkpoint import TrainerState, clear_previous_run, load_checkpoint, resolve_resume_path
+from training.checkpoint import TrainerState, clear_previous_run, new_run_id, resolve_resume_path, resume
 from training.console import one_voice
 from training.cpu_accommodations import keep_freed_memory, use_share_of_cores
 from training.errors import ArgumentError, ModelError
@@ -135,20 +136,12 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
 
     layout = merged("checkpoint_layout", args)  # how the parts cut the model: recorded, and a resume must match it
     launched = config_name(accelerator, strategy)
+    run_id = [new_run_id()]
+    broadcast_object_list(run_id)  # the main process's: the one its checkpoints record
     state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes, strategy=launched,
-                         layout=layout)
+                         layout=layout, optim=args.optim, run_id=run_id[0])
     if resume_path:
-        state = load_checkpoint(accelerator, resume_path, global_batch, max_steps, layout, model, optimizer, scheduler)
-        reseeded = ""
-        if state.num_processes != accelerator.num_processes:  # a rank's saved generators have no counterpart now
-            set_seed(args.seed + state.completed_steps)  # alike on every rank, as a fresh start seeds them
-            reseeded = f"; random generators reseeded from --seed + step {state.completed_steps}"
-        if (state.strategy, state.num_processes) != (launched, accelerator.num_processes):
-            saved_on = f"{state.num_processes} process{'es' if state.num_processes > 1 else ''}"
-            logger.info(f"resuming a {state.strategy or 'older'} checkpoint of {saved_on} under {launched} with "
-                        f"{accelerator.num_processes}{reseeded}", main_process_only=True)
-        state.num_processes, state.strategy = accelerator.num_processes, launched
-        logger.info(f"resumed from {resume_path} at step {state.completed_steps}", main_process_only=True)
+        state = resume(accelerator, resume_path, state, max_steps, args.seed, model, optimizer, scheduler)
     state.per_device_train_batch_size, state.gradient_accumulation_steps = (args.per_device_train_batch_size,
                                                                             args.gradient_accumulation_steps)
     if args.overwrite_output_dir:  # only now: every check before has passed

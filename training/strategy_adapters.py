@@ -8,6 +8,7 @@ import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,6 +55,7 @@ def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_gr
         align_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm, per_device_batch)
         if half is not torch.float32:
             batch_norm_statistics_in(model, half)
+            keep_frozen_values(model, accelerator.process_index, accelerator.num_processes)
 
 
 def persistent_buffers(model: torch.nn.Module) -> list[str]:
@@ -88,10 +90,12 @@ def gradient_reduction_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
 
 
 def keep_batch_norm_in_fp32(model: torch.nn.Module, accelerator: Accelerator) -> None:
-    """FSDP2 casts BatchNorm weights to bf16, not running stats, which BatchNorm refuses (pytorch/torchtitan#674)."""
+    """FSDP2 casts BatchNorm weights to bf16, not running stats, which BatchNorm refuses (pytorch/torchtitan#674).
+    Its output goes on in the compute dtype: the layer after it may be in no unit of its own that casts its input."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                output_dtype=compute_dtype(accelerator.mixed_precision))
     for layer in batch_norm_layers(model):
         fully_shard(layer, mp_policy=fp32, reshard_after_forward=accelerator.state.fsdp_plugin.reshard_after_forward)
 
@@ -156,7 +160,20 @@ def own_class_while_saving(model: torch.nn.Module) -> Iterator[None]:
 
 
 # The checkpoint's model state, one tensor at a time in the same terms under every strategy (training/checkpoint.py):
-# the pieces of its fp32 value and optimizer state that this rank holds, or the whole of them set into its layout.
+# the pieces of its fp32 value and optimizer state that this rank holds, or the whole of them set into its layout. A
+# piece is (its offset in the flattened whole, fp32 values). Optimizer state not shaped like its tensor (a step count,
+# Adafactor's factored moments) is kept as the optimizer holds it, a tensor or a number, under offset None.
+
+Piece = tuple[int | None, torch.Tensor | float | int]
+
+
+@dataclass
+class TensorState:
+    """One tensor of the checkpoint, whole: its fp32 value, the optimizer state shaped like it, and the rest."""
+
+    value: torch.Tensor
+    elementwise: dict[str, torch.Tensor] = field(default_factory=dict)  # AdamW's moments
+    other: dict[str, torch.Tensor | float | int] = field(default_factory=dict)  # a step count, factored moments
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -179,6 +196,21 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def whole_shape(tensor: torch.Tensor) -> list[int]:
     """A tensor's shape as the model defines it (a ZeRO-3 parameter holds a partition and knows the whole shape)."""
     return list(getattr(tensor, "ds_shape", tensor.shape))
+
+
+def keep_frozen_values(model: torch.nn.Module, rank: int, processes: int) -> None:
+    """DeepSpeed's half-precision engines cast the whole model and keep fp32 copies of the trained parameters only:
+    before `prepare`, each rank keeps its share of every frozen parameter as built (`FROZEN_SHARE`), which is what
+    checkpoints hold. (A model built partitioned by zero.Init never had other values.)"""
+    for parameter in model.parameters():
+        kept = hasattr(parameter, FROZEN_SHARE) or hasattr(parameter, "ds_id")  # (prepared again: already cast)
+        if not parameter.requires_grad and parameter.is_floating_point() and not kept:
+            size = -(-parameter.numel() // processes)
+            start = min(rank * size, parameter.numel())
+            setattr(parameter, FROZEN_SHARE, (start, _flat(parameter)[start:start + size].clone()))
+
+
+FROZEN_SHARE = "frozen_share"  # (offset, fp32 values): a frozen parameter's share kept by `keep_frozen_values`
 
 
 def base_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -225,83 +257,137 @@ def step_without_change(optimizer: torch.optim.Optimizer) -> None:
         parameter.grad = gradient
 
 
-def held_pieces(tensor: torch.Tensor, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, tuple[int, torch.Tensor]]:
-    """What this rank writes of `tensor`, per key ("value", then its optimizer state's): the offset in the flattened
-    whole and the fp32 piece it holds there (a ZeRO partition, FSDP2's rows), without communication; nothing where
-    another rank writes it (a replicated tensor: rank 0). A DTensor split otherwise (tensor parallelism) is gathered
-    (a collective on every rank). `optimizer`: the base one."""
+def held_pieces(tensor: torch.Tensor, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Piece]:
+    """What this rank writes of `tensor`, per key ("value", then its optimizer state's), without communication: the
+    pieces it holds (a ZeRO partition, FSDP2's rows, a frozen share), and the rest of the optimizer state where every
+    rank holds the same (rank 0 writes it); nothing where another rank writes it (a replicated tensor: rank 0). A
+    DTensor split otherwise (tensor parallelism) is gathered (a collective on every rank). `optimizer`: the base one."""
+    if hasattr(tensor, FROZEN_SHARE):
+        start, share = getattr(tensor, FROZEN_SHARE)
+        return {"value": (start, share)} if share.numel() else {}
     if hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"):
-        return _zero_pieces(tensor, optimizer, rank)
+        return _zero_pieces(tensor, optimizer)
     state = {"value": tensor, **optimizer.state.get(tensor, {})}
     if hasattr(tensor, "device_mesh"):
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        if tuple(tensor.placements) == (Shard(0),):  # FSDP2: a slice of rows, contiguous in the flattened whole
-            _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        if tuple(tensor.placements) == (Shard(0),):  # FSDP2: a slice of rows (none on some ranks), contiguous
+            shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
             start = offset[0] * math.prod(tensor.shape[1:])
-            return {key: (start if torch.is_tensor(value) and value.dim() else 0, _flat(value))
-                    for key, value in state.items()}
+            rows = {key: (start, _flat(value)) for key, value in state.items() if _elementwise(value, tensor)}
+            return ({} if not math.prod(shape) else rows) | (_others(state, tensor) if rank == 0 else {})
         state = {key: value.full_tensor() if hasattr(value, "full_tensor") else value for key, value in state.items()}
-    return {key: (0, _flat(value)) for key, value in state.items()} if rank == 0 else {}
+    if rank != 0:
+        return {}
+    return {key: (0, _flat(value)) for key, value in state.items() if _elementwise(value, tensor)} | _others(state, tensor)
+
+
+def _elementwise(value, tensor: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.shape == tensor.shape
+
+
+def _others(state: dict, tensor: torch.Tensor) -> dict[str, Piece]:
+    """The optimizer state not shaped like `tensor`, as the optimizer holds it."""
+    return {key: (None, _kept(value)) for key, value in state.items() if not _elementwise(value, tensor)}
+
+
+def _kept(value: torch.Tensor | float | int) -> torch.Tensor | float | int:
+    return _local(value).detach().cpu().clone() if torch.is_tensor(value) else value
 
 
 def _flat(tensor: torch.Tensor | float) -> torch.Tensor:
     return torch.as_tensor(_local(tensor)).detach().float().cpu().reshape(-1)
 
 
-def _zero_pieces(tensor: torch.Tensor, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, tuple[int, torch.Tensor]]:
-    """ZeRO's fp32 partition of a parameter and its optimizer state: ZeRO-3 holds every parameter's slice of
-    `ds_tensor.numel()` at the rank's place (the last padded), ZeRO-1/2 a range of some parameters (`_hp_mapping`;
-    the ones it does not step are whole on every rank, `held_pieces`' replicated tensors)."""
+def _zero3_range(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """A ZeRO-3 parameter's partition on this rank: its offset in the whole, its size (the last rank's padded to the
+    others'), and how many of the whole's values it holds."""
+    import torch.distributed as dist
+
+    size = tensor.ds_tensor.numel()
+    start = dist.get_rank(group=tensor.ds_process_group) * size
+    return start, size, max(0, min(size, tensor.ds_numel - start))
+
+
+def _zero_pieces(tensor: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, Piece]:
+    """ZeRO's fp32 partition of a parameter and its optimizer state: ZeRO-3 holds every parameter's slice at the
+    rank's place, ZeRO-1/2 a range of some parameters (`_hp_mapping`; the ones it does not step are whole on every
+    rank, `held_pieces`' replicated tensors). ZeRO steps flat partitions, so the rest of the state (the step count)
+    is one for all, written by every rank that holds a piece."""
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
     stepped = next(iter(optimizer.state.values()), {}) if tensor.requires_grad else {}
     keys = [key for key, value in stepped.items() if torch.is_tensor(value) and value.dim()]
-    step = {"step": (0, _flat(float(stepped["step"])))} if "step" in stepped else {}
+    others = {key: (None, _kept(value)) for key, value in stepped.items() if key not in keys}
     if hasattr(tensor, "ds_id"):
-        size = tensor.ds_tensor.numel()
-        start, held = rank * size, max(0, min(size, tensor.ds_numel - rank * size))
+        start, _, held = _zero3_range(tensor)
+        if not held:
+            return {}
         if not tensor.requires_grad:
             return {"value": (start, _flat(tensor.ds_tensor)[:held])}
         pieces = {"value": safe_get_local_fp32_param(tensor),
                   **{key: safe_get_local_optimizer_state(tensor, key) for key in keys}}
         # (copies: the pieces are views of one flat buffer, which a safetensors file cannot hold twice)
-        return {key: (start, _flat(piece)[:held].clone()) for key, piece in pieces.items()} | step
+        return {key: (start, _flat(piece)[:held].clone()) for key, piece in pieces.items()} | others
     if tensor._hp_mapping is None:  # no range of this parameter here
         return {}
     mapping = tensor._hp_mapping  # (DeepSpeed's local accessors are for ZeRO-3 only)
     pieces = {"value": mapping.get_hp_fragment(), **{key: mapping.get_hp_fragment(key) for key in keys}}
-    return {key: (mapping.lp_fragment_address.start, _flat(piece).clone()) for key, piece in pieces.items()} | step
+    return {key: (mapping.lp_fragment_address.start, _flat(piece).clone()) for key, piece in pieces.items()} | others
 
 
-def set_full_state(tensor: torch.Tensor, saved: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+def set_full_state(tensor: torch.Tensor, saved: TensorState, optimizer: torch.optim.Optimizer,
                    torch_states: dict[int, dict]) -> None:
     """Set `tensor` and its optimizer state from their whole values (training/checkpoint.py `ModelState.whole`), on
     every rank: ZeRO's partitions at once, a torch optimizer's into `torch_states` (by the tensor's id), for
     `load_optimizer_states`."""
-    value = saved["value"]
+    value = saved.value
+    if hasattr(tensor, FROZEN_SHARE):  # what the next checkpoint holds
+        start, share = getattr(tensor, FROZEN_SHARE)
+        share.copy_(value.reshape(-1)[start:start + share.numel()])
     if hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"):
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         with GatheredParameters([tensor], modifier_rank=0, enabled=hasattr(tensor, "ds_id")):
             tensor.data.copy_(value)  # the weights forward uses (ZeRO-3: rank 0's, partitioned again on leaving)
         if tensor.requires_grad:
-            safe_set_full_fp32_param(tensor, value.to(tensor.device))
-            for key, state in saved.items():
-                if key not in ("value", "step"):
-                    safe_set_full_optimizer_state(tensor, state.to(tensor.device), key)
+            _set_zero_state(tensor, saved)
         for stepped in optimizer.state.values():  # ZeRO steps flat partitions: one count for all
-            if "step" in saved and "step" in stepped:
-                stepped["step"] = (stepped["step"].fill_(saved["step"].item()) if torch.is_tensor(stepped["step"])
-                                   else type(stepped["step"])(saved["step"].item()))
+            for key, count in saved.other.items():
+                if key in stepped:
+                    number = count.item() if torch.is_tensor(count) else count
+                    stepped[key] = (stepped[key].fill_(number) if torch.is_tensor(stepped[key])
+                                    else type(stepped[key])(number))
         return
     with torch.no_grad():
         _local(tensor).copy_(_local(_shard_like(tensor, value)))
-    if len(saved) > 1:
-        torch_states[id(tensor)] = {key: (state if key == "step" else _shard_like(tensor, state))
-                                    for key, state in saved.items() if key != "value"}
+    if saved.elementwise or saved.other:
+        torch_states[id(tensor)] = {key: _shard_like(tensor, state) for key, state in saved.elementwise.items()} | \
+            saved.other
+
+
+def _set_zero_state(tensor: torch.Tensor, saved: TensorState) -> None:
+    """ZeRO's fp32 master and optimizer state of a parameter it steps. ZeRO-3's from this rank's padded partition
+    (DeepSpeed 0.19.8's `safe_set_full_fp32_param` reads past the whole where the process count does not divide it)."""
+    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,
+                                 safe_set_local_optimizer_state)
+
+    if not hasattr(tensor, "ds_id"):
+        safe_set_full_fp32_param(tensor, saved.value.to(tensor.device))
+        for key, state in saved.elementwise.items():
+            safe_set_full_optimizer_state(tensor, state.to(tensor.device), key)
+        return
+    start, size, held = _zero3_range(tensor)
+
+    def partition(whole: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(size)
+        padded[:held] = whole.reshape(-1)[start:start + held]
+        return padded.to(tensor.ds_tensor.device)
+
+    safe_set_local_fp32_param(tensor, partition(saved.value))
+    for key, state in saved.elementwise.items():
+        safe_set_local_optimizer_state(tensor, partition(state), key)
 
 
 def _local(tensor: torch.Tensor | float) -> torch.Tensor | float:

@@ -6,8 +6,10 @@ they are registered here, after `prepare`, for what accelerate's own registratio
   payload handed to the collective, whatever algorithm the backend then runs), on a process
   group of its own so that nothing else is counted;
 - PowerSGD's state (error feedback, the warm-started P and Q, its random generator, its step
-  counter) differs per rank and lives inside the hook: each rank saves its own with every
-  checkpoint (`powersgd_rank<N>.pt`) and restores it on resume, so a resumed run continues exactly.
+  counter) lives inside the hook: each rank saves its own with every checkpoint
+  (`powersgd_rank<N>.pt`) and restores it on resume, so a resumed run continues exactly. Only the error
+  feedback differs per rank: on another number of processes every rank restores rank 0's state and starts
+  its error feedback afresh, so that all ranks compress from the same step.
 FSDP and DeepSpeed own their communication, so the flag is for the ddp config only.
 """
 
@@ -133,11 +135,21 @@ def keep_power_sgd_state_in_checkpoints(accelerator: Accelerator, model: torch.n
         torch.save(power_sgd_state_dict(state), Path(output_dir) / POWER_SGD_STATE.format(rank=rank))
 
     def load(models, input_dir: str) -> None:
-        path = Path(input_dir) / POWER_SGD_STATE.format(rank=rank)
-        if not path.is_file():  # another process count, or saved without PowerSGD
-            logger.warning(f"{path.name} not in {input_dir}: PowerSGD's error feedback on rank {rank} starts afresh")
+        """Every rank alike: its own state when the checkpoint holds one per rank of this run; else rank 0's step
+        count, generator and warm start (the same on every rank), with the per-rank error feedback started afresh on
+        every rank (saved by another number of processes); else nothing (saved without PowerSGD)."""
+        saved = sorted(Path(input_dir).glob(POWER_SGD_STATE.format(rank="*")))
+        if not saved:
+            logger.warning(f"{input_dir} holds no PowerSGD state: it starts afresh", main_process_only=True)
             return
-        load_power_sgd_state_dict(state, torch.load(path, weights_only=True))
+        if len(saved) == accelerator.num_processes:
+            load_power_sgd_state_dict(state, torch.load(Path(input_dir) / POWER_SGD_STATE.format(rank=rank),
+                                                        weights_only=True))
+            return
+        shared = torch.load(Path(input_dir) / POWER_SGD_STATE.format(rank=0), weights_only=True) | {"error_dict": {}}
+        load_power_sgd_state_dict(state, shared)
+        logger.warning(f"PowerSGD's state was saved by {len(saved)} processes: every rank resumes at its step "
+                       f"{state.iter}, with its error feedback started afresh", main_process_only=True)
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)

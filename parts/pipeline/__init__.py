@@ -63,9 +63,13 @@ def wrap_model(model, accelerator, args):
 
 
 def checkpoint_layout(args) -> dict[str, int]:
-    from parts.pipeline.layout import stage_count
+    """The stages, and how many each process holds where more than one (each process saves its own optimizer)."""
+    from parts.pipeline.layout import STAGES_PER_PROCESS, stage_count
 
-    return {"pipeline_stages": stage_count(args)} if pipelined(args) else {}
+    if not pipelined(args):
+        return {}
+    per_process = STAGES_PER_PROCESS.get(args.pipeline_schedule, 1)
+    return {"pipeline_stages": stage_count(args)} | ({"pipeline_stages_per_process": per_process} if per_process > 1 else {})
 
 
 def held_parameters(model, args) -> int | None:
