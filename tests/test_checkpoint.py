@@ -14,6 +14,7 @@ from training.checkpoint import (
     TRAINER_STATE,
     ModelState,
     complete_checkpoints,
+    load_checkpoint,
     load_model_state,
     require_complete_checkpoint,
     resolve_resume_path,
@@ -178,3 +179,16 @@ def test_a_rank_file_missing_from_a_checkpoint_without_a_manifest_is_one_line(tm
         (checkpoint / "model_state" / "rank0.safetensors").read_bytes()[:50])  # cut short: no manifest to find it
     with contextlib.ExitStack() as files, pytest.raises(ResumeError, match=r"model_state/rank1.safetensors is damaged"):
         ModelState(checkpoint, files)
+
+
+@pytest.mark.parametrize(("this_run", "message"), [
+    ({"global_batch": 12, "optim": "sgd"}, "was trained with a global batch of 8, this run has 12; keep "
+                                           "per_device_train_batch_size x processes x gradient_accumulation_steps"),
+    # SGD's state (none) would leave AdamW's moments at zero; the two AdamW choices hold the same state
+    ({"global_batch": 8, "optim": "adamw_torch"}, "holds the state of --optim sgd, and this run's is --optim "
+                                                  "adamw_torch; resume with --optim sgd, or start a new run"),
+], ids=["another global batch", "another optimizer"])
+def test_a_checkpoint_this_run_cannot_continue_is_refused_in_one_line(this_run, message, tmp_path) -> None:
+    (tmp_path / TRAINER_STATE).write_text(json.dumps({"completed_steps": 2, "global_batch": 8, "optim": "sgd"}))
+    with pytest.raises(ResumeError, match=message):
+        load_checkpoint(None, tmp_path, max_steps=4, **this_run)

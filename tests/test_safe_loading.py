@@ -13,6 +13,7 @@ import torch
 
 from parts.safe_loading.unpickling import check_dcp_metadata, safe_unpickling
 from tests.conftest import SPLIT_OF, TINY_RUN, bad_input_errors, launch, split_run_args
+from training.checkpoint import write_manifest
 
 
 class CodeOnLoad:
@@ -39,6 +40,7 @@ def test_a_checkpoint_that_would_run_code_on_load_is_refused(config, split_run, 
     marker = tmp_path / "code-ran"
     file, write = TAMPERED[config]
     write({"state": CodeOnLoad(marker)}, checkpoint / file)
+    write_manifest(checkpoint)  # as one who tampers can: the sizes then hold, and unpickling is what is left to refuse
 
     result = launch(config, "train.py", *TINY_RUN, "--output_dir", str(tmp_path), *args,
                     "--resume_from_checkpoint", "latest", timeout=180)

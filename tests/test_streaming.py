@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from scripts.data_benchmark import OneRank
 from tests.conftest import (
     REPO,
     assert_continues_exactly,
+    bad_input_errors,
     flag_refusal,
     launch,
     made_once,
@@ -109,6 +111,21 @@ def test_a_stream_stopped_by_sigterm_resumes_exactly(config, stream_files, cache
     assert_continues_exactly(uninterrupted, tmp_path, step, STEPS)
     summary = json.loads((uninterrupted / "summary.json").read_text())
     assert summary["steps"] == STEPS
+
+
+@pytest.mark.parametrize("processes", [1, 4])
+def test_a_stream_resumed_on_another_number_of_processes_is_refused_in_one_line(processes, stream_files, cached_run,
+                                                                                tmp_path) -> None:
+    """Each rank's share of the stream, its position and shuffle buffer have no counterpart on another number of
+    processes: every rank refuses alike, before training."""
+    saved = cached_run(SHARDED[0], *stream_args(stream_files)) / "checkpoints" / "step_5"
+    shutil.copytree(saved, tmp_path / "checkpoints" / "step_5")
+    result = launch(SHARDED[0], "train.py", *TINY_RUN, "--output_dir", str(tmp_path), *stream_args(stream_files),
+                    "--per_device_train_batch_size", str(8 // processes), "--resume_from_checkpoint", "latest",
+                    launcher_args=("--num_processes", str(processes)))
+    errors = bad_input_errors(result)
+    assert len(errors) == 1 and (f"holds the stream positions of 2 processes, and this run has {processes}: a "
+                                 "streaming run resumes on as many processes as saved it") in errors[0], errors
 
 
 def test_every_strategy_trains_the_same_stream_and_evaluates_the_same_set(stream_files, cached_run) -> None:

@@ -14,7 +14,6 @@ import pickle
 import re
 import shutil
 import tempfile
-import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -57,10 +56,6 @@ class TrainerState:
     gradient_accumulation_steps: int = 0
     optim: str = ""  # the --optim whose state it holds ("": not recorded, before 2026-11-28)
     run_id: str = ""  # the run it belongs to, made at a fresh start and kept by every resume
-
-
-def new_run_id() -> str:
-    return uuid.uuid4().hex
 
 
 def checkpoints_root(output_dir: str) -> Path:
@@ -150,16 +145,21 @@ def latest_checkpoint(output_dir: str) -> Path | None:
     return found[-1] if found else None
 
 
+def recorded(checkpoint: Path) -> dict:
+    """What a complete checkpoint's trainer_state.json says (nothing where it cannot be read: a resume says why)."""
+    try:
+        return json.loads((checkpoint / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def step_of(checkpoint: Path) -> int:
-    return json.loads((checkpoint / TRAINER_STATE).read_text()).get("completed_steps", 0)
+    return recorded(checkpoint).get("completed_steps", 0)
 
 
 def run_of(checkpoint: Path) -> str:
-    """The run a complete checkpoint belongs to ("" for checkpoints before 2026-11-28, or an unreadable state)."""
-    try:
-        return json.loads((checkpoint / TRAINER_STATE).read_text()).get("run_id", "")
-    except (OSError, ValueError):
-        return ""
+    """The run a checkpoint belongs to ("" for checkpoints before 2026-11-28)."""
+    return recorded(checkpoint).get("run_id", "")
 
 
 def require_complete_checkpoint(path: Path) -> Path:

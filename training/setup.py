@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -15,7 +16,6 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import (
     DataLoaderConfiguration,
-    broadcast_object_list,
     GradientAccumulationPlugin,
     ProjectConfiguration,
     set_seed,
@@ -23,7 +23,7 @@ from accelerate.utils import (
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from training.accelerator import build_accelerator, describe, model_construction
-from training.checkpoint import TrainerState, clear_previous_run, new_run_id, resolve_resume_path, resume
+from training.checkpoint import TrainerState, clear_previous_run, resolve_resume_path, resume
 from training.console import one_voice
 from training.cpu_accommodations import keep_freed_memory, use_share_of_cores
 from training.errors import ArgumentError, ModelError
@@ -136,10 +136,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
 
     layout = merged("checkpoint_layout", args)  # how the parts cut the model: recorded, and a resume must match it
     launched = config_name(accelerator, strategy)
-    run_id = [new_run_id()]
-    broadcast_object_list(run_id)  # the main process's: the one its checkpoints record
     state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes, strategy=launched,
-                         layout=layout, optim=args.optim, run_id=run_id[0])
+                         layout=layout, optim=args.optim, run_id=uuid.uuid4().hex)  # (the main process's is saved)
     if resume_path:
         state = resume(accelerator, resume_path, state, max_steps, args.seed, model, optimizer, scheduler)
     state.per_device_train_batch_size, state.gradient_accumulation_steps = (args.per_device_train_batch_size,

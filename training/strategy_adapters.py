@@ -198,6 +198,9 @@ def whole_shape(tensor: torch.Tensor) -> list[int]:
     return list(getattr(tensor, "ds_shape", tensor.shape))
 
 
+FROZEN_SHARE = "frozen_share"  # (offset, fp32 values): a frozen parameter's share kept by `keep_frozen_values`
+
+
 def keep_frozen_values(model: torch.nn.Module, rank: int, processes: int) -> None:
     """DeepSpeed's half-precision engines cast the whole model and keep fp32 copies of the trained parameters only:
     before `prepare`, each rank keeps its share of every frozen parameter as built (`FROZEN_SHARE`), which is what
@@ -208,9 +211,6 @@ def keep_frozen_values(model: torch.nn.Module, rank: int, processes: int) -> Non
             size = -(-parameter.numel() // processes)
             start = min(rank * size, parameter.numel())
             setattr(parameter, FROZEN_SHARE, (start, _flat(parameter)[start:start + size].clone()))
-
-
-FROZEN_SHARE = "frozen_share"  # (offset, fp32 values): a frozen parameter's share kept by `keep_frozen_values`
 
 
 def base_optimizer(optimizer) -> torch.optim.Optimizer:

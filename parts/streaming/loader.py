@@ -101,13 +101,9 @@ class StreamLoader:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "exhausted": self.exhausted, "blocks_this_epoch": self.blocks_this_epoch,
-                "buffer": self.buffer, "generator": self.generator.get_state(), "loader": self.loader.state_dict(),
-                "processes": self.accelerator.num_processes}
+                "buffer": self.buffer, "generator": self.generator.get_state(), "loader": self.loader.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["processes"] != self.accelerator.num_processes:
-            raise ResumeError(f"this checkpoint's stream was split over {state['processes']} processes, and this run has "
-                              f"{self.accelerator.num_processes}: a streaming run resumes on as many processes as saved it")
         self._new_epoch(state["epoch"])
         self.exhausted, self.blocks_this_epoch, self.buffer = state["exhausted"], state["blocks_this_epoch"], state["buffer"]
         self.generator.set_state(state["generator"])
@@ -125,9 +121,12 @@ def keep_stream_position_in_checkpoints(accelerator: Accelerator, loader) -> Non
         torch.save(loader.state_dict(), path_in(output_dir))
 
     def load(models, input_dir: str) -> None:
-        if not path_in(input_dir).is_file():
-            raise ResumeError(f"{input_dir} holds no stream position for rank {accelerator.process_index} "
-                              f"({path_in(input_dir).name}): it was not saved by a --streaming run on as many processes")
+        """Refused alike on every rank where the checkpoint's ranks were not this run's: each read its own share."""
+        saved = len(list(Path(input_dir).glob(STREAM_STATE.format(rank="*"))))
+        if saved != accelerator.num_processes:
+            held = f"the stream positions of {saved} processes" if saved else "no stream position"
+            raise ResumeError(f"{input_dir} holds {held}, and this run has {accelerator.num_processes}: a streaming "
+                              "run resumes on as many processes as saved it")
         loader.load_state_dict(torch.load(path_in(input_dir), weights_only=True))
 
     accelerator.register_save_state_pre_hook(save)
