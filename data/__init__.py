@@ -8,6 +8,7 @@ import glob
 import hashlib
 import json
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -22,6 +23,19 @@ from training.errors import DataError
 
 FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 PACKING_VERSION = "2"  # bump when packing changes, so old caches are not reused
+
+
+@dataclass(frozen=True)
+class TextReading:
+    """How `.txt` files become documents (`--sample_by`, `--keep_linebreaks`): the whole file as written by default,
+    so the model sees its line breaks and blank lines, and the end-of-text token only between documents."""
+
+    sample_by: str = "document"  # or "paragraph" (documents separated by blank lines), "line"
+    keep_linebreaks: bool = True  # "line": each line keeps its line break (transformers' run_clm default)
+
+    def options(self, builder: str) -> dict:
+        """`load_dataset` keyword arguments for `builder` (the text builder's own; none for other formats)."""
+        return {"sample_by": self.sample_by, "keep_linebreaks": self.keep_linebreaks} if builder == "text" else {}
 
 
 def check_data_file(path: str) -> str:
@@ -47,14 +61,15 @@ def local_files(train_file: str, validation_file: str | None) -> tuple[str, dict
 
 
 def load_raw_datasets(dataset_name: str | None, dataset_config_name: str | None, train_file: str | None,
-                      validation_file: str | None, validation_split_percentage: int, seed: int) -> DatasetDict:
+                      validation_file: str | None, validation_split_percentage: int, seed: int,
+                      text: TextReading = TextReading()) -> DatasetDict:
     """A `DatasetDict` with `train` and `validation` splits of raw documents."""
     if dataset_name:
         raw = load_dataset(dataset_name, dataset_config_name)
     elif train_file:
         builder, files = local_files(train_file, validation_file)
         try:
-            raw = load_dataset(builder, data_files=files)
+            raw = load_dataset(builder, data_files=files, **text.options(builder))
         except DatasetGenerationError as error:  # a malformed line: name the file and line, not pyarrow's row
             raise DataError(describe_unreadable(files, builder, error.__cause__ or error)) from None
     else:
@@ -65,16 +80,43 @@ def load_raw_datasets(dataset_name: str | None, dataset_config_name: str | None,
 
 
 def hold_out(train: Dataset, percentage: int, seed: int, stratify_by_column: str | None = None) -> DatasetDict:
-    """`percentage` of `train` held out for validation, stratified if every `stratify_by_column` class can give some."""
+    """`percentage` of `train` held out for validation, stratified if every `stratify_by_column` class can give some;
+    of each document's lines where there are too few documents to give some up (a text file read whole)."""
     try:
         split = train.train_test_split(test_size=percentage / 100, seed=seed, stratify_by_column=stratify_by_column)
     except ValueError:  # a class too small to split, or a split that would leave either side empty
         if stratify_by_column:
             return hold_out(train, percentage, seed)
+        if ends := held_out_ends(train, percentage):
+            return ends
         raise DataError(
             f"{len(train)} training examples cannot give up --validation_split_percentage {percentage} for "
             "validation; add data, change the percentage, or give a validation file or directory") from None
     return DatasetDict({"train": split["train"], "validation": split["test"]})
+
+
+def held_out_ends(train: Dataset, percentage: int, column: str = "text") -> DatasetDict | None:
+    """The last `percentage` of every document's lines for validation, the rest for training, as nanoGPT holds out
+    the end of its text (each a `map` of `train`: cached by its fingerprint); None where no document has lines to
+    spare."""
+    if column not in train.column_names:
+        return None
+    ends = DatasetDict({split: train.map(document_lines, batched=True, remove_columns=train.column_names,
+                                          fn_kwargs={"column": column, "percentage": percentage, "head": split == "train"})
+                        for split in ("train", "validation")})
+    return ends if len(ends["train"]) else None
+
+
+def document_lines(batch: dict[str, list], column: str, percentage: int, head: bool) -> dict[str, list[str]]:
+    """`datasets.map` function: each document's first `100 - percentage` percent of lines (`head`), else the rest;
+    documents of one line are left out."""
+    kept = []
+    for text in batch[column]:
+        lines = text.splitlines(keepends=True) if isinstance(text, str) else []
+        cut = min(len(lines) - 1, round(len(lines) * (100 - percentage) / 100))
+        if cut >= 1:
+            kept.append("".join(lines[:cut] if head else lines[cut:]))
+    return {column: kept}
 
 
 def cache_key(split: Dataset, embedded: str, tokenizer: PreTrainedTokenizerBase, *settings) -> str:

@@ -9,35 +9,73 @@ if TYPE_CHECKING:
     from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 
-def _llama(hidden: int, layers: int, heads: int, intermediate: int, positions: int) -> Callable[[int, int], LlamaConfig]:
+def llama_mlp_width(hidden: int) -> int:
+    """Llama's MLP width: 8/3 of the hidden size, rounded up to a multiple of 16."""
+    return -(-8 * hidden // (3 * 16)) * 16
+
+
+def _llama(hidden: int, layers: int, heads: int, positions: int) -> Callable[[int, int], LlamaConfig]:
     def make(vocab_size: int, eos_token_id: int) -> LlamaConfig:
         from transformers import LlamaConfig
 
         return LlamaConfig(
             vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-            num_key_value_heads=heads, intermediate_size=intermediate, max_position_embeddings=positions,
+            num_key_value_heads=heads, intermediate_size=llama_mlp_width(hidden), max_position_embeddings=positions,
             bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id, tie_word_embeddings=False)
 
     return make
 
 
 NAMED_CONFIGS: dict[str, Callable[[int, int], PretrainedConfig]] = {
-    "llama-tiny": _llama(hidden=64, layers=2, heads=4, intermediate=176, positions=128),  # tests: seconds
-    "llama-small": _llama(hidden=256, layers=4, heads=4, intermediate=688, positions=256),  # the default job
+    "llama-tiny": _llama(hidden=64, layers=2, heads=4, positions=128),  # tests: seconds
+    "llama-small": _llama(hidden=256, layers=4, heads=4, positions=256),  # the default job
     # GPU benchmarks: GPT-2-small's body (~86M parameters with the shipped tokenizer, ~125M with a 50k vocabulary)
-    "llama-125m": _llama(hidden=768, layers=12, heads=12, intermediate=2048, positions=1024),
+    "llama-125m": _llama(hidden=768, layers=12, heads=12, positions=1024),
 }
+# What a config derives from its hidden size (and heads), recomputed when --config_overrides changes those alone
+DERIVED = {"head_dim": (("hidden_size", "num_attention_heads"), lambda c: c.hidden_size // c.num_attention_heads),
+           "intermediate_size": (("hidden_size",), lambda c: llama_mlp_width(c.hidden_size))}
 
 
 def build_named_config(name: str, tokenizer: PreTrainedTokenizerBase, overrides: str | None = None) -> PretrainedConfig:
-    """The config `name`, its vocabulary fitting `tokenizer`, then `overrides` (--config_overrides: "key=value,...")."""
+    """The config `name`, its vocabulary fitting `tokenizer`, then `overrides` (--config_overrides: "key=value,...").
+    What the config derived from a size the overrides change (the heads' width, the MLP's) is derived again, unless
+    they set it too; a head width that does not fill the hidden size is refused."""
     if name not in NAMED_CONFIGS:
         raise ValueError(f"unknown --model_config {name!r}; choose one of {sorted(NAMED_CONFIGS)}")
     vocab_size = -(-len(tokenizer) // 64) * 64  # a multiple of 64 keeps the output matmul fast
     config = NAMED_CONFIGS[name](vocab_size, tokenizer.eos_token_id)
-    if overrides:
-        try:
-            config.update_from_string(overrides)
-        except ValueError as error:
-            raise ValueError(f"--config_overrides {overrides!r}: {error}") from None
+    if not overrides:
+        return config
+    derived = [key for key, (sources, rule) in DERIVED.items() if getattr(config, key, None) == rule(config)]
+    try:
+        config.update_from_string(overrides)
+    except ValueError as error:
+        raise ValueError(f"--config_overrides {overrides!r}: {error}") from None
+    given = overridden(overrides)
+    for key in derived:
+        sources, rule = DERIVED[key]
+        if key not in given and given & set(sources):
+            setattr(config, key, rule(config))
+    heads, head_dim = getattr(config, "num_attention_heads", None), getattr(config, "head_dim", None)
+    if "head_dim" in given and heads and head_dim * heads != config.hidden_size:
+        raise ValueError(f"--config_overrides {overrides!r}: {heads} heads of head_dim {head_dim} are "
+                         f"{heads * head_dim} wide, and hidden_size is {config.hidden_size}; drop head_dim (it then "
+                         "follows hidden_size / num_attention_heads) or make them agree")
     return config
+
+
+def overridden(overrides: str | None) -> set[str]:
+    """The keys --config_overrides sets."""
+    return {item.split("=", 1)[0].strip() for item in (overrides or "").split(",") if "=" in item}
+
+
+def describe_shape(config: PretrainedConfig, overrides: str | None = None) -> str:
+    """A decoder's shape in one phrase (hidden size, layers, heads and their width, MLP, vocabulary), saying which
+    sizes --config_overrides made the config derive again."""
+    given = overridden(overrides)
+    again = {key for key, (sources, _) in DERIVED.items() if key not in given and given & set(sources)}
+    note = lambda key: " (derived again)" if key in again else ""  # noqa: E731
+    return (f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.num_attention_heads} heads of "
+            f"{getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads}{note('head_dim')}, "
+            f"MLP {config.intermediate_size}{note('intermediate_size')}, vocabulary {config.vocab_size}")

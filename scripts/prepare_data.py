@@ -4,8 +4,8 @@
     accelerate launch --config_file accelerate_configs/ddp.yaml train.py --dataset_path data/corpus-256
 
 The same data flags as train.py (`--dataset_name`, `--train_file`, `--validation_file`, `--text_column`,
-`--packing`; no flags: the embedded corpus) and tokenizer (`--tokenizer_name`, else `--model_name_or_path`'s,
-else the shipped one). The format, `datasets`' Arrow shards plus `manifest.json` with the tokenizer's
+`--sample_by`, `--keep_linebreaks`, `--packing`; no flags: the embedded corpus) and tokenizer (`--tokenizer_name`,
+else `--model_name_or_path`'s, else the shipped one). The format, `datasets`' Arrow shards plus `manifest.json` with the tokenizer's
 fingerprint and the block size, is described in parts/pretokenized/shards.py; train.py refuses shards made for
 another tokenizer or block size. Prints the tokens written and the throughput; `--json` saves them.
 """
@@ -24,9 +24,10 @@ import datasets
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from data import DataError, build_lm_datasets, load_raw_datasets  # noqa: E402
+from data import DataError, TextReading, build_lm_datasets, load_raw_datasets  # noqa: E402
 from parts.pretokenized.shards import MANIFEST, write_shards  # noqa: E402
 from models.language import ModelError, build_tokenizer  # noqa: E402
+from training.flags import SAMPLE_BY  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--validation_file")
     parser.add_argument("--validation_split_percentage", type=int, default=5)
     parser.add_argument("--text_column", default="text")
+    parser.add_argument("--sample_by", default="document", choices=SAMPLE_BY,
+                        help="what one document of a .txt file is, as train.py's flag")
+    parser.add_argument("--keep_linebreaks", type=lambda value: value.lower() in ("1", "true", "yes"), default=True,
+                        help="--sample_by line: each line keeps its line break, as train.py's flag")
     parser.add_argument("--packing", type=lambda value: value.lower() in ("1", "true", "yes"), default=True)
     parser.add_argument("--tokenizer_name")
     parser.add_argument("--model_name_or_path")
@@ -58,7 +63,7 @@ def prepare(args: argparse.Namespace) -> dict:
         raise DataError(f"--output_dir {output} is not empty; choose a new directory (shards are never overwritten)")
     tokenizer = build_tokenizer(args.model_name_or_path, args.tokenizer_name, args.trust_remote_code)
     raw = load_raw_datasets(args.dataset_name, args.dataset_config_name, args.train_file, args.validation_file,
-                            args.validation_split_percentage, args.seed)
+                            args.validation_split_percentage, args.seed, TextReading(args.sample_by, args.keep_linebreaks))
     output.parent.mkdir(parents=True, exist_ok=True)
     # The tokenised copy goes to a scratch cache beside the output, removed once the shards are written: never
     # one made before (datasets would also keep that one's process count).

@@ -5,7 +5,7 @@ same --optim and model shape, and compares the step it takes with the step the s
 then its whole state, value by value and with the optimizer's, through the checkpoint reader (1e-5 in fp32; bf16
 against the bf16 tolerance; frozen weights and step counts exactly). The model shapes are what users bring: a plain
 `nn.Module` of odd and prime sizes (tests/odd_shapes.py: a 5-element bias, a 7 x 13 weight, one element, tied
-weights, a frozen layer, BatchNorm statistics) and the template's Llama at prime sizes (which fsdp_tp can slice).
+weights, a frozen layer, BatchNorm statistics) and the template's Llama at odd sizes (which fsdp_tp can slice).
 
 The suite runs a generated pairwise matrix: every pair of values of any two of the eight dimensions appears in some
 case. The full product is marked `nightly` (`python -m pytest -m nightly tests/test_resume_matrix.py`). Each key is
@@ -38,9 +38,9 @@ FP32_TOLERANCE = 1e-5
 BF16_TOLERANCE = 1e-3  # the strategies compute bf16 differently by design (docs/parity.md)
 SHAPES = {
     "odd": ("--task", "tests.odd_shapes:OddShapesTask"),
-    # the template's Llama at prime sizes: a hidden size of 22 = 2 x 11, heads of 14, an MLP of 37
+    # the template's Llama at odd sizes: a hidden size of 28 = 4 x 7, 2 heads of 14, an MLP of 37 (prime)
     "llama_odd": ("--model_config", "llama-tiny", "--config_overrides",
-                  "hidden_size=22,num_attention_heads=2,num_key_value_heads=2,head_dim=14,intermediate_size=37"),
+                  "hidden_size=28,num_attention_heads=2,num_key_value_heads=2,intermediate_size=37"),
 }
 BATCH_NORM = ("odd",)  # shapes with BatchNorm
 CONFIG_FILES = tuple(sorted(path.stem for path in CONFIGS.glob("*.yaml")))

@@ -22,6 +22,7 @@ class FlagParser(HfArgumentParser):
 
 
 INTERVALS = ["steps", "epoch", "no"]
+SAMPLE_BY = ("document", "paragraph", "line")  # what one document of a .txt file is (datasets' text builder)
 
 
 @dataclass
@@ -47,6 +48,12 @@ class CoreDataArguments:
     train_file: str | None = field(default=None, metadata={"help": "Local txt, json/jsonl, csv or parquet file."})
     validation_file: str | None = field(default=None, metadata={"help": "Same format as --train_file."})
     text_column: str = field(default="text", metadata={"help": "Column that holds the documents."})
+    sample_by: str = field(default="document", metadata={
+        "help": "What one document of a .txt file is (datasets' text builder): the whole file, its line breaks and "
+                "blank lines kept; a paragraph (documents separated by blank lines); or a line. The end-of-text "
+                "token goes between documents.", "choices": list(SAMPLE_BY)})
+    keep_linebreaks: bool = field(default=True, metadata={
+        "help": "With --sample_by line: each line keeps its line break (transformers' run_clm flag)."})
     sample_prompt: str = field(default="Once upon a time", metadata={
         "help": "Text the exported model continues at the end of the run."})
     validation_split_percentage: int = field(default=5, metadata={

@@ -13,7 +13,7 @@ from datasets import Dataset, DatasetDict, IterableDataset
 from torch.utils.data import Subset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, default_data_collator
 
-from data import build_lm_datasets, load_raw_datasets, make_collator
+from data import TextReading, build_lm_datasets, load_raw_datasets, make_collator
 from models.language import build_model, build_tokenizer, resolve_block_size
 from training.parts import found
 from training.loss import IGNORE_INDEX, correct_next_tokens, count_target_tokens, token_loss_sums
@@ -133,7 +133,7 @@ class CausalLM(Task):
         if self.source:
             return self.source.load(seed)
         return load_raw_datasets(d.dataset_name, d.dataset_config_name, d.train_file, d.validation_file,
-                                 d.validation_split_percentage, seed)
+                                 d.validation_split_percentage, seed, TextReading(d.sample_by, d.keep_linebreaks))
 
     def build_model(self, raw: DatasetDict, empty: bool = False) -> PreTrainedModel:
         m, d = self.model_args, self.data_args

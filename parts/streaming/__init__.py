@@ -57,11 +57,12 @@ class StreamSource(TextSource):
         self.data_args = data_args
 
     def load(self, seed: int):
+        from data import TextReading
         from parts.streaming.documents import document_streams
 
         d, self.seed = self.data_args, seed  # the shard order and the shuffle buffer draw from the seed
         return document_streams(d.dataset_name, d.dataset_config_name, d.train_file, d.validation_file, d.text_column,
-                                d.skip_bad_shards)
+                                d.skip_bad_shards, TextReading(d.sample_by, d.keep_linebreaks))
 
     def datasets(self, raw, tokenizer, block_size: int, main_process_first) -> tuple:
         from parts.streaming.documents import stream_datasets

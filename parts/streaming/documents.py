@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from datasets import Dataset, IterableDataset, load_dataset, load_dataset_builder
 from transformers import PreTrainedTokenizerBase
 
-from data import local_files
+from data import TextReading, local_files
 from data.default_corpus import default_splits
 from data.packing import tokenize_and_pack, tokenize_documents
 from training.errors import DataError
@@ -46,15 +46,17 @@ def split_files(dataset_name: str | None, dataset_config_name: str | None, train
     return builder.name, resolved
 
 
-def documents(files: list[str], builder: str, text_column: str, skip_bad_shards: bool) -> Iterator[dict[str, str]]:
+def documents(files: list[str], builder: str, text_column: str, skip_bad_shards: bool,
+              text: TextReading) -> Iterator[dict[str, str]]:
     """The `text_column` of every row of `files`, in order (a generator for `IterableDataset.from_generator`, which
-    makes each file a shard)."""
+    makes each file a shard); a .txt file's documents as `text` reads them (--sample_by document reads a file whole)."""
     global skipped_shards
     for path in files:
         rows = 0
         try:
             # .iter, not a plain loop: inside a loader worker that would take only this worker's part of the file
-            for batch in load_dataset(builder, data_files=path, split="train", streaming=True).iter(batch_size=1000):
+            for batch in load_dataset(builder, data_files=path, split="train", streaming=True,
+                                      **text.options(builder)).iter(batch_size=1000):
                 if text_column not in batch:
                     raise DataError(f"{path} has no column {text_column!r} (columns: {sorted(batch)}); set --text_column")
                 for text in batch[text_column]:
@@ -79,14 +81,15 @@ def documents(files: list[str], builder: str, text_column: str, skip_bad_shards:
 
 
 def document_streams(dataset_name: str | None, dataset_config_name: str | None, train_file: str | None,
-                     validation_file: str | None, text_column: str, skip_bad_shards: bool) -> dict[str, IterableDataset]:
+                     validation_file: str | None, text_column: str, skip_bad_shards: bool,
+                     text: TextReading = TextReading()) -> dict[str, IterableDataset]:
     """Each split's documents as a stream, one shard per file; the embedded default corpus without data flags."""
     if not (dataset_name or train_file):
         return {split: Dataset.from_dict({text_column: docs}).to_iterable_dataset()
                 for split, docs in default_splits().items()}
     builder, files = split_files(dataset_name, dataset_config_name, train_file, validation_file)
     return {split: IterableDataset.from_generator(documents, gen_kwargs={
-        "files": paths, "builder": builder, "text_column": text_column, "skip_bad_shards": skip_bad_shards})
+        "files": paths, "builder": builder, "text_column": text_column, "skip_bad_shards": skip_bad_shards, "text": text})
         for split, paths in files.items()}
 
 
