@@ -71,11 +71,16 @@ def overridden(overrides: str | None) -> set[str]:
 
 
 def describe_shape(config: PretrainedConfig, overrides: str | None = None) -> str:
-    """A decoder's shape in one phrase (hidden size, layers, heads and their width, MLP, vocabulary), saying which
-    sizes --config_overrides made the config derive again."""
+    """A decoder's shape in one phrase (hidden size, layers, heads and their width, MLP, vocabulary: those its config
+    names), saying which sizes --config_overrides made the config derive again."""
     given = overridden(overrides)
+    size = lambda key: getattr(config, key, None)  # noqa: E731
+    heads = size("num_attention_heads")
+    width = size("head_dim") or (size("hidden_size") // heads if heads and size("hidden_size") else None)
+    phrases = {"hidden_size": f"hidden {size('hidden_size')}", "num_hidden_layers": f"{size('num_hidden_layers')} layers",
+               "head_dim": f"{heads} heads of {width}", "intermediate_size": f"MLP {size('intermediate_size')}",
+               "vocab_size": f"vocabulary {size('vocab_size')}"}
+    shown = {"head_dim": heads and width}
     again = {key for key, (sources, _) in DERIVED.items() if key not in given and given & set(sources)}
-    note = lambda key: " (derived again)" if key in again else ""  # noqa: E731
-    return (f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.num_attention_heads} heads of "
-            f"{getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads}{note('head_dim')}, "
-            f"MLP {config.intermediate_size}{note('intermediate_size')}, vocabulary {config.vocab_size}")
+    return ", ".join(phrase + (" (derived again)" if key in again else "") for key, phrase in phrases.items()
+                     if shown.get(key, size(key)))

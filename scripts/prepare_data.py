@@ -13,6 +13,7 @@ another tokenizer or block size. Prints the tokens written and the throughput; `
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import sys
 import tempfile
@@ -80,7 +81,8 @@ def prepare(args: argparse.Namespace) -> dict:
     tokens = sum(manifest["tokens"].values())
     return {"manifest": manifest, "num_proc": args.num_proc, "tokens": tokens, "tokenise_seconds": tokenised_s,
             "total_seconds": time.perf_counter() - start, "tokens_per_sec": tokens / tokenised_s,
-            "source_bytes": sum(Path(path).stat().st_size for path in (args.train_file, args.validation_file) if path)}
+            "source_bytes": sum(Path(path).stat().st_size for pattern in (args.train_file, args.validation_file)
+                                if pattern for path in glob.glob(pattern))}  # (a file, or a pattern of them)
 
 
 def main(argv: list[str] | None = None) -> None:

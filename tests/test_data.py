@@ -8,7 +8,7 @@ import re
 import pandas as pd
 import pytest
 
-from data import DataError, build_lm_datasets, load_raw_datasets
+from data import DataError, TextReading, build_lm_datasets, load_raw_datasets
 from data.default_corpus import default_splits, generate_documents
 from data.packing import pack_sequences, tokenize_and_pack
 from models.language import build_tokenizer
@@ -37,8 +37,11 @@ def test_tokenize_and_pack_ends_each_document_with_eos(tokenizer) -> None:
     assert packed["labels"] == packed["input_ids"]
 
 
+ONE_PER_LINE = TextReading(sample_by="line")  # how write_dataset's .txt holds documents (other formats: no effect)
+
+
 def write_dataset(path, documents: list[str]) -> None:
-    """Write `documents` in the format that `path`'s suffix names."""
+    """Write `documents` in the format that `path`'s suffix names (.txt: one per line)."""
     suffix = path.suffix
     if suffix == ".txt":
         path.write_text("\n".join(documents))
@@ -57,7 +60,7 @@ def test_local_files_become_packed_blocks(suffix, tmp_path, tokenizer, text_docu
     train_file, validation_file = tmp_path / f"train{suffix}", tmp_path / f"validation{suffix}"
     write_dataset(train_file, text_documents)
     write_dataset(validation_file, text_documents[:40])
-    raw = load_raw_datasets(None, None, str(train_file), str(validation_file), 5, seed=0)
+    raw = load_raw_datasets(None, None, str(train_file), str(validation_file), 5, seed=0, text=ONE_PER_LINE)
     assert raw["train"].num_rows == len(text_documents)
     train_set, eval_set = build_lm_datasets(raw, tokenizer, "text", block_size=32)
     assert len(train_set) > 10 and len(eval_set) > 1
@@ -67,7 +70,7 @@ def test_local_files_become_packed_blocks(suffix, tmp_path, tokenizer, text_docu
 def test_packing_is_cached_and_reused(tmp_path, tokenizer, text_documents) -> None:
     train_file = tmp_path / "train.txt"
     write_dataset(train_file, text_documents)
-    raw = load_raw_datasets(None, None, str(train_file), None, 10, seed=0)
+    raw = load_raw_datasets(None, None, str(train_file), None, 10, seed=0, text=ONE_PER_LINE)
     first, _ = build_lm_datasets(raw, tokenizer, "text", block_size=32)
     again, _ = build_lm_datasets(raw, tokenizer, "text", block_size=32)
     other, _ = build_lm_datasets(raw, tokenizer, "text", block_size=16)
@@ -78,7 +81,7 @@ def test_packing_is_cached_and_reused(tmp_path, tokenizer, text_documents) -> No
 def test_a_train_file_alone_is_split_for_validation(tmp_path, tokenizer, text_documents) -> None:
     train_file = tmp_path / "train.txt"
     write_dataset(train_file, text_documents)
-    raw = load_raw_datasets(None, None, str(train_file), None, validation_split_percentage=10, seed=0)
+    raw = load_raw_datasets(None, None, str(train_file), None, validation_split_percentage=10, seed=0, text=ONE_PER_LINE)
     assert (raw["train"].num_rows, raw["validation"].num_rows) == (180, 20)
 
 

@@ -64,6 +64,15 @@ def test_dry_run_of_a_lora_fine_tuning_plans_state_for_the_adapter_alone(tmp_pat
     assert plan["memory/rank"].strip().startswith(f"model state {total:,.1f} MiB"), plan["memory/rank"]  # of the adapter
 
 
+def test_the_dry_run_prints_the_shape_the_overrides_give(tmp_path) -> None:
+    plan = dict(line.split(":", 1) for line in planned(tmp_path, "--config_overrides", "hidden_size=32")
+                .split("=====\n", 2)[-1].strip().splitlines())
+    assert plan["shape"].strip() == "hidden 32, 2 layers, 4 heads of 8 (derived again), MLP 96 (derived again), vocabulary 960"
+    # embeddings and output layer 2 x 960 x 32; per layer attention 4 x 32 x 32, MLP 3 x 32 x 96, norms 2 x 32; a norm
+    assert plan["model"].strip().startswith(f"llama-tiny, {2 * 960 * 32 + 2 * (4 * 32 * 32 + 3 * 32 * 96 + 64) + 32:,} "
+                                            "parameters (LlamaForCausalLM)")
+
+
 def planned(tmp_path, *args: str) -> str:
     """The plan `train.py --dry_run` prints, from the dry run's own function in this process (as train.py prints
     it, from a 2-process launch: the first test)."""

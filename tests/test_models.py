@@ -68,3 +68,24 @@ def test_the_shipped_tokenizer_is_what_the_build_script_makes(tmp_path) -> None:
 def test_the_shipped_tokenizer_round_trips_text(tokenizer) -> None:
     text = "Once upon a time, 12 + 7 = 19. Unicode too: café ✓"
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+@pytest.mark.parametrize(("overrides", "shape"), [
+    ("hidden_size=128", (32, 352)),  # the heads' width and the MLP's follow the hidden size, as the config derived them
+    ("num_attention_heads=8,num_key_value_heads=8", (32, 688)),
+    ("hidden_size=128,intermediate_size=200", (32, 200)),  # set: kept
+    ("hidden_size=128,num_attention_heads=2,num_key_value_heads=2,head_dim=64", (64, 352)),
+])
+def test_overrides_of_a_size_carry_what_the_config_derived_from_it(overrides, shape, tokenizer) -> None:
+    """Before, `hidden_size=128` on llama-small kept heads of 64: attention twice as wide as asked (issue 55)."""
+    model = build_model(None, "llama-small", tokenizer, config_overrides=overrides)
+    head_dim, mlp = shape
+    assert (model.config.head_dim, model.config.intermediate_size) == shape
+    attention = model.model.layers[0].self_attn
+    assert attention.q_proj.weight.shape == (model.config.num_attention_heads * head_dim, model.config.hidden_size)
+    assert model.model.layers[0].mlp.up_proj.weight.shape == (mlp, model.config.hidden_size)
+
+
+def test_a_head_width_that_does_not_fill_the_hidden_size_is_refused_in_one_line(tokenizer) -> None:
+    with pytest.raises(ModelError, match=r"4 heads of head_dim 64 are 256 wide, and hidden_size is 128; drop head_dim"):
+        build_model(None, "llama-small", tokenizer, config_overrides="hidden_size=128,head_dim=64")

@@ -64,6 +64,7 @@ def dry_run(model_args, data_args, args) -> str | None:
         f"mixed precision {mixed_precision}\n"
         f"model:           {task.model_name or type(model).__name__}, "
         f"{parameter_count(model):,} parameters ({type(model).__name__}), {trainable:,} trained\n"
+        f"shape:           {task.describe_model(model)}\n"
         f"data:            {task.describe_data(train_set)}, {len(eval_set)} examples for evaluation\n"
         f"global batch:    {global_batch} = {args.per_device_train_batch_size} per device x {replicas} "
         f"data-parallel x {args.gradient_accumulation_steps} accumulation\n"

@@ -89,6 +89,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     model_name = task.model_name or type(model).__name__  # a pretrained model or named config, else the class
     check_rebuildable(task)
     num_parameters = parameter_count(model)
+    logger.info(f"model {model_name}: {task.describe_model(model)}; {num_parameters:,} parameters", main_process_only=True)
     model = through("wrap_model", model, accelerator, args)  # a part may lay the model out (layers over GPUs, tp slices) or run it itself
     # (pipeline stages: a ModelRunner). Several devices: a part split the layers over this process's GPUs
     devices = sorted({p.device for p in model.parameters() if p.device.type == accelerator.device.type}, key=str)

@@ -14,6 +14,7 @@ from torch.utils.data import Subset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, default_data_collator
 
 from data import TextReading, build_lm_datasets, load_raw_datasets, make_collator
+from models.configs import describe_shape
 from models.language import build_model, build_tokenizer, resolve_block_size
 from training.parts import found
 from training.loss import IGNORE_INDEX, correct_next_tokens, count_target_tokens, token_loss_sums
@@ -81,6 +82,10 @@ class Task(ABC):
 
     def describe_data(self, train_set: Dataset) -> str:
         return f"{len(train_set)} training examples"
+
+    def describe_model(self, model: torch.nn.Module) -> str:
+        """The model in one phrase, for the start-up log and the dry run: its class, unless a task says more."""
+        return type(model).__name__
 
     def sample(self, final_dir: Path) -> str:
         """What the exported model does, shown at the end (loaded from `final_dir`); nothing by default."""
@@ -169,6 +174,11 @@ class CausalLM(Task):
     def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
         metrics = super().eval_metrics(totals)
         return metrics | {"perplexity": math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else math.inf}
+
+    def describe_model(self, model: torch.nn.Module) -> str:
+        """Its shape, and what --config_overrides made the named config derive again."""
+        config = getattr(model, "config", None)
+        return describe_shape(config, self.model_args.config_overrides) if config is not None else super().describe_model(model)
 
     def describe_data(self, train_set: Dataset | IterableDataset) -> str:
         if isinstance(train_set, IterableDataset):  # a stream (a part's source): no length
