@@ -310,6 +310,7 @@ def test_what_an_outside_probe_broke_resumes_as_the_run_went_on(case, pairwise_r
 
 
 @pytest.mark.nightly
+@pytest.mark.timeout(6 * 3600)  # (the suite's 15 minutes are for its own tests)
 def test_every_case_of_the_full_matrix_resumes_as_the_run_went_on(tmp_path) -> None:
     """The full product; every failing case named, not only the first. Each case's checkpoints are deleted once
     checked (about 1 MB each)."""
