@@ -41,7 +41,7 @@ from training.errors import EXIT_UNEXPECTED, Preempted, ending
 from training.evaluation import evaluate
 from training.loss import NonFiniteGuard, accumulation_windows
 from training.metrics import MetricsLogger, print_summary, write_summary
-from training.parts import each, found
+from training.parts import Finished, Loop, StepEnd, parts
 from training.prelude import after_imports
 from training.process_exit import exit_process
 from training.setup import Run, epoch_batches, set_up
@@ -82,7 +82,7 @@ def train(run: Run) -> dict[str, float]:
     run.speed.resume()  # the clock runs from here, through loading each batch, to the last step
     train_loss, eval_result = math.nan, {}  # the last logged
     with ExitStack() as guards:  # the parts' (parts/hangs: a collective that timed out, as one error line)
-        for guard in each("around_training", accelerator, args, lambda: state.completed_steps + 1):
+        for guard in parts().around_training(Loop(accelerator, args, lambda: state.completed_steps + 1)):
             guards.enter_context(guard)
         while state.completed_steps < run.max_steps:
             # Skipping by optimizer steps, not by this process's batches, keeps the position right
@@ -108,7 +108,7 @@ def train(run: Run) -> dict[str, float]:
                 run.speed.end_step(sum(task.count_units(batch) for batch in window), synchronize=log_now or eval_now or save_due)
                 progress.update(1)
                 # a part may ask every rank to save and stop after this step (parts/preemption: a signal)
-                stop = found("stop_requested", step, log_now or eval_now or save_due or epoch_end, args)
+                stop = parts().stop_requested(StepEnd(args, step, log_now or eval_now or save_due or epoch_end))
                 save_now = save_due or bool(stop)
                 if log_now or eval_now or save_now:
                     # One collective and one wait for the device: the non-finite check, and the logged figures.
@@ -141,7 +141,7 @@ def train(run: Run) -> dict[str, float]:
                 if stop:
                     end_collectives(accelerator)  # flush the trackers
                     if accelerator.is_main_process:
-                        each("run_ended", args, run.title)  # the parts' (report.png)
+                        parts().run_ended(Finished(args, run.model_args, run.title))  # the parts' (report.png)
                     raise Preempted(f"{stop[0]} received: stopped after step {step} and saved {saved}; "
                                     "continue with --resume_from_checkpoint latest")
             else:  # the epoch ran out before max_steps
@@ -199,15 +199,16 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
         **run.speed.report(gather_scalars(accelerator, run.speed.whole_run())),
         **run.speed.steady_state(),  # the whole-run figures above keep the intervals' warm-up
         **({f"flops_per_{run.task.unit.removesuffix('s')}": run.task.flops_per_unit} if run.task.flops_per_unit else {}),
-        **{key: value for figures in run.part_figures for key, value in figures(steps_run).items()},
+        **parts().summary(steps_run),  # the parts' (a compression hook's bytes, the model state measured)
         **outcome,
     }
     end_collectives(accelerator)
     release_model_construction_hooks()
     if accelerator.is_main_process:
         write_summary(run.args.output_dir, summary)
-        each("run_ended", run.args, run.title)  # the parts' (report.png)
-        each("after_export", final_dir, run.task.processor, run.model_args, run.args)  # the parts' (a merged adapter)
+        finished = Finished(run.args, run.model_args, run.title, final_dir, run.task.processor)
+        parts().run_ended(finished)  # the parts' (report.png)
+        parts().after_export(finished)  # the parts' (a merged adapter)
         print_summary(summary, final_dir, run.task)
 
 

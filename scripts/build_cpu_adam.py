@@ -17,13 +17,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from training.flags import TrainArguments  # noqa: E402
 from training.optim import prepare_cpu_adam  # noqa: E402
 
 
 def main() -> int:
     started = time.perf_counter()
     print("building DeepSpeed's CPU Adam (a minute or two, once per machine)", file=sys.stderr, flush=True)
-    prepare_cpu_adam()  # as train.py does: the same build flags, so its runs find this build
+    prepare_cpu_adam(TrainArguments())  # as train.py does: the same build flags, so its runs find this build
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 

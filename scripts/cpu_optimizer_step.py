@@ -23,6 +23,7 @@ import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from training.flags import TrainArguments  # noqa: E402
 from training.optim import prepare_cpu_adam  # noqa: E402
 
 # llama-125m with the shipped tokenizer: 12 layers of 4 attention and 3 MLP matrices, embeddings and output.
@@ -42,7 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    prepare_cpu_adam()  # as train.py loads it: the same build
+    prepare_cpu_adam(TrainArguments())  # as train.py loads it: the same build
     params = [torch.nn.Parameter(torch.randn(n)) for n in LLAMA_125M]
     for param in params:
         param.grad = torch.randn_like(param)

@@ -8,11 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parts.bf16_params import check_launch
+from parts.bf16_params import PART
 from parts.bf16_params.cast import on_bf16_copies
 from tests.conftest import read_metrics
 from training.arguments import parse_args
 from training.errors import ArgumentError, StrategyError
+from training.parts import Launch
 from training.strategy import Strategy
 
 FLAG = ("--mixed_precision_param", "bfloat16")
@@ -48,11 +49,11 @@ def test_the_flag_is_refused_where_it_would_change_nothing(strategy, launcher_pr
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launcher_precision)
     _, _, args = parse_args([*FLAG, "--output_dir", str(tmp_path)])
     with pytest.raises(StrategyError, match=f"^--mixed_precision_param bfloat16 .*{message}"):
-        check_launch(args, strategy, 2, True)
-    check_launch(parse_args(["--output_dir", str(tmp_path)])[2], strategy, 2, True)  # the default: nothing refused
+        PART.check_launch(Launch(args, strategy, 2, True))
+    PART.check_launch(Launch(parse_args(["--output_dir", str(tmp_path)])[2], strategy, 2, True))  # default: none refused
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     for accepted in (Strategy.DDP, Strategy.SINGLE):
-        check_launch(args, accepted, 2, True)
+        PART.check_launch(Launch(args, accepted, 2, True))
 
 
 @pytest.mark.quick

@@ -8,12 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from parts.compile import check_launch
+from parts.compile import PART
 from parts.compile.graph import compile_options, dynamo_plugin
 from tests.test_performance import SHORT_RUN
 from training.arguments import ArgumentError, parse_args
 from training.errors import StrategyError
 from training.metrics import read_metrics
+from training.parts import Launch
 from training.strategy import requested_strategy
 
 
@@ -61,7 +62,7 @@ def test_compile_options_without_compilation_are_refused(tmp_path, argv, message
 def test_the_launchers_own_torch_compile_is_refused_before_any_process_group(monkeypatch) -> None:
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
     with pytest.raises(StrategyError, match="dynamo backend inductor, which train.py would replace"):
-        check_launch(None, requested_strategy(), 1, True)
+        PART.check_launch(Launch(None, requested_strategy(), 1, True))
 
 
 @pytest.mark.quick

@@ -16,9 +16,11 @@ from tests.test_arguments import build_cpu_adam_without_compiler
 
 CHECK = """
 import json, sys
-from parts.fast_start import at_start
+from parts.fast_start import PART
+from training.flags import TrainArguments
+from training.parts import Launch
 from training.strategy import Strategy
-at_start(Strategy.DEEPSPEED, True)
+PART.at_start(Launch(TrainArguments(), Strategy.DEEPSPEED, 1, True))
 import importlib
 import cpuinfo
 from deepspeed.ops.op_builder import CPUAdamBuilder

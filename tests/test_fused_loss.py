@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from parts.fused_loss import label_objective
+from parts.fused_loss import PART
 from parts.fused_loss.head import LossHead, torch_kernel
 from scripts.compare_metrics import compare, worst_difference
 from tests.conftest import (TINY_RUN, assert_same_final_weights, bad_input_errors, launch, logged_after, parity_args,
@@ -23,6 +23,7 @@ from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
 from training.arguments import parse_args
 from training.errors import ArgumentError
 from training.loss import IGNORE_INDEX, token_loss_sums
+from training.parts import Training
 from training.tasks import CausalLM
 
 FLAG = "--fused_linear_cross_entropy"
@@ -128,7 +129,7 @@ def test_a_model_without_a_linear_output_layer_is_refused(tmp_path) -> None:
     task = object.__new__(CausalLM)  # the core's task (its methods are all the check reads)
     with pytest.raises(ArgumentError, match=f"^{FLAG} needs a model whose get_output_embeddings.. is an nn.Linear "
                                             r"\(a transformers causal LM\); Sequential has none: drop the flag$"):
-        label_objective(torch.nn.Sequential(torch.nn.Embedding(4, 2)), NO_WRAPPER, task, args)
+        PART.label_objective(Training(NO_WRAPPER, args, task, None, torch.nn.Sequential(torch.nn.Embedding(4, 2))))
 
 
 def test_a_task_with_its_own_objective_is_refused_in_one_line_and_exit_2(tmp_path) -> None:

@@ -85,13 +85,18 @@ def test_every_rank_decides_alike_whether_it_counts_mfu(own, everyone, on_cpu, a
 def test_a_task_without_flops_gets_no_mfu_and_the_log_says_why(caplog) -> None:
     from accelerate import Accelerator
 
-    from parts.mfu import speed_figures
+    from parts.mfu import PART
+    from training.parts import Training
 
     accelerator = Accelerator(cpu=True)  # one process: the probe's gather is its own figure
+
+    def training(flops_per_unit: float | None) -> Training:
+        return Training(accelerator, None, SimpleNamespace(flops_per_unit=flops_per_unit), None, None)
+
     with caplog.at_level(logging.INFO):
-        assert speed_figures(accelerator, SimpleNamespace(flops_per_unit=None), 1) is None
+        assert PART.speed_figures(training(None)) is None
     assert "no MFU: the task's FLOPs per unit are unknown" in caplog.text
-    figures = speed_figures(accelerator, SimpleNamespace(flops_per_unit=1e6), 1)
+    figures = PART.speed_figures(training(1e6))
     assert isinstance(figures, Mfu) and 1e8 < figures.peak < 1e14
 
 

@@ -8,16 +8,20 @@ import ast
 import pytest
 
 from tests.conftest import REPO
-from training.parts import installed_parts
+from training.parts import HOOKS, Combine, Flags, InstalledParts, Part, installed_parts, parts
 
 pytestmark = pytest.mark.quick
 MODULES = sorted((REPO / "training").glob("*.py"))
 
 
 def imported_training_modules(path) -> set[str]:
-    """The training.* modules `path` imports, at the top or inside functions alike."""
-    return {node.module.split(".")[1] for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("training.")}
+    """The training.* modules `path` imports, at the top or inside functions alike; not those it names for type
+    annotations only (`if TYPE_CHECKING:`, never imported: the parts' hooks name the flags that the parts make)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and ast.unparse(block.test) ==
+                   "TYPE_CHECKING" for statement in block.body for node in ast.walk(statement)}
+    return {node.module.split(".")[1] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+            and node.module.startswith("training.") and id(node) not in typing_only}
 
 
 def test_training_has_no_import_circle() -> None:
@@ -73,3 +77,75 @@ def test_the_counted_code_keeps_two_blank_lines_before_each_top_level_definition
                 while first > 0 and lines[first - 1].lstrip().startswith("#"):
                     first -= 1
                 assert lines[max(first - 2, 0):first] == ["", ""], f"{path.relative_to(REPO)}:{first + 1}"
+
+
+def test_a_part_defines_hooks_only() -> None:
+    """Every method of a part is one of `Part`'s hooks, typed, documented and combined there (helpers live in the
+    part's modules): a part class that defines another method is refused as it is defined."""
+    with pytest.raises(TypeError, match=r"^Mine\.prepare_things is not a hook of Part \(training/parts.py\)"):
+        class Mine(Part):
+            def check_flags(self, flags: Flags) -> None:
+                pass
+
+            def prepare_things(self) -> None:
+                pass
+    for part in installed_parts():
+        assert isinstance(part, Part) and part.name and part.description
+        methods = {name for name, value in vars(type(part)).items() if callable(value) and not name.startswith("__")
+                   and not isinstance(value, type)}
+        assert methods <= set(HOOKS), (part.name, methods - set(HOOKS))
+
+
+def test_no_hook_is_called_by_its_name_as_a_string() -> None:
+    """The core calls `parts().<hook>(context)`: a reader goes from the call to the hook's one definition."""
+    core = [REPO / "train.py", *MODULES, *(REPO / "data").glob("*.py"), *(REPO / "models").glob("*.py")]
+    for path in core:
+        strings = {node.value for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Constant)}
+        assert not strings & set(HOOKS), (path.name, strings & set(HOOKS))
+
+
+def test_parts_run_after_the_parts_they_name() -> None:
+    """A wrapper of the training objective goes around what replaces it, and compilation around both."""
+    order = [part.name for part in installed_parts()]
+    for part in installed_parts():
+        assert all(order.index(name) < order.index(part.name) for name in part.after if name in order), part.name
+    wrappers = [name for name in ("distillation", "bf16_params", "compile") if name in order]
+    assert sorted(wrappers, key=order.index) == wrappers
+
+
+def test_each_hook_combines_the_parts_answers_as_it_declares() -> None:
+    calls = []
+
+    class First(Part):
+        name = "first"
+
+        def check_flags(self, flags):
+            calls.append(self.name)
+
+        def wrap_model(self, model, run):
+            return f"{self.name}({model})"
+
+        def loader_settings(self, args):
+            return {"num_workers": 1, "pin_memory": True}
+
+        def started(self, run):
+            return None
+
+    class Second(First):
+        name = "second"
+
+        def loader_settings(self, args):
+            return {"num_workers": 2}
+
+        def started(self, run):
+            return "a line"
+
+    both = InstalledParts([First(), Second()])
+    assert (HOOKS["check_flags"], HOOKS["wrap_model"], HOOKS["loader_settings"], HOOKS["started"]) == (
+        Combine.EACH, Combine.CHAIN, Combine.MERGE, Combine.ANSWERS)
+    assert both.check_flags(None) is None and calls == ["first", "second"]
+    assert both.wrap_model("model", None) == "second(first(model))"
+    assert both.loader_settings(None) == {"num_workers": 2, "pin_memory": True}
+    assert both.started(None) == ["a line"]
+    assert both.train_loader(None) == [] and both.summary(0) == {}  # a hook no part overrides: nothing
+    assert type(parts()) is InstalledParts and parts().parts == installed_parts()

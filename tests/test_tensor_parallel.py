@@ -15,6 +15,7 @@ from tests.conftest import GLOBAL_BATCH, read_metrics, tiny_resnet
 from tests.test_bad_input import FSDP_TP
 from training.errors import StrategyError
 from training.accelerator import check_launch
+from training.parts import Launch
 from training.arguments import parse_args
 from training.strategy import requested_strategy
 
@@ -34,8 +35,8 @@ def test_a_grid_that_cannot_run_is_refused_before_any_process_group(environment,
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(StrategyError, match=message):
-        check_launch(parse_args(["--output_dir", str(tmp_path)])[2], requested_strategy(), int(environment["WORLD_SIZE"]),
-                     True)
+        check_launch(Launch(parse_args(["--output_dir", str(tmp_path)])[2], requested_strategy(),
+                            int(environment["WORLD_SIZE"]), True))
 
 
 @pytest.mark.quick

@@ -13,7 +13,7 @@ from accelerate.utils import DistributedDataParallelKwargs, DistributedType, Ini
 
 from training.collectives import joining_process_group, start_restarted_process_group
 from training.cpu_accommodations import cpu_process_group
-from training.parts import each, merged
+from training.parts import Launch, parts
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
 from training.strategy_adapters import optimizer_offload_device
 
@@ -22,25 +22,26 @@ logger = get_logger(__name__)
 
 def build_accelerator(args, **accelerator_kwargs) -> Accelerator:
     """An `Accelerator` for the configured strategy, on GPUs or, for real, on CPU."""
-    strategy, on_cpu = requested_strategy(), not has_accelerator_device()
-    each("at_start", strategy, on_cpu)  # the parts' (start-up work skipped: parts/fast_start), before DeepSpeed loads
+    launch = Launch(args, requested_strategy(), int(os.environ.get("WORLD_SIZE", "1")), not has_accelerator_device())
+    parts().at_start(launch)  # (start-up work skipped: parts/fast_start), before DeepSpeed loads
     timeout = timedelta(seconds=args.ddp_timeout)
-    check_launch(args, strategy, int(os.environ.get("WORLD_SIZE", "1")), on_cpu)
+    check_launch(launch)
     # DDP: gradients live in its buckets (one copy, not two), and buffers are not copied from rank 0 before each
     # forward: BatchNorm statistics are averaged instead, on every strategy alike (training/batchnorm.py).
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False,
-                                        **merged("ddp_settings", args, on_cpu))
+                                        **parts().ddp_settings(launch))
     with joining_process_group(timeout):  # started here (a restarted round; FSDP2 on CPU) or by accelerate
-        start_restarted_process_group("gloo" if on_cpu else InitProcessGroupKwargs.backend, timeout)
-        cpu, backend = cpu_process_group(strategy, timeout) if on_cpu else (False, InitProcessGroupKwargs.backend)
+        start_restarted_process_group("gloo" if launch.on_cpu else InitProcessGroupKwargs.backend, timeout)
+        cpu, backend = (cpu_process_group(launch.strategy, timeout) if launch.on_cpu else
+                        (False, InitProcessGroupKwargs.backend))
         handler = InitProcessGroupKwargs(backend=backend, timeout=timeout)
         return Accelerator(cpu=cpu, kwargs_handlers=[handler, ddp], **accelerator_kwargs)
 
 
-def check_launch(args, strategy: Strategy, processes: int, on_cpu: bool) -> None:
+def check_launch(launch: Launch) -> None:
     """The launcher's settings, checked by the core and by the parts, before any process group (and by the dry run)."""
-    check_launch_config(strategy, on_cpu)
-    each("check_launch", args, strategy, processes, on_cpu)
+    check_launch_config(launch.strategy, launch.on_cpu)
+    parts().check_launch(launch)
 
 
 def describe(accelerator: Accelerator, strategy: Strategy) -> str:

@@ -21,7 +21,7 @@ from training.flags import (ALL_ARGUMENT_CLASSES, KNOWN_KEYS, ArgumentError, Dat
                             TrainArguments, build_parser)
 from training.metrics import resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
-from training.parts import each, found, run_inputs
+from training.parts import Flags, parts, run_inputs
 from training.task_registry import task_entry, tasks
 
 # Flags naming files or directories the run reads: --overwrite_output_dir must not delete them (a part marks its own)
@@ -106,7 +106,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     if data_args.validation_file and not data_args.train_file:
         raise ArgumentError("--validation_file needs --train_file")
     check_task_flags(model_args, data_args)
-    each("check_flags", model_args, data_args, train_args)  # the parts' (training/parts.py)
+    parts().check_flags(Flags(model_args, data_args, train_args))
     if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
         # absolute: an exported adapter names its base model by this path, to be found from anywhere
         model_args.model_name_or_path = str(Path(model_args.model_name_or_path).resolve())
@@ -177,18 +177,18 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
             raise ArgumentError(f"--{flag} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")
     if data_args.dataset_name and data_args.train_file:
         raise ArgumentError("--dataset_name and --train_file exclude each other; give one")
-    if len(sources := found("text_source", data_args)) > 1:  # the parts' sources of text (a stream, pre-tokenised shards)
+    if len(sources := parts().text_source(data_args)) > 1:  # the parts' sources of text (a stream, pre-tokenised shards)
         raise ArgumentError(f"{sources[0].flag} with {sources[1].flag} is not supported: give one source of training text")
     if model_args.config_overrides and model_args.model_name_or_path:
         raise ArgumentError("--config_overrides changes a --model_config trained from scratch: drop it or --model_name_or_path")
 
 
-def split_model(model_args: ModelArguments, train_args: TrainArguments) -> str | None:
+def split_model(flags: Flags) -> str | None:
     """The first flag that splits one model over processes or devices (the parts': --device_map, pipeline stages)."""
-    return next(iter(found("model_split", model_args, train_args)), None)
+    return next(iter(parts().model_split(flags)), None)
 
 
-def clashing_flag(model_args: ModelArguments, train_args: TrainArguments, *flags: str) -> str | None:
-    """`split_model`'s flag, else the first of `flags` given (fields of either; a part's a fork left out: never)."""
-    given = (f"--{flag}" for flag in flags if getattr(train_args, flag, getattr(model_args, flag, None)))
-    return split_model(model_args, train_args) or next(given, None)
+def clashing_flag(flags: Flags, *names: str) -> str | None:
+    """`split_model`'s flag, else the first of the flags `names` given (a part's a fork left out: never)."""
+    given = (f"--{name}" for name in names if getattr(flags.train, name, getattr(flags.model, name, None)))
+    return split_model(flags) or next(given, None)

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from training.batchnorm import average_running_statistics
 from training.errors import ArgumentError, ResumeError
 from training.optim import optimizer_for
-from training.parts import ModelRunner, filled
+from training.parts import CheckpointLoad, ModelRunner, parts
 from training.strategy_adapters import (TensorState, bare_model, base_optimizer, held_pieces, load_optimizer_states,
                                         model_tensors, own_class_while_saving, set_full_state, whole_shape)
 
@@ -385,8 +385,9 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
             "(the optimizer state is not carried over)")
     try:
         with contextlib.ExitStack() as loading:
-            for hook in filled("loading_checkpoint"):  # the parts' (parts/safe_loading: unpickling on an allow-list)
-                loading.enter_context(hook(path, (path / DEEPSPEED_DIR).is_dir()))
+            # the parts' (parts/safe_loading: unpickling on an allow-list)
+            for context in parts().loading_checkpoint(CheckpointLoad(path, (path / DEEPSPEED_DIR).is_dir())):
+                loading.enter_context(context)
             with without_model_and_optimizer(accelerator, model if (path / MODEL_STATE).is_dir() else None):
                 accelerator.load_state(str(path))
     except pickle.UnpicklingError:

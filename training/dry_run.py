@@ -12,7 +12,7 @@ from accelerate.utils import DeepSpeedPlugin, set_seed
 from training.accelerator import check_launch
 from training.errors import StrategyError
 from training.optim import global_batch_size, optimizer_for, run_length, warmup_steps
-from training.parts import each, through
+from training.parts import Flags, Launch, Plan, parts
 from training.performance import compute_dtype, parameter_count
 from training.setup import data_parallel
 from training.strategy import Strategy, has_accelerator_device, requested_strategy
@@ -38,11 +38,11 @@ def dry_run(model_args, data_args, args) -> str | None:
         return None
     strategy, processes = requested_strategy(), int(os.environ.get("WORLD_SIZE", "1"))
     # Planned on a login node for GPU machines: check as on a GPU, and say what this machine would refuse.
-    check_launch(args, strategy, processes, on_cpu=False)  # the core's and the parts', as a real launch checks
+    check_launch(Launch(args, strategy, processes, on_cpu=False))  # the core's and the parts', as a real launch checks
     cpu_note = ""
     if not has_accelerator_device():
         try:
-            check_launch(args, strategy, processes, on_cpu=True)
+            check_launch(Launch(args, strategy, processes, on_cpu=True))
         except StrategyError as error:
             cpu_note = f"\nnote:            no GPU here; on CPU machines the run would stop: {error}"
     launch, offloaded = launched(strategy, args)
@@ -51,13 +51,14 @@ def dry_run(model_args, data_args, args) -> str | None:
 
     task = build_task(model_args, data_args)
     raw = task.load_raw_datasets(args.seed)
-    model = through("adapt_model", task.build_model(raw), model_args, args)  # the parts' (an adapter), as set-up does
+    model = parts().adapt_model(task.build_model(raw), Flags(model_args, data_args, args))  # as set-up does
     train_set, eval_set = task.datasets(raw, nullcontext())
     _, replicas = data_parallel(processes, args)
     global_batch = global_batch_size(args, replicas)
     steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    part_lines = each("dry_run_lines", task, model, model_args, args, strategy, processes, compute_dtype(mixed_precision))
+    part_lines = parts().dry_run_line(Plan(task, model, model_args, args, strategy, processes,
+                                           compute_dtype(mixed_precision)))
     return (
         "\n===== dry run: checked, nothing trained =====\n"
         f"launch:          {launch}, {processes} process(es), {replicas} data-parallel, "
@@ -70,5 +71,5 @@ def dry_run(model_args, data_args, args) -> str | None:
         f"data-parallel x {args.gradient_accumulation_steps} accumulation\n"
         f"steps:           {max_steps} ({steps_per_epoch} per epoch), warmup {warmup_steps(args, max_steps)}, "
         f"{args.lr_scheduler_type}, --optim {args.optim} ({optimizer_for(args.optim, offloaded).class_name})"
-        + "".join(f"\n{line}" for lines in part_lines for line in lines) + cpu_note
+        + "".join(f"\n{line}" for line in part_lines) + cpu_note
     )

@@ -69,7 +69,7 @@ def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> to
     groups = [group for group in groups if group["params"]]
     choice = optimizer_for(args.optim, offloaded)
     if choice is DEEPSPEED_CPU_ADAMW:
-        prepare_cpu_adam()
+        prepare_cpu_adam(args)
     try:
         return choice.build(groups, args)
     except RuntimeError as error:
@@ -82,13 +82,15 @@ def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> to
             "without offload_optimizer (accelerate_configs/deepspeed_zero3.yaml)") from error
 
 
-def prepare_cpu_adam() -> None:
-    """Before DeepSpeed's CPU Adam builds or loads: the parts' start-up settings (parts/fast_start) key the build."""
-    from training.parts import each
+def prepare_cpu_adam(args) -> None:
+    """Before DeepSpeed's CPU Adam builds or loads: the parts' start-up settings (parts/fast_start) key the build.
+    `args`: the run's TrainArguments."""
+    import os
+
+    from training.parts import Launch, parts
     from training.strategy import Strategy
 
-    each("at_start", Strategy.DEEPSPEED, True)
-    each("building_extension", "cpu_adam")
+    parts().at_start(Launch(args, Strategy.DEEPSPEED, int(os.environ.get("WORLD_SIZE", "1")), on_cpu=True))
 
 
 def check_optimization(args) -> None:

@@ -1,31 +1,38 @@
-"""Owns how optional features (parts/) join the core: the hook points, and finding the parts installed.
+"""Owns how optional features (parts/) join the core: the `Part` base class, whose methods are the hook points, and
+finding the parts installed.
 
-A part is a package `parts/<name>/` whose `__init__.py` defines `PART = Part(...)`: its flags (a
-dataclass, mixed into TrainArguments; `model_flags` into ModelArguments, `data_flags` into DataArguments),
-the tasks it adds to `--task` (`TaskEntry`), and the hooks it fills. The core calls each hook point for
-every part installed, in name order, and never branches on a part by name; a fork leaves a part
-out by deleting its folder. As torchtitan's model converters and transformers' callbacks, a hook is
-a named point of the fixed run, not a second loop.
-
-The hook points are `Part`'s fields, in the order a run meets them, each with what it is given and returns
-(`args`: TrainArguments); a hook a part leaves None is not called.
+A part is a package `parts/<name>/` whose `__init__.py` defines `PART`, an instance of its own `Part` subclass: its
+flags (dataclasses, mixed into the core's), the tasks it adds to `--task` (`TaskEntry`), and the hooks it overrides.
+Every hook is a method of `Part` with a no-op default, declared once here with `@hook`: when the core calls it, what
+it is handed (one context object of the point it is called at), and how the answers of several parts combine. The
+core calls the hooks of every installed part at once through `parts()`, an object of the same class, and never
+branches on a part by name; a fork leaves a part out by deleting its folder. As Lightning's callbacks and torchtitan's
+model converters, a hook is a named point of the fixed run, not a second loop. Parts run in name order, except where
+a part names the parts it follows (`after`).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import pkgutil
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
-Hook = Callable[..., Any] | None  # a hook point: `Part`'s fields below
+    from training.flags import DataArguments, ModelArguments, TrainArguments
+    from training.performance import SpeedFigures
+    from training.strategy import Strategy
+    from training.tasks import Task
 
 
 @dataclass(frozen=True)
@@ -89,92 +96,380 @@ class ModelRunner(ABC):
         """The whole model in `final_dir`, as training/checkpoint.py `export_final` writes it."""
 
 
-@dataclass(frozen=True)
-class Part:
-    """One optional feature: its name and one line about it, its flags, and the hooks it fills (None: not used)."""
+class Combine(Enum):
+    """How the answers of several parts' hook combine."""
 
-    name: str
-    description: str  # one line
-    flags: type | None = None  # a dataclass whose fields (all with defaults) become train.py flags
-    model_flags: type | None = None  # the same, for the model flags (ModelArguments)
-    data_flags: type | None = None  # the same, for the data flags (DataArguments)
-    tasks: Mapping[str, TaskEntry] | None = None  # --task names it adds
+    EACH = "each"  # every part's runs, for what it does; nothing is returned
+    CHAIN = "chain"  # a value passed through every part's in turn: value = hook(value, context)
+    MERGE = "merge"  # the dicts every part's returns, merged (a later part's value for the same key wins)
+    ANSWERS = "answers"  # every answer that is not None, in order
+
+
+def hook(combine: Combine) -> Callable:
+    """Declares a method of `Part` a hook point, and how several parts' answers combine."""
+
+    def declared(method: Callable) -> Callable:
+        method.combine = combine
+        return method
+
+    return declared
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The parsed flags, before any process group or library state."""
+
+    model: ModelArguments
+    data: DataArguments
+    train: TrainArguments
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The launch as configured, before the process group: the flags, the strategy, the processes, the device."""
+
+    args: TrainArguments
+    strategy: Strategy
+    processes: int
+    on_cpu: bool
+
+
+@dataclass(frozen=True)
+class Started:
+    """The process group up, on every rank (a collective may run), before the model is built."""
+
+    accelerator: Accelerator
+    args: TrainArguments
+    resume: Path | None = None  # the checkpoint this run resumes, once known (`Part.resuming` on)
+
+
+@dataclass(frozen=True)
+class Training:
+    """After `prepare`, on every rank: what trains, and how."""
+
+    accelerator: Accelerator
+    args: TrainArguments
+    task: Task
+    strategy: Strategy
+    model: torch.nn.Module  # as prepared
+    optimizer: torch.optim.Optimizer | None = None  # the torch optimizer inside the prepared one
+    ranks_per_batch: int = 1  # ranks that read the same batches (a tensor-parallel group, a pipeline's stages)
+
+
+@dataclass(frozen=True)
+class MicroBatchSearch:
+    """What preparing again for another micro-batch takes (parts/batch_size)."""
+
+    accelerator: Accelerator
+    args: TrainArguments
+    task: Task
+    objective: Callable  # the micro-step's loss sums, as the parts made them
+    train_set: object
+    prepare_training: Callable  # model -> (model, optimizer, loaders, scheduler, torch optimizer), prepared
+    loader_for: Callable  # (dataset, batch size) -> the core's training DataLoader
+    resumed: bool
+
+
+@dataclass(frozen=True)
+class Loading:
+    """A training set the core's DataLoader may not read (a stream), and the DataLoader settings."""
+
+    accelerator: Accelerator
+    args: TrainArguments
+    task: Task
+    train_set: object
+    settings: dict
+
+
+@dataclass(frozen=True)
+class Loop:
+    """What the training loop runs within."""
+
+    accelerator: Accelerator
+    args: TrainArguments
+    current_step: Callable[[], int]
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """After an optimizer step, on every rank."""
+
+    args: TrainArguments
+    step: int
+    now: bool  # the step logs, evaluates or saves: a collective runs anyway
+
+
+@dataclass(frozen=True)
+class CheckpointLoad:
+    """A checkpoint about to be loaded."""
+
+    path: Path
+    deepspeed: bool  # written by DeepSpeed's own save (before model_state/)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The main process, once the run ended (`final_dir`: None where it stopped before exporting)."""
+
+    args: TrainArguments
+    model_args: ModelArguments
+    title: str  # "<model>: <strategy, processes, precision>"
+    final_dir: Path | None = None
+    processor: object = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the dry run planned, on rank 0 alone."""
+
+    task: Task
+    model: torch.nn.Module  # as built, before any strategy
+    model_args: ModelArguments
+    args: TrainArguments
+    strategy: Strategy
+    processes: int
+    compute_dtype: torch.dtype
+
+
+class Part:
+    """One optional feature: its name and one line about it, its flags, the tasks it adds, and the hooks it
+    overrides. A subclass defines hooks only (its helpers live in its modules): `__init_subclass__` refuses others."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""  # one line
+    flags: ClassVar[type | None] = None  # a dataclass whose fields (all with defaults) become train.py flags
+    model_flags: ClassVar[type | None] = None  # the same, for the model flags (ModelArguments)
+    data_flags: ClassVar[type | None] = None  # the same, for the data flags (DataArguments)
+    tasks: ClassVar[Mapping[str, TaskEntry]] = {}  # --task names it adds
     # its flags that only these tasks read (--task name -> flags): refused for another task, as a task's own flags
-    task_flags: Mapping[str, tuple[str, ...]] | None = None
-    run_inputs: tuple[str, ...] = ()  # its flags that name files or directories the run reads
+    task_flags: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    run_inputs: ClassVar[tuple[str, ...]] = ()  # its flags that name files or directories the run reads
     # what scripts/new_project.py leaves out with it, beyond parts/<name>/, tests/test_<name>.py, docs/<name>.md
-    files: tuple[str, ...] = ()  # other files it owns (scripts, figures, tests under other names)
-    requirements: tuple[str, ...] = ()  # packages of requirements.txt only it needs
-    before_imports: Hook = None  # (): train.py's first call, before the libraries load (stop signals handled)
-    check_flags: Hook = None  # (model_args, data_args, args): after the core's own checks; raises ArgumentError
-    # (strategy, on_cpu): before the Accelerator and DeepSpeed start, and before DeepSpeed's CPU Adam builds
-    at_start: Hook = None
-    building_extension: Hook = None  # (name): before DeepSpeed's CPU Adam ("cpu_adam") compiles or loads
-    # (args, strategy, processes, on_cpu): before the process group (and in the dry run); raises StrategyError
-    check_launch: Hook = None
-    # (accelerator, args) -> str | None: the process group up, on every rank (a collective may run): a line to log
-    started: Hook = None
-    # (accelerator, args, checkpoint dir): about to resume, before the model is built (a micro-batch it recorded)
-    resuming: Hook = None
-    # (data_args) -> TextSource | None: a text task's sequences, when the flags choose a part's source (a stream)
-    text_source: Hook = None
-    loader_settings: Hook = None  # (args) -> dict: DataLoader keyword arguments (a `worker_init_fn`)
-    # (accelerator, train_set, task, args, loading) -> loader | None: batches of a set the core's DataLoader cannot
-    # read (a stream: no length), given the DataLoader settings; it keeps its own position
-    train_loader: Hook = None
-    # (checkpoint, deepspeed) -> context manager: what a resume loads the checkpoint within (an unpickling allow-list)
-    loading_checkpoint: Hook = None
-    # (model_args, args) -> str | None: this part's flag that splits one model over processes or devices, if set
-    model_split: Hook = None
-    accelerator_settings: Hook = None  # (args) -> dict: `Accelerator` keyword arguments (accelerate's dynamo plugin)
-    processes_per_replica: Hook = None  # (args) -> int: processes that read the same batches (a pipeline's stages)
-    ddp_settings: Hook = None  # (args, on_cpu) -> dict: `DistributedDataParallelKwargs` fields
-    # (model, accelerator, args) -> model: as the task built it, before adapters and `prepare` (kernels swapped in)
-    convert_model: Hook = None
-    # (model, model_args, args) -> model: after the seed, before `prepare`: parameters added or frozen (an adapter)
-    adapt_model: Hook = None
-    # (model, accelerator, args) -> model: the model laid out (tp slices), kept, or replaced by a `ModelRunner`
-    wrap_model: Hook = None
-    checkpoint_layout: Hook = None  # (args) -> dict: how the model is cut, recorded; a resume must match it
-    held_parameters: Hook = None  # (model, args) -> int | None: the most parameters one process holds (dry run)
-    # (model, accelerator, task, args) -> objective | None: after `prepare`, the task's own objective computed
-    # another way (a fused loss): loss sums `objective(model, batch)`, per example or one for the micro-batch
-    label_objective: Hook = None
-    # (objective, accelerator, task, strategy, args) -> (objective, figures | None): the micro-step's loss sums
-    # `objective(model, batch)`, kept, wrapped, compiled or replaced (distillation)
-    training_objective: Hook = None
-    # (prepared, accelerator, task, objective, train_set, args, prepare_training, loader_for, resumed) -> prepared:
-    # (model, optimizer, loaders, scheduler, torch optimizer), kept or prepared again for another micro-batch
-    micro_batch: Hook = None
-    # (accelerator, model, torch optimizer, args) -> figures | None: before the first step (hooks registered, state
-    # added to checkpoints); `figures(steps_run)`, called on every rank at the end, adds to summary.json
-    after_prepare: Hook = None
-    # (accelerator, task, ranks_per_batch) -> SpeedFigures | None: figures beside the throughput, on every rank (a
-    # collective may run), logged each interval and summed up in summary.json (MFU: parts/mfu)
-    speed_figures: Hook = None
-    # (accelerator, args, current_step) -> context manager: what the loop runs within (a timed-out collective)
-    around_training: Hook = None
-    # (step, now, args) -> str | None: after each optimizer step, on every rank: why to save and stop now (a signal),
-    # agreed by all ranks (a collective, at least when `now`: a step that logs, evaluates or saves)
-    stop_requested: Hook = None
-    # (final_dir, processor, model_args, args): main process, once `final/` is written (a merged model)
-    after_export: Hook = None
-    # (args, title): main process, when a run ends or stops, metrics.jsonl and summary.json written (report.png)
-    run_ended: Hook = None
-    # (task, model, model_args, args, strategy, processes, compute_dtype) -> list[str]: the dry run's added lines
-    dry_run_lines: Hook = None
+    files: ClassVar[tuple[str, ...]] = ()  # other files it owns (scripts, figures, tests under other names)
+    requirements: ClassVar[tuple[str, ...]] = ()  # packages of requirements.txt only it needs
+    after: ClassVar[tuple[str, ...]] = ()  # parts whose hooks run before this one's (a chain's inner wrappers)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for attribute, value in vars(cls).items():
+            method = isinstance(value, staticmethod | classmethod | property) or inspect.isfunction(value)
+            if method and not attribute.startswith("__") and attribute not in HOOKS:
+                raise TypeError(f"{cls.__name__}.{attribute} is not a hook of Part (training/parts.py): a part defines "
+                                "hooks only; put helpers in its modules")
+
+    # ---------------------------------------------------------------- flags and launch, before any process group
+
+    @hook(Combine.EACH)
+    def before_imports(self) -> None:
+        """train.py's first call, before the libraries load (stop signals handled)."""
+
+    @hook(Combine.EACH)
+    def check_flags(self, flags: Flags) -> None:
+        """After the core's own checks of the flags; raises ArgumentError."""
+
+    @hook(Combine.ANSWERS)
+    def model_split(self, flags: Flags) -> str | None:
+        """This part's flag that splits one model over processes or devices, if set (the first answer is named)."""
+
+    @hook(Combine.ANSWERS)
+    def text_source(self, data: DataArguments) -> TextSource | None:
+        """A text task's sequences, when the data flags choose this part's source (a stream); two are refused."""
+
+    @hook(Combine.ANSWERS)
+    def processes_per_replica(self, args: TrainArguments) -> int | None:
+        """Processes that read the same batches (a pipeline's stages, a tensor-parallel group): their product."""
+
+    @hook(Combine.MERGE)
+    def checkpoint_layout(self, args: TrainArguments) -> dict[str, int]:
+        """How this part cuts the model, recorded in checkpoints: a resume must match it."""
+        return {}
+
+    @hook(Combine.EACH)
+    def at_start(self, launch: Launch) -> None:
+        """Before the Accelerator and DeepSpeed start, and before DeepSpeed's CPU Adam builds."""
+
+    @hook(Combine.EACH)
+    def check_launch(self, launch: Launch) -> None:
+        """Before the process group (and in the dry run): the launch refused here raises StrategyError."""
+
+    @hook(Combine.MERGE)
+    def accelerator_settings(self, args: TrainArguments) -> dict:
+        """`Accelerator` keyword arguments (accelerate's dynamo plugin)."""
+        return {}
+
+    @hook(Combine.MERGE)
+    def ddp_settings(self, launch: Launch) -> dict:
+        """`DistributedDataParallelKwargs` fields."""
+        return {}
+
+    # ---------------------------------------------------------------- the process group up: model and data
+
+    @hook(Combine.ANSWERS)
+    def started(self, run: Started) -> str | None:
+        """On every rank (a collective may run), before the model is built: a line for the start-up log."""
+
+    @hook(Combine.EACH)
+    def resuming(self, run: Started) -> None:
+        """About to resume `run.resume`, before the model is built (settings the checkpoint recorded)."""
+
+    @hook(Combine.CHAIN)
+    def convert_model(self, model: torch.nn.Module, run: Started) -> torch.nn.Module:
+        """The model as the task built it, before adapters and `prepare` (kernels swapped in)."""
+        return model
+
+    @hook(Combine.CHAIN)
+    def adapt_model(self, model: torch.nn.Module, flags: Flags) -> torch.nn.Module:
+        """After the seed, before `prepare`: parameters added or frozen (an adapter); the dry run's too."""
+        return model
+
+    @hook(Combine.CHAIN)
+    def wrap_model(self, model: torch.nn.Module, run: Started) -> torch.nn.Module:
+        """The model laid out (layers over devices, tensor-parallel slices), or replaced by a `ModelRunner`."""
+        return model
+
+    @hook(Combine.MERGE)
+    def loader_settings(self, args: TrainArguments) -> dict:
+        """DataLoader keyword arguments (a `worker_init_fn`), the process group up."""
+        return {}
+
+    @hook(Combine.ANSWERS)
+    def train_loader(self, loading: Loading) -> Iterable[dict] | None:
+        """Batches of a training set the core's DataLoader cannot read (a stream: no length); it keeps its own
+        position. One part's at most."""
+
+    # ---------------------------------------------------------------- the training step
+
+    @hook(Combine.ANSWERS)
+    def label_objective(self, training: Training) -> Callable | None:
+        """The task's own objective computed another way (a fused loss): `objective(model, batch)` gives the loss
+        sums, per example or one for the micro-batch. One part's at most."""
+
+    @hook(Combine.CHAIN)
+    def training_objective(self, objective: Callable, training: Training) -> Callable:
+        """The micro-step's loss sums `objective(model, batch)`, kept, wrapped, compiled or replaced (in `after`
+        order: a replacement first, a wrapper after it)."""
+        return objective
+
+    @hook(Combine.CHAIN)
+    def micro_batch(self, prepared: tuple, search: MicroBatchSearch) -> tuple:
+        """(model, optimizer, loaders, scheduler, torch optimizer): kept, or prepared again for another micro-batch."""
+        return prepared
+
+    @hook(Combine.EACH)
+    def after_prepare(self, training: Training) -> None:
+        """Before the first step, the final model and optimizer prepared (hooks registered, state to checkpoint)."""
+
+    @hook(Combine.ANSWERS)
+    def speed_figures(self, training: Training) -> SpeedFigures | None:
+        """Figures beside the throughput (MFU), on every rank (a collective may run): logged each interval."""
+
+    @hook(Combine.ANSWERS)
+    def around_training(self, loop: Loop) -> AbstractContextManager | None:
+        """What the training loop runs within (a collective that timed out, as one error line)."""
+
+    @hook(Combine.ANSWERS)
+    def stop_requested(self, end: StepEnd) -> str | None:
+        """After each optimizer step, on every rank: why to save and stop now (a signal), agreed by all ranks (a
+        collective, at least when `end.now`)."""
+
+    @hook(Combine.ANSWERS)
+    def loading_checkpoint(self, checkpoint: CheckpointLoad) -> AbstractContextManager | None:
+        """What a resume loads the checkpoint within (an unpickling allow-list)."""
+
+    # ---------------------------------------------------------------- the end of the run
+
+    @hook(Combine.MERGE)
+    def summary(self, steps_run: int) -> dict:
+        """On every rank at the end (a collective may run): figures this part adds to summary.json."""
+        return {}
+
+    @hook(Combine.EACH)
+    def run_ended(self, finished: Finished) -> None:
+        """Main process, when a run ends or stops, metrics.jsonl and summary.json written (report.png)."""
+
+    @hook(Combine.EACH)
+    def after_export(self, finished: Finished) -> None:
+        """Main process, once `final/` is written (a merged model)."""
+
+    # ---------------------------------------------------------------- the dry run
+
+    @hook(Combine.ANSWERS)
+    def held_parameters(self, plan: Plan) -> int | None:
+        """The most parameters one process holds, where this part cuts the model (the first answer is used)."""
+
+    @hook(Combine.ANSWERS)
+    def dry_run_line(self, plan: Plan) -> str | None:
+        """A line the dry run adds to its plan."""
+
+
+HOOKS: dict[str, Combine] = {name: value.combine for name, value in vars(Part).items() if hasattr(value, "combine")}
+
+
+class InstalledParts(Part):
+    """Every installed part as one `Part`: each hook runs on every part that overrides it, in order, and the answers
+    combine as the hook declares (`Combine`)."""
+
+    name = "installed parts"
+
+    def __init__(self, parts: Iterable[Part]) -> None:
+        self.parts = tuple(parts)
+
+
+def _combined(name: str, combine: Combine) -> Callable:
+    def every_part(self: InstalledParts, *arguments):
+        hooks = [getattr(part, name) for part in self.parts if getattr(type(part), name) is not getattr(Part, name)]
+        if combine is Combine.CHAIN:
+            value, *context = arguments
+            for function in hooks:
+                value = function(value, *context)
+            return value
+        answers = [function(*arguments) for function in hooks]
+        if combine is Combine.MERGE:
+            return {key: value for answer in answers for key, value in answer.items()}
+        if combine is Combine.ANSWERS:
+            return [answer for answer in answers if answer is not None]
+        return None
+
+    every_part.__name__ = every_part.__qualname__ = name
+    every_part.__doc__ = getattr(Part, name).__doc__
+    return every_part
+
+
+for _name, _combine in HOOKS.items():
+    setattr(InstalledParts, _name, _combined(_name, _combine))
 
 
 @functools.cache
 def installed_parts() -> tuple[Part, ...]:
-    """Every part under parts/, in name order (none when the folder is gone)."""
+    """Every part under parts/ (none when the folder is gone), in name order, each after the parts it names in
+    `after` (those installed)."""
     try:
         package = importlib.import_module("parts")
     except ModuleNotFoundError:
         return ()
-    found = (importlib.import_module(f"parts.{module.name}").PART
-             for module in sorted(pkgutil.iter_modules(package.__path__), key=lambda module: module.name))
-    return tuple(found)
+    found = {module.name: importlib.import_module(f"parts.{module.name}").PART
+             for module in sorted(pkgutil.iter_modules(package.__path__), key=lambda module: module.name)}
+    ordered: list[Part] = []
+
+    def place(part: Part, placing: tuple[str, ...] = ()) -> None:
+        if part in ordered:
+            return
+        if part.name in placing:
+            raise TypeError(f"parts order themselves in a circle: {' -> '.join([*placing, part.name])}")
+        for name in part.after:
+            if name in found:
+                place(found[name], (*placing, part.name))
+        ordered.append(part)
+
+    for part in found.values():
+        place(part)
+    return tuple(ordered)
+
+
+@functools.cache
+def parts() -> InstalledParts:
+    """The installed parts as one `Part`, whose hooks the core calls."""
+    return InstalledParts(installed_parts())
 
 
 def installed(name: str) -> bool:
@@ -207,31 +502,3 @@ def run_inputs() -> tuple[str, ...]:
     return tuple(flag for part in installed_parts() for flag in part.run_inputs)
 
 
-# The core calls a hook point by its name (a field of `Part`) through one of these.
-
-
-def filled(hook: str) -> list[Callable]:
-    """The `hook` of every installed part that fills it, in name order."""
-    return [function for part in installed_parts() if (function := getattr(part, hook)) is not None]
-
-
-def each(hook: str, *args) -> list:
-    """What every installed part's `hook` returns for `args`, in name order."""
-    return [function(*args) for function in filled(hook)]
-
-
-def found(hook: str, *args) -> list:
-    """`each`'s answers that are not None or empty (the text sources, the loaders, the splits the flags chose)."""
-    return [answer for answer in each(hook, *args) if answer]
-
-
-def through(hook: str, value, *args):
-    """`value` passed through every part's `hook` in turn: `value = hook(value, *args)` (a model converted)."""
-    for function in filled(hook):
-        value = function(value, *args)
-    return value
-
-
-def merged(hook: str, *args) -> dict:
-    """The dicts every part's `hook` returns, merged (a later part's value for the same key wins)."""
-    return {key: value for answer in each(hook, *args) for key, value in answer.items()}

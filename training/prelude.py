@@ -17,9 +17,9 @@ import sys
 def before_imports() -> None:
     """train.py's first call, as `__main__`."""
     gc.disable()
-    from training.parts import each
+    from training.parts import parts
 
-    each("before_imports")
+    parts().before_imports()
     if {"-h", "--help"} & set(sys.argv[1:]):
         from training.flags import build_parser
 

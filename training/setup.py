@@ -29,7 +29,7 @@ from training.cpu_accommodations import keep_freed_memory, use_share_of_cores
 from training.errors import ArgumentError, ModelError
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
-from training.parts import ModelRunner, each, filled, found, merged, through
+from training.parts import Flags, Loading, MicroBatchSearch, ModelRunner, Started, Training, parts
 from training.performance import SpeedMeter, parameter_count
 from training.loss import forward_backward as data_parallel_forward_backward
 from training.loss import label_loss_sums
@@ -69,29 +69,30 @@ class Run:
     speed: SpeedMeter
     first_step: int  # the step this launch started from (0, or the resumed checkpoint's: never 0)
     model_args: ModelArguments
-    part_figures: list[Callable[[int], dict]]  # the parts' figures for summary.json, given the steps run
     forward_backward: Callable[[dict, torch.Tensor], torch.Tensor]  # one micro-step: (batch, window targets) -> loss
     ranks_per_batch: int  # ranks that read the same batches (a tensor-parallel group): counted once
 
 
 def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArguments) -> Run:
     """The Accelerator, then the model and data, then `prepare`, then a resumed state and the trackers."""
-    accelerator, strategy, run_description = start_accelerator(model_args, args)
+    accelerator, strategy, run_description = start_accelerator(args)
     resume_path = resolve_resume_path(args.resume_from_checkpoint, args.output_dir, accelerator)
+    started, flags = Started(accelerator, args, resume_path), Flags(model_args, data_args, args)
     if resume_path:
-        each("resuming", accelerator, args, resume_path)  # the parts' hook: settings the checkpoint recorded
+        parts().resuming(started)  # settings the checkpoint recorded
     set_seed(args.seed)  # identical initial weights on every rank and strategy
 
     task = build_task(model_args, data_args)
     with accelerator.main_process_first():  # the main process downloads; the others then read its cache
         raw = task.load_raw_datasets(args.seed)
-    model = build_model(accelerator, task, raw, model_args, args)
+    model = build_model(started, flags, task, raw)
     model_name = task.model_name or type(model).__name__  # a pretrained model or named config, else the class
     check_rebuildable(task)
     num_parameters = parameter_count(model)
     logger.info(f"model {model_name}: {task.describe_model(model)}; {num_parameters:,} parameters", main_process_only=True)
-    model = through("wrap_model", model, accelerator, args)  # a part may lay the model out (layers over GPUs, tp slices) or run it itself
-    # (pipeline stages: a ModelRunner). Several devices: a part split the layers over this process's GPUs
+    # a part may lay the model out (layers over GPUs, tp slices) or run it itself (pipeline stages: a ModelRunner)
+    model = parts().wrap_model(model, started)
+    # several devices: a part split the layers over this process's GPUs
     devices = sorted({p.device for p in model.parameters() if p.device.type == accelerator.device.type}, key=str)
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
     replica_processes, replicas = data_parallel(accelerator.num_processes, args)
@@ -99,9 +100,9 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking in start_accelerator).
     loading = {"collate_fn": task.collator, "num_workers": args.dataloader_num_workers or 0,
                "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda",
-               **merged("loader_settings", args)}  # the parts' (workers on GPUs, workers that ignore stop signals)
+               **parts().loader_settings(args)}  # the parts' (workers on GPUs, workers that ignore stop signals)
     # a part may batch the training set itself (a stream's share: no length, so no epoch length either, 0)
-    if part_loaders := found("train_loader", accelerator, train_set, task, args, loading):
+    if part_loaders := parts().train_loader(Loading(accelerator, args, task, train_set, loading)):
         train_data = part_loaders[0]
         steps_per_epoch, max_steps = 0, args.max_steps
     else:
@@ -111,21 +112,19 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     prepare_training = partial(prepared_for_training, accelerator, task, train_data, eval_set, args, loading, max_steps)
     prepared = prepare_training(model)
     # loss sums of a micro-batch; a part may compute them another way, compile them with the model, or replace them
-    own = found("label_objective", prepared[0], accelerator, task, args)
+    training = Training(accelerator, args, task, strategy, prepared[0])
+    own = parts().label_objective(training)
     if len(own) > 1:
         raise ArgumentError(f"{len(own)} parts' flags each compute the task's loss another way: keep one of them")
-    objective = own[0] if own else partial(label_loss_sums, task)
-    part_figures = []
-    for hook in filled("training_objective"):
-        objective, figures = hook(objective, accelerator, task, strategy, args)
-        part_figures += [figures] if figures else []
+    objective = parts().training_objective(own[0] if own else partial(label_loss_sums, task), training)
     # a part may prepare again for another micro-batch (the search for one that fits)
-    model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = through(
-        "micro_batch", prepared, accelerator, task, objective, train_set, args, prepare_training,
-        partial(training_loader, train_set, seed=args.seed, **loading), bool(resume_path))
+    model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = parts().micro_batch(prepared, MicroBatchSearch(
+        accelerator, args, task, objective, train_set, prepare_training,
+        partial(training_loader, train_set, seed=args.seed, **loading), bool(resume_path)))
     forward_backward = (partial(model.forward_backward, accelerator) if isinstance(model, ModelRunner) else
                         partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
-    part_figures += found("after_prepare", accelerator, model, torch_optimizer, args)  # the parts' hooks (training/parts.py)
+    training = Training(accelerator, args, task, strategy, model, torch_optimizer, replica_processes)
+    parts().after_prepare(training)
     verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
     write_effective_deepspeed_config(accelerator, args.output_dir)
     logger.info(
@@ -135,7 +134,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         main_process_only=True,
     )
 
-    layout = merged("checkpoint_layout", args)  # how the parts cut the model: recorded, and a resume must match it
+    layout = parts().checkpoint_layout(args)  # how the parts cut the model: recorded, and a resume must match it
     launched = config_name(accelerator, strategy)
     state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes, strategy=launched,
                          layout=layout, optim=args.optim, run_id=uuid.uuid4().hex)  # (the main process's is saved)
@@ -166,10 +165,10 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     )
     speed = SpeedMeter(accelerator.device, task.unit, replica_processes,  # ranks that read each batch
                        memory_devices=devices if len(devices) > 1 else None,
-                       figures=found("speed_figures", accelerator, task, replica_processes))  # the parts' (MFU)
+                       figures=parts().speed_figures(training))  # the parts' (MFU)
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                steps_per_epoch, max_steps, model_name,
-               f"{model_name}: {run_description}", num_parameters, speed, state.completed_steps, model_args, part_figures,
+               f"{model_name}: {run_description}", num_parameters, speed, state.completed_steps, model_args,
                forward_backward, replica_processes)
 
 
@@ -186,7 +185,7 @@ def check_rebuildable(task: Task) -> None:
 def data_parallel(processes: int, args: TrainArguments) -> tuple[int, int]:
     """The processes that read each batch (a tensor-parallel group, a pipeline's stages: the parts say), and the
     data-parallel replicas, which read different batches."""
-    per_batch = math.prod(each("processes_per_replica", args))
+    per_batch = math.prod(parts().processes_per_replica(args))
     return per_batch, processes // per_batch
 
 
@@ -225,7 +224,7 @@ def training_loader(dataset, batch_size: int, seed: int, **loading) -> DataLoade
                       **loading)
 
 
-def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple[Accelerator, Strategy, str]:
+def start_accelerator(args: TrainArguments) -> tuple[Accelerator, Strategy, str]:
     """The Accelerator, checked to run the configured strategy; the start-up lines on the main process."""
     accelerator = build_accelerator(
         args,
@@ -244,7 +243,7 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
         ),
         log_with=args.report_to or None,  # TensorBoard writes to output_dir/runs/<run_name>
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "runs")),
-        **merged("accelerator_settings", args),  # the parts' (accelerate's dynamo plugin under --torch_compile)
+        **parts().accelerator_settings(args),  # the parts' (accelerate's dynamo plugin under --torch_compile)
     )
     strategy = verify_strategy(accelerator)
     one_voice(accelerator.is_main_process)  # the other ranks report errors only
@@ -253,17 +252,16 @@ def start_accelerator(model_args: ModelArguments, args: TrainArguments) -> tuple
         run_description += f", {use_share_of_cores(int(os.environ.get('LOCAL_WORLD_SIZE', '1')))}"
         keep_freed_memory()
     logger.info(run_description, main_process_only=True)
-    for line in found("started", accelerator, args):  # the parts' (TF32 on GPUs, the preflight's map of ranks)
+    for line in parts().started(Started(accelerator, args)):  # the parts' (TF32 on GPUs, the preflight's map of ranks)
         logger.info(line, main_process_only=True)
     return accelerator, strategy, run_description
 
 
-def build_model(accelerator: Accelerator, task: Task, raw, model_args: ModelArguments,
-                args: TrainArguments) -> torch.nn.Module:
+def build_model(started: Started, flags: Flags, task: Task, raw) -> torch.nn.Module:
     """The task's model, built without a whole copy per rank where the strategy allows, converted by the
     parts (training/parts.py: kernels, SyncBatchNorm), then adapted by the parts (an adapter)."""
-    with model_construction(accelerator, bool(model_args.model_name_or_path), task.can_build_empty) as empty:
+    with model_construction(started.accelerator, bool(flags.model.model_name_or_path), task.can_build_empty) as empty:
         model = task.build_model(raw, empty)
-    model = through("convert_model", model, accelerator, args)
-    set_seed(args.seed)  # ranks that built the model empty drew no random numbers: every rank goes on level
-    return through("adapt_model", model, model_args, args)  # the parts' (an adapter): after the seed, every rank draws alike
+    model = parts().convert_model(model, started)
+    set_seed(flags.train.seed)  # ranks that built the model empty drew no random numbers: every rank goes on level
+    return parts().adapt_model(model, flags)  # (an adapter): after the seed, every rank draws alike

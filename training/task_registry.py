@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 # The text tasks' shared flags (a part's text task lists them too)
 TEXT_FLAGS = ("tokenizer_name", "config_overrides", "train_file", "validation_file", "sample_prompt")
 CORE_TASKS: dict[str, TaskEntry] = {"causal-lm": TaskEntry("training.tasks:CausalLM", NAMED_CONFIGS, "llama-small",
-                                                           (*TEXT_FLAGS, "text_column", "block_size", "packing"))}
+                                                           (*TEXT_FLAGS, "text_column", "block_size", "packing",
+                                                            "sample_by", "keep_linebreaks"))}
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, d
 from data import TextReading, build_lm_datasets, load_raw_datasets, make_collator
 from models.configs import describe_shape
 from models.language import build_model, build_tokenizer, resolve_block_size
-from training.parts import found
+from training.parts import parts
 from training.loss import IGNORE_INDEX, correct_next_tokens, count_target_tokens, token_loss_sums
 from training.performance import flops_per_token
 
@@ -130,7 +130,7 @@ class CausalLM(Task):
         self.collator = make_collator(self.processor, data_args.packing)
         self.block_size = 0  # the model's maximum unless --block_size; set by build_model
         # a part's source of sequences, if the flags chose one (a stream, pre-tokenised shards; training/parts.py)
-        self.source = next(iter(found("text_source", data_args)), None)
+        self.source = next(iter(parts().text_source(data_args)), None)
 
     def load_raw_datasets(self, seed: int) -> DatasetDict | object:
         """The documents, loaded whole; or what a part's source reads first."""

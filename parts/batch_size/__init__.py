@@ -6,7 +6,7 @@ docs/batch_size.md.
 from dataclasses import dataclass, field
 
 from training.errors import ArgumentError
-from training.parts import Part
+from training.parts import Flags, MicroBatchSearch, Part, Started
 
 
 @dataclass
@@ -17,33 +17,36 @@ class BatchSizeFlags:
                                  "batch, and so the results, stay the same); every rank agrees. DDP and FSDP2."})
 
 
-def check_flags(model_args, data_args, args) -> None:
-    """The search resizes the micro-batch of data-parallel training over a dataset of known examples."""
-    if not args.auto_find_batch_size:
-        return
-    from training.arguments import split_model  # not at import: training/flags.py imports the parts
+class BatchSize(Part):
+    name = "batch_size"
+    description = "the largest micro-batch that fits, the global batch kept (--auto_find_batch_size)"
+    flags = BatchSizeFlags
 
-    if split := split_model(model_args, args) or ("--streaming" if getattr(data_args, "streaming", False) else None):
-        raise ArgumentError(f"--auto_find_batch_size with {split} is not supported; set --per_device_train_batch_size "
-                            "yourself")
+    def check_flags(self, flags: Flags) -> None:
+        """The search resizes the micro-batch of data-parallel training over a dataset of known examples."""
+        if not flags.train.auto_find_batch_size:
+            return
+        from training.arguments import split_model  # not at import: training/flags.py imports the parts
+
+        if split := split_model(flags) or ("--streaming" if getattr(flags.data, "streaming", False) else None):
+            raise ArgumentError(f"--auto_find_batch_size with {split} is not supported; set "
+                                "--per_device_train_batch_size yourself")
+
+    def resuming(self, run: Started) -> None:
+        """A resumed run takes the micro-batch its checkpoint's run found, instead of searching again."""
+        if run.args.auto_find_batch_size:
+            from parts.batch_size.search import take_recorded_micro_batch
+
+            take_recorded_micro_batch(run.accelerator, run.args, run.resume)
+
+    def micro_batch(self, prepared: tuple, search: MicroBatchSearch) -> tuple:
+        """`prepared` for the micro-batch that fits (a resumed run already took its recorded one)."""
+        if not search.args.auto_find_batch_size or search.resumed:
+            return prepared
+        from parts.batch_size.search import fit_micro_batch
+
+        return fit_micro_batch(search.accelerator, search.task, search.objective, search.train_set, search.args,
+                               search.prepare_training, search.loader_for, prepared)
 
 
-def resuming(accelerator, args, checkpoint) -> None:
-    """The micro-batch the checkpoint's run found, instead of searching again."""
-    if args.auto_find_batch_size:
-        from parts.batch_size.search import take_recorded_micro_batch
-
-        take_recorded_micro_batch(accelerator, args, checkpoint)
-
-
-def micro_batch(prepared, accelerator, task, objective, train_set, args, prepare_training, loader_for, resumed):
-    """`prepared` for the micro-batch that fits (a resumed run already took its recorded one)."""
-    if not args.auto_find_batch_size or resumed:
-        return prepared
-    from parts.batch_size.search import fit_micro_batch
-
-    return fit_micro_batch(accelerator, task, objective, train_set, args, prepare_training, loader_for, prepared)
-
-
-PART = Part("batch_size", "the largest micro-batch that fits, the global batch kept (--auto_find_batch_size)",
-            BatchSizeFlags, check_flags=check_flags, resuming=resuming, micro_batch=micro_batch)
+PART = BatchSize()

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from functools import partial
 
-from training.parts import Part
+from training.parts import Flags, Launch, Part, Started, Training
 
 
 @dataclass
@@ -23,51 +23,53 @@ class Bf16ParamFlags:
                 "over the fp32 weights.", "choices": ["float32", "bfloat16"]})
 
 
-def check_flags(model_args, data_args, args) -> None:
-    """Refused where the training step would not run the objective this part wraps, or where it is untested: a model
-    split over stages, devices or tensor-parallel ranks, gradient checkpointing (its recomputed forward runs during
-    the backward, on the fp32 parameters again), distillation (its own objective), and torch.compile."""
-    from training.arguments import clashing_flag
-    from training.errors import ArgumentError
+class Bf16Params(Part):
+    name = "bf16_params"
+    description = "bf16 parameters with fp32 master weights on ddp.yaml and one process (--mixed_precision_param bfloat16)"
+    flags = Bf16ParamFlags
+    after = ("distillation",)  # (refused together: a wrapper of the objective goes after a replacement)
 
-    if args.mixed_precision_param == "float32":
-        return
-    if clash := clashing_flag(model_args, args, "gradient_checkpointing", "torch_compile", "teacher_model_name_or_path"):
-        raise ArgumentError(f"--mixed_precision_param bfloat16 with {clash} is not supported: drop one")
+    def check_flags(self, flags: Flags) -> None:
+        """Refused where the training step would not run the objective this part wraps, or where it is untested: a
+        model split over stages, devices or tensor-parallel ranks, gradient checkpointing (its recomputed forward runs
+        during the backward, on the fp32 parameters again), distillation (its own objective), and torch.compile."""
+        from training.arguments import clashing_flag
+        from training.errors import ArgumentError
+
+        if flags.train.mixed_precision_param == "float32":
+            return
+        if clash := clashing_flag(flags, "gradient_checkpointing", "torch_compile", "teacher_model_name_or_path"):
+            raise ArgumentError(f"--mixed_precision_param bfloat16 with {clash} is not supported: drop one")
+
+    def check_launch(self, launch: Launch) -> None:
+        """Where the flag would change nothing: refused in one line."""
+        from training.errors import StrategyError
+        from training.strategy import Strategy
+
+        if launch.args.mixed_precision_param == "float32":
+            return
+        if launch.strategy not in (Strategy.SINGLE, Strategy.DDP):
+            raise StrategyError(f"--mixed_precision_param bfloat16 is for ddp.yaml and one process: under "
+                                f"{launch.strategy.value} --mixed_precision bf16 already computes on bf16 parameters; "
+                                "drop the flag")
+        if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "bf16":
+            raise StrategyError("--mixed_precision_param bfloat16 needs the launcher's --mixed_precision bf16: add it, "
+                                "or drop the flag")
+
+    def started(self, run: Started) -> str | None:
+        """The start-up line that says the flag took effect."""
+        if run.args.mixed_precision_param == "bfloat16":
+            return "--mixed_precision_param bfloat16: the training step computes on bf16 copies of the fp32 parameters"
+        return None
+
+    def training_objective(self, objective, training: Training):
+        """The micro-step's loss sums computed on bf16 copies of the parameters, under --mixed_precision_param."""
+        if training.args.mixed_precision_param == "float32":
+            return objective
+        from parts.bf16_params.cast import on_bf16_copies
+        from training.strategy_adapters import bare_model
+
+        return on_bf16_copies(objective, partial(bare_model, training.accelerator))
 
 
-def check_launch(args, strategy, processes: int, on_cpu: bool) -> None:
-    """Where the flag would change nothing: refused in one line."""
-    from training.errors import StrategyError
-    from training.strategy import Strategy
-
-    if args.mixed_precision_param == "float32":
-        return
-    if strategy not in (Strategy.SINGLE, Strategy.DDP):
-        raise StrategyError(f"--mixed_precision_param bfloat16 is for ddp.yaml and one process: under {strategy.value} "
-                            "--mixed_precision bf16 already computes on bf16 parameters; drop the flag")
-    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "bf16":
-        raise StrategyError("--mixed_precision_param bfloat16 needs the launcher's --mixed_precision bf16: add it, or "
-                            "drop the flag")
-
-
-def started(accelerator, args) -> str | None:
-    """The start-up line that says the flag took effect."""
-    if args.mixed_precision_param == "bfloat16":
-        return "--mixed_precision_param bfloat16: the training step computes on bf16 copies of the fp32 parameters"
-    return None
-
-
-def training_objective(objective, accelerator, task, strategy, args):
-    """The micro-step's loss sums computed on bf16 copies of the parameters, under --mixed_precision_param."""
-    if args.mixed_precision_param == "float32":
-        return objective, None
-    from parts.bf16_params.cast import on_bf16_copies
-    from training.strategy_adapters import bare_model
-
-    return on_bf16_copies(objective, partial(bare_model, accelerator)), None
-
-
-PART = Part("bf16_params", "bf16 parameters with fp32 master weights on ddp.yaml and one process "
-            "(--mixed_precision_param bfloat16)", Bf16ParamFlags, check_flags=check_flags, check_launch=check_launch,
-            started=started, training_objective=training_objective)
+PART = Bf16Params()

@@ -6,7 +6,7 @@ kept in checkpoints (parts/compression/hooks.py). See docs/compression.md.
 from dataclasses import dataclass, field
 
 from training.errors import ArgumentError
-from training.parts import Part
+from training.parts import Flags, Launch, Part, Training
 
 # accelerate's DDPCommunicationHookType values; "allreduce" is DDP's own all-reduce as a counted hook
 DDP_COMM_HOOKS = ["allreduce", "fp16", "bf16", "power_sgd", "batched_power_sgd"]
@@ -29,50 +29,61 @@ class CompressionFlags:
     )
 
 
-def check_flags(model_args, data_args, args) -> None:
-    """--power_sgd_* set PowerSGD, and PowerSGD needs two plain steps first (torch's rule with error feedback);
-    a model split over processes (pipeline stages) has no DDP buckets to hook."""
-    from training.arguments import flags_set, split_model
+class Compression(Part):
+    name = "compression"
+    description = "DDP gradient compression: fp16, bf16 and PowerSGD hooks, bytes counted (--ddp_comm_hook)"
+    flags = CompressionFlags
+    files = ("docs/compression.png",)
 
-    if args.ddp_comm_hook and (split := split_model(model_args, args)):
-        raise ArgumentError(f"--ddp_comm_hook with {split} is not supported (DDP's gradient buckets are hooked "
-                            "where every process holds the whole model); drop it, or train without the split")
-    if "power_sgd" not in (args.ddp_comm_hook or ""):
-        if given := flags_set(args, ("power_sgd_rank", "power_sgd_start_step")):
-            raise ArgumentError(f"--{given[0]} is for --ddp_comm_hook power_sgd or batched_power_sgd: add one, or drop it")
-    if args.power_sgd_rank < 1 or args.power_sgd_start_step < 2:
-        raise ArgumentError(f"--power_sgd_rank must be >= 1 and --power_sgd_start_step >= 2; got "
-                            f"{args.power_sgd_rank}, {args.power_sgd_start_step}")
+    def __init__(self) -> None:
+        self.traffic = None  # the bytes the hook sent, counted (parts/compression/hooks.py)
+
+    def check_flags(self, flags: Flags) -> None:
+        """--power_sgd_* set PowerSGD, and PowerSGD needs two plain steps first (torch's rule with error feedback);
+        a model split over processes (pipeline stages) has no DDP buckets to hook."""
+        from training.arguments import flags_set, split_model
+
+        args = flags.train
+        if args.ddp_comm_hook and (split := split_model(flags)):
+            raise ArgumentError(f"--ddp_comm_hook with {split} is not supported (DDP's gradient buckets are hooked "
+                                "where every process holds the whole model); drop it, or train without the split")
+        if "power_sgd" not in (args.ddp_comm_hook or ""):
+            if given := flags_set(args, ("power_sgd_rank", "power_sgd_start_step")):
+                raise ArgumentError(f"--{given[0]} is for --ddp_comm_hook power_sgd or batched_power_sgd: add one, or "
+                                    "drop it")
+        if args.power_sgd_rank < 1 or args.power_sgd_start_step < 2:
+            raise ArgumentError(f"--power_sgd_rank must be >= 1 and --power_sgd_start_step >= 2; got "
+                                f"{args.power_sgd_rank}, {args.power_sgd_start_step}")
+
+    def check_launch(self, launch: Launch) -> None:
+        from parts.compression.hooks import check_comm_hook
+
+        check_comm_hook(launch.args.ddp_comm_hook, launch.strategy, launch.processes, launch.on_cpu)
+
+    def ddp_settings(self, launch: Launch) -> dict:
+        """PowerSGD keeps state per gradient bucket, and DDP re-orders its buckets after the first step of every
+        launch (by the order gradients arrived): a resumed run would apply the saved state to other parameters.
+        Looking for unused parameters keeps the buckets in their first order, in every launch. On gloo (CPU)
+        torch's PowerSGD hooks deadlock at the first compressed step once there are two buckets or more
+        (measured, torch 2.13): one bucket holds every gradient there."""
+        if "power_sgd" not in (launch.args.ddp_comm_hook or ""):
+            return {}
+        return {"find_unused_parameters": True, **({"bucket_cap_mb": ONE_BUCKET_MB} if launch.on_cpu else {})}
+
+    def after_prepare(self, training: Training) -> None:
+        """The hook on the prepared DDP model, PowerSGD's state in every checkpoint."""
+        from parts.compression.hooks import keep_power_sgd_state_in_checkpoints, register_comm_hook
+
+        args = training.args
+        self.traffic = register_comm_hook(training.model, args.ddp_comm_hook, args.power_sgd_rank,
+                                          args.power_sgd_start_step)
+        keep_power_sgd_state_in_checkpoints(training.accelerator, training.model)
+
+    def summary(self, steps_run: int) -> dict:
+        """The bytes per step the hook sent."""
+        if self.traffic is None or not steps_run:
+            return {}
+        return {"gradient_allreduce_bytes_per_step": self.traffic.bytes_sent / steps_run}
 
 
-def check_launch(args, strategy, processes: int, on_cpu: bool) -> None:
-    from parts.compression.hooks import check_comm_hook
-
-    check_comm_hook(args.ddp_comm_hook, strategy, processes, on_cpu)
-
-
-def ddp_settings(args, on_cpu: bool) -> dict:
-    """PowerSGD keeps state per gradient bucket, and DDP re-orders its buckets after the first step of every
-    launch (by the order gradients arrived): a resumed run would apply the saved state to other parameters.
-    Looking for unused parameters keeps the buckets in their first order, in every launch. On gloo (CPU)
-    torch's PowerSGD hooks deadlock at the first compressed step once there are two buckets or more
-    (measured, torch 2.13): one bucket holds every gradient there."""
-    if "power_sgd" not in (args.ddp_comm_hook or ""):
-        return {}
-    return {"find_unused_parameters": True, **({"bucket_cap_mb": ONE_BUCKET_MB} if on_cpu else {})}
-
-
-def after_prepare(accelerator, model, optimizer, args):
-    """The hook on the prepared DDP model, PowerSGD's state in every checkpoint; the bytes per step it sent."""
-    from parts.compression.hooks import keep_power_sgd_state_in_checkpoints, register_comm_hook
-
-    traffic = register_comm_hook(model, args.ddp_comm_hook, args.power_sgd_rank, args.power_sgd_start_step)
-    keep_power_sgd_state_in_checkpoints(accelerator, model)
-    if traffic is None:
-        return None
-    return lambda steps_run: {"gradient_allreduce_bytes_per_step": traffic.bytes_sent / steps_run} if steps_run else {}
-
-
-PART = Part("compression", "DDP gradient compression: fp16, bf16 and PowerSGD hooks, bytes counted (--ddp_comm_hook)",
-            CompressionFlags, check_flags=check_flags, check_launch=check_launch, ddp_settings=ddp_settings,
-            after_prepare=after_prepare, files=("docs/compression.png",))
+PART = Compression()

@@ -6,7 +6,7 @@ objective, the teacher's checks, placement and memory plan). See docs/distillati
 from dataclasses import dataclass, field
 
 from training.errors import ArgumentError
-from training.parts import Part
+from training.parts import Flags, Part, Plan, Training
 
 
 @dataclass
@@ -31,52 +31,69 @@ class DistillationFlags:
     )
 
 
-def check_flags(model_args, data_args, args) -> None:
-    """The distillation settings need a teacher, and the teacher a data-parallel layout, which places it as it
-    places the student."""
-    from training.arguments import flags_set, split_model
+class Distillation(Part):
+    name = "distillation"
+    description = "knowledge distillation from a frozen teacher (--teacher_model_name_or_path)"
+    flags = DistillationFlags
+    run_inputs = ("teacher_model_name_or_path",)
+    files = ("docs/distillation.png",)
 
-    if not args.teacher_model_name_or_path:
-        if given := flags_set(args, ("distillation_alpha", "distillation_temperature", "distillation_loss")):
-            raise ArgumentError(f"--{given[0]} is for distillation: add --teacher_model_name_or_path, or drop it")
-        return
-    if not 0 <= args.distillation_alpha <= 1:
-        raise ArgumentError(f"--distillation_alpha weighs the teacher loss against the label loss: it must be in [0, 1], "
-                            f"got {args.distillation_alpha}")
-    if args.distillation_temperature <= 0:
-        raise ArgumentError(f"--distillation_temperature must be > 0, got {args.distillation_temperature}")
-    from training.task_registry import task_entry
+    def __init__(self) -> None:
+        self.teacher_figures = None  # () -> the teacher's bytes per rank, a collective (set with a teacher)
 
-    if task_entry(model_args.task).load().auto_model is None:
-        raise ArgumentError(f"--teacher_model_name_or_path with --task {model_args.task}: the task names no transformers "
-                            "class to load a teacher with (its auto_model); distil a causal LM or an image classifier")
-    if split := split_model(model_args, args):
-        raise ArgumentError(f"--teacher_model_name_or_path with {split} is not supported; distil under a data-parallel "
-                            "config (ddp.yaml, fsdp.yaml or a ZeRO config), which places the teacher as it places the student")
+    def check_flags(self, flags: Flags) -> None:
+        """The distillation settings need a teacher, and the teacher a data-parallel layout, which places it as it
+        places the student."""
+        from training.arguments import flags_set, split_model
+
+        model_args, args = flags.model, flags.train
+        if not args.teacher_model_name_or_path:
+            if given := flags_set(args, ("distillation_alpha", "distillation_temperature", "distillation_loss")):
+                raise ArgumentError(f"--{given[0]} is for distillation: add --teacher_model_name_or_path, or drop it")
+            return
+        if not 0 <= args.distillation_alpha <= 1:
+            raise ArgumentError(f"--distillation_alpha weighs the teacher loss against the label loss: it must be in "
+                                f"[0, 1], got {args.distillation_alpha}")
+        if args.distillation_temperature <= 0:
+            raise ArgumentError(f"--distillation_temperature must be > 0, got {args.distillation_temperature}")
+        from training.task_registry import task_entry
+
+        if task_entry(model_args.task).load().auto_model is None:
+            raise ArgumentError(f"--teacher_model_name_or_path with --task {model_args.task}: the task names no "
+                                "transformers class to load a teacher with (its auto_model); distil a causal LM or an "
+                                "image classifier")
+        if split := split_model(flags):
+            raise ArgumentError(f"--teacher_model_name_or_path with {split} is not supported; distil under a "
+                                "data-parallel config (ddp.yaml, fsdp.yaml or a ZeRO config), which places the teacher "
+                                "as it places the student")
+
+    def training_objective(self, objective, training: Training):
+        """With a teacher, the distillation objective in place of the task's (uncompiled: the teacher may be a
+        DeepSpeed engine)."""
+        args = training.args
+        if not args.teacher_model_name_or_path:
+            return objective
+        from parts.distillation.teacher import build_distillation
+        from training.collectives import max_over_ranks
+
+        distillation, held = build_distillation(training.accelerator, training.task, training.strategy,
+                                                args.teacher_model_name_or_path, args)
+        self.teacher_figures = lambda: max_over_ranks({"parameters": held}, training.accelerator)
+        return distillation.loss_sums
+
+    def summary(self, steps_run: int) -> dict:
+        """The teacher's bytes per rank."""
+        return {"teacher_state_bytes_per_rank": self.teacher_figures()} if self.teacher_figures else {}
+
+    def dry_run_line(self, plan: Plan) -> str | None:
+        """The teacher checked from its config and tokenizer, and its weights per rank planned."""
+        if not plan.args.teacher_model_name_or_path:
+            return None
+        from parts.distillation.teacher import teacher_plan
+
+        held = teacher_plan(plan.task, plan.args.teacher_model_name_or_path, plan.strategy, plan.processes,
+                            plan.compute_dtype.itemsize)
+        return f"teacher:         {held}"
 
 
-def training_objective(objective, accelerator, task, strategy, args):
-    """With a teacher, the distillation objective in place of the task's (uncompiled: the teacher may be a
-    DeepSpeed engine), and the teacher's bytes per rank for summary.json."""
-    if not args.teacher_model_name_or_path:
-        return objective, None
-    from parts.distillation.teacher import build_distillation
-    from training.collectives import max_over_ranks
-
-    distillation, held = build_distillation(accelerator, task, strategy, args.teacher_model_name_or_path, args)
-    return distillation.loss_sums, lambda steps_run: {
-        "teacher_state_bytes_per_rank": max_over_ranks({"parameters": held}, accelerator)}
-
-
-def dry_run_lines(task, model, model_args, args, strategy, processes: int, compute_dtype) -> list[str]:
-    """The teacher checked from its config and tokenizer, and its weights per rank planned."""
-    if not args.teacher_model_name_or_path:
-        return []
-    from parts.distillation.teacher import teacher_plan
-
-    return [f"teacher:         {teacher_plan(task, args.teacher_model_name_or_path, strategy, processes, compute_dtype.itemsize)}"]
-
-
-PART = Part("distillation", "knowledge distillation from a frozen teacher (--teacher_model_name_or_path)",
-            DistillationFlags, run_inputs=("teacher_model_name_or_path",), check_flags=check_flags, training_objective=training_objective,
-            dry_run_lines=dry_run_lines, files=("docs/distillation.png",))
+PART = Distillation()

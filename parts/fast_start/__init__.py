@@ -6,31 +6,30 @@ killed build left behind (build_lock.py), on which every later ZeRO-offload star
 docs/fast_start.md.
 """
 
-from training.parts import Part
+from training.parts import Launch, Part
 
 
-def at_start(strategy, on_cpu: bool) -> None:
-    """Before the Accelerator and DeepSpeed start: DeepSpeed's start-up work that train.py does not use, skipped."""
-    if strategy.value != "deepspeed":
-        return
-    from parts.fast_start.deepspeed import (ask_cpuinfo_once, build_without_debug_symbols, skip_deepspeed_inference_kernel,
-                                            skip_deepspeed_muon_check)
+class FastStart(Part):
+    name = "fast_start"
+    description = ("DeepSpeed's start-up work that train.py never uses, skipped (seconds per rank per start); a CPU "
+                   "Adam build lock left by a killed build, released")
 
-    skip_deepspeed_muon_check()
-    if on_cpu:
-        skip_deepspeed_inference_kernel()
-    ask_cpuinfo_once()
-    build_without_debug_symbols()
+    def at_start(self, launch: Launch) -> None:
+        """Before the Accelerator and DeepSpeed start (and before DeepSpeed's CPU Adam compiles or loads): DeepSpeed's
+        start-up work that train.py does not use, skipped, and a CPU Adam build's lock file left by a build killed
+        while it held it, removed (torch would wait on it forever, at every later offload start)."""
+        if launch.strategy.value != "deepspeed":
+            return
+        from parts.fast_start.build_lock import release_abandoned_build_lock
+        from parts.fast_start.deepspeed import (ask_cpuinfo_once, build_without_debug_symbols,
+                                                skip_deepspeed_inference_kernel, skip_deepspeed_muon_check)
+
+        skip_deepspeed_muon_check()
+        if launch.on_cpu:
+            skip_deepspeed_inference_kernel()
+        ask_cpuinfo_once()
+        build_without_debug_symbols()
+        release_abandoned_build_lock("cpu_adam")
 
 
-def building_extension(name: str) -> None:
-    """Before DeepSpeed's CPU Adam compiles or loads: a lock file left by a build killed while it held it is removed
-    (torch would wait on it forever, at every later offload start)."""
-    from parts.fast_start.build_lock import release_abandoned_build_lock
-
-    release_abandoned_build_lock(name)
-
-
-PART = Part("fast_start", "DeepSpeed's start-up work that train.py never uses, skipped (seconds per rank per start); "
-            "a CPU Adam build lock left by a killed build, released", at_start=at_start,
-            building_extension=building_extension)
+PART = FastStart()

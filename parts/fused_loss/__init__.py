@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from training.parts import Part
+from training.parts import Flags, Part, Plan, Started, Training
 
 
 @dataclass
@@ -19,18 +19,6 @@ class FusedLossFlags:
         "help": "The causal LM's training loss computed from the last hidden states in chunks, with the output "
                 "layer: the logits are never made (torch's F.linear_cross_entropy; Liger's kernel with "
                 "--use_liger_kernel). Evaluation still computes the logits."})
-
-
-def check_flags(model_args, data_args, args) -> None:
-    """Refused where the training step computes its loss another way: torch.compile's graph (which fuses the loss
-    itself), distillation's objective, a model split over stages, devices or tensor-parallel ranks."""
-    from training.arguments import clashing_flag
-    from training.errors import ArgumentError
-
-    if not args.fused_linear_cross_entropy:
-        return
-    if clash := clashing_flag(model_args, args, "torch_compile", "teacher_model_name_or_path"):
-        raise ArgumentError(f"--fused_linear_cross_entropy with {clash} is not supported: drop one")
 
 
 def output_layer(task, module):
@@ -67,33 +55,45 @@ def loss_kernel(args) -> tuple[Callable, str]:
     return torch_kernel, f"torch's F.linear_cross_entropy, {CHUNK_ROWS} tokens per chunk"
 
 
-def label_objective(model, accelerator, task, args):
-    """The task's loss sums computed by the model's output layer, under --fused_linear_cross_entropy."""
-    if not args.fused_linear_cross_entropy:
-        return None
-    from parts.fused_loss.head import LossHead
-    from training.strategy_adapters import bare_model
+class FusedLoss(Part):
+    name = "fused_loss"
+    description = "the causal LM's loss fused with its output layer, no logits (--fused_linear_cross_entropy)"
+    flags = FusedLossFlags
 
-    head = LossHead(output_layer(task, bare_model(accelerator, model)), loss_kernel(args)[0])
-    return partial(head.loss_sums, task)
+    def check_flags(self, flags: Flags) -> None:
+        """Refused where the training step computes its loss another way: torch.compile's graph (which fuses the
+        loss itself), distillation's objective, a model split over stages, devices or tensor-parallel ranks."""
+        from training.arguments import clashing_flag
+        from training.errors import ArgumentError
+
+        if not flags.train.fused_linear_cross_entropy:
+            return
+        if clash := clashing_flag(flags, "torch_compile", "teacher_model_name_or_path"):
+            raise ArgumentError(f"--fused_linear_cross_entropy with {clash} is not supported: drop one")
+
+    def started(self, run: Started) -> str | None:
+        """The start-up line that says the flag took effect."""
+        if not run.args.fused_linear_cross_entropy:
+            return None
+        kernel = loss_kernel(run.args)[1]
+        return f"--fused_linear_cross_entropy: the training loss is computed with the output layer ({kernel}); no logits"
+
+    def label_objective(self, training: Training):
+        """The task's loss sums computed by the model's output layer, under --fused_linear_cross_entropy."""
+        if not training.args.fused_linear_cross_entropy:
+            return None
+        from parts.fused_loss.head import LossHead
+        from training.strategy_adapters import bare_model
+
+        layer = output_layer(training.task, bare_model(training.accelerator, training.model))
+        return partial(LossHead(layer, loss_kernel(training.args)[0]).loss_sums, training.task)
+
+    def dry_run_line(self, plan: Plan) -> str | None:
+        """The same refusals as a run's, and what computes the loss."""
+        if not plan.args.fused_linear_cross_entropy:
+            return None
+        output_layer(plan.task, plan.model)
+        return f"loss:            fused with the output layer ({loss_kernel(plan.args)[1]}); no logits"
 
 
-def dry_run_lines(task, model, model_args, args, strategy, processes: int, compute_dtype) -> list[str]:
-    """The same refusals as a run's, and what computes the loss."""
-    if not args.fused_linear_cross_entropy:
-        return []
-    output_layer(task, model)
-    return [f"loss:            fused with the output layer ({loss_kernel(args)[1]}); no logits"]
-
-
-def started(accelerator, args) -> str | None:
-    """The start-up line that says the flag took effect."""
-    if not args.fused_linear_cross_entropy:
-        return None
-    kernel = loss_kernel(args)[1]
-    return f"--fused_linear_cross_entropy: the training loss is computed with the output layer ({kernel}); no logits"
-
-
-PART = Part("fused_loss", "the causal LM's loss fused with its output layer, no logits (--fused_linear_cross_entropy)",
-            FusedLossFlags, check_flags=check_flags, label_objective=label_objective, started=started,
-            dry_run_lines=dry_run_lines)
+PART = FusedLoss()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from parts.images.configs import IMAGE_CONFIGS
 from training.errors import ArgumentError
-from training.parts import Part, TaskEntry
+from training.parts import Flags, Part, TaskEntry
 
 
 @dataclass
@@ -28,21 +28,25 @@ class ImageFlags:
         "help": "Images: replace a pretrained classification head made for other labels."})
 
 
-def check_flags(model_args, data_args, args) -> None:
-    """One source of images, and a size only where the model is built here."""
-    if data_args.dataset_name and data_args.train_dir:
-        raise ArgumentError("--dataset_name and --train_dir exclude each other; give one")
-    if data_args.image_size is not None and (data_args.image_size < 8 or model_args.model_name_or_path):
-        raise ArgumentError(f"--image_size {data_args.image_size}: at least 8 pixels, and only for --model_config models "
-                            "(a pretrained model's processor keeps the size it was trained at)")
-    if data_args.validation_dir and not data_args.train_dir:
-        raise ArgumentError("--validation_dir needs --train_dir")
+class Images(Part):
+    name = "images"
+    description = "image classification: ResNets or any pretrained image classifier (--task image-classification)"
+    data_flags = ImageFlags
+    run_inputs = ("train_dir", "validation_dir")
+    tasks = {"image-classification": TaskEntry("parts.images.task:ImageClassification", IMAGE_CONFIGS, "resnet-tiny",
+                                               ("train_dir", "validation_dir", "image_column", "label_column",
+                                                "image_size", "ignore_mismatched_sizes"))}
+
+    def check_flags(self, flags: Flags) -> None:
+        """One source of images, and a size only where the model is built here."""
+        data = flags.data
+        if data.dataset_name and data.train_dir:
+            raise ArgumentError("--dataset_name and --train_dir exclude each other; give one")
+        if data.image_size is not None and (data.image_size < 8 or flags.model.model_name_or_path):
+            raise ArgumentError(f"--image_size {data.image_size}: at least 8 pixels, and only for --model_config models "
+                                "(a pretrained model's processor keeps the size it was trained at)")
+        if data.validation_dir and not data.train_dir:
+            raise ArgumentError("--validation_dir needs --train_dir")
 
 
-PART = Part(
-    "images", "image classification: ResNets or any pretrained image classifier (--task image-classification)",
-    data_flags=ImageFlags, run_inputs=("train_dir", "validation_dir"), check_flags=check_flags,
-    tasks={"image-classification": TaskEntry("parts.images.task:ImageClassification", IMAGE_CONFIGS, "resnet-tiny",
-                                             ("train_dir", "validation_dir", "image_column", "label_column",
-                                              "image_size", "ignore_mismatched_sizes"))},
-)
+PART = Images()

@@ -5,7 +5,7 @@
 from dataclasses import dataclass, field
 
 from training.errors import ArgumentError
-from training.parts import Part
+from training.parts import Flags, Part, Started
 
 DEVICE_MAPS = ["auto", "balanced", "balanced_low_0", "sequential"]  # "auto" is "balanced", as in transformers
 
@@ -19,33 +19,36 @@ class LayerSplitFlags:
     )
 
 
-def check_flags(model_args, data_args, args) -> None:
-    """One process owns the GPUs it splits the model over: the launch is single.yaml's."""
-    from training.strategy import Strategy, requested_strategy
+class LayerSplit(Part):
+    name = "layer_split"
+    description = "one process's model split layer-wise over its GPUs (--device_map)"
+    flags = LayerSplitFlags
 
-    if args.device_map and requested_strategy() is not Strategy.SINGLE:
-        raise ArgumentError(
-            f"--device_map splits one model over the GPUs of one process, but the launch asked for "
-            f"{requested_strategy().value}; use --config_file accelerate_configs/single.yaml (or FSDP2/ZeRO-3 to shard)"
-        )
+    def check_flags(self, flags: Flags) -> None:
+        """One process owns the GPUs it splits the model over: the launch is single.yaml's."""
+        from training.strategy import Strategy, requested_strategy
 
+        if flags.train.device_map and requested_strategy() is not Strategy.SINGLE:
+            raise ArgumentError(
+                f"--device_map splits one model over the GPUs of one process, but the launch asked for "
+                f"{requested_strategy().value}; use --config_file accelerate_configs/single.yaml (or FSDP2/ZeRO-3 to "
+                "shard)"
+            )
 
-def model_split(model_args, args) -> str | None:
-    return "--device_map" if args.device_map else None
+    def model_split(self, flags: Flags) -> str | None:
+        return "--device_map" if flags.train.device_map else None
 
+    def wrap_model(self, model, run: Started):
+        """The model's layers placed over this process's GPUs, under --device_map."""
+        if not run.args.device_map:
+            return model
+        from accelerate.logging import get_logger
 
-def wrap_model(model, accelerator, args):
-    """The model's layers placed over this process's GPUs, under --device_map."""
-    if not args.device_map:
+        from parts.layer_split.split import split_layers
+
+        model, note = split_layers(model, run.args.device_map)
+        get_logger(__name__).info(note, main_process_only=True)
         return model
-    from accelerate.logging import get_logger
-
-    from parts.layer_split.split import split_layers
-
-    model, note = split_layers(model, args.device_map)
-    get_logger(__name__).info(note, main_process_only=True)
-    return model
 
 
-PART = Part("layer_split", "one process's model split layer-wise over its GPUs (--device_map)", LayerSplitFlags,
-            check_flags=check_flags, model_split=model_split, wrap_model=wrap_model)
+PART = LayerSplit()

@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 
 from training.errors import ArgumentError
-from training.parts import Part
+from training.parts import Finished, Flags, Part
 
 
 @dataclass
@@ -39,49 +39,54 @@ class LoraFlags:
 FLAGS = tuple(f.name for f in fields(LoraFlags))  # --use_peft first
 
 
-def check_flags(model_args, data_args, args) -> None:
-    """LoRA adapts a pretrained language model, in one process per device group; its flags need --use_peft."""
-    from training.arguments import flags_set, split_model  # not at import: training/flags.py imports the parts
+class Lora(Part):
+    name = "lora"
+    description = "LoRA and DoRA adapters through peft, exported alone or merged (--use_peft)"
+    model_flags = LoraFlags
+    task_flags = {"causal-lm": FLAGS, "sft": FLAGS}  # the models peft adapts here (CAUSAL_LM)
+    files = ("tests/test_fine_tuning.py",)
+    requirements = ("peft",)
 
-    if not model_args.use_peft:
-        if given := flags_set(model_args, FLAGS[1:]):  # the adapter's settings
-            raise ArgumentError(f"--{given[0]} is for adapters: add --use_peft, or drop it")
-        return
-    if not model_args.model_name_or_path:
-        raise ArgumentError("--use_peft trains an adapter on a pretrained model's frozen weights: give "
-                            "--model_name_or_path (a Hub id or a directory), or drop --use_peft to train every weight")
-    if split := split_model(model_args, args):
-        raise ArgumentError(f"--use_peft with {split} is not supported; train the adapter with a data-parallel "
-                            "config instead (ddp.yaml, fsdp.yaml or a ZeRO config)")
-    if model_args.lora_r < 1 or model_args.lora_alpha <= 0 or not 0 <= model_args.lora_dropout < 1:
-        raise ArgumentError(f"--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1); got "
-                            f"{model_args.lora_r}, {model_args.lora_alpha}, {model_args.lora_dropout}")
+    def check_flags(self, flags: Flags) -> None:
+        """LoRA adapts a pretrained language model, in one process per device group; its flags need --use_peft."""
+        from training.arguments import flags_set, split_model  # not at import: training/flags.py imports the parts
 
+        model_args = flags.model
+        if not model_args.use_peft:
+            if given := flags_set(model_args, FLAGS[1:]):  # the adapter's settings
+                raise ArgumentError(f"--{given[0]} is for adapters: add --use_peft, or drop it")
+            return
+        if not model_args.model_name_or_path:
+            raise ArgumentError("--use_peft trains an adapter on a pretrained model's frozen weights: give "
+                                "--model_name_or_path (a Hub id or a directory), or drop --use_peft to train every weight")
+        if split := split_model(flags):
+            raise ArgumentError(f"--use_peft with {split} is not supported; train the adapter with a data-parallel "
+                                "config instead (ddp.yaml, fsdp.yaml or a ZeRO config)")
+        if model_args.lora_r < 1 or model_args.lora_alpha <= 0 or not 0 <= model_args.lora_dropout < 1:
+            raise ArgumentError(f"--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1); got "
+                                f"{model_args.lora_r}, {model_args.lora_alpha}, {model_args.lora_dropout}")
 
-def adapt_model(model, model_args, args):
-    """The model frozen with a fresh adapter under --use_peft (after the seed: every rank draws the same)."""
-    if not model_args.use_peft:
+    def adapt_model(self, model, flags: Flags):
+        """The model frozen with a fresh adapter under --use_peft (after the seed: every rank draws the same)."""
+        if not flags.model.use_peft:
+            return model
+        from parts.lora.adapters import add_adapter, trainable_summary
+
+        # peft 0.21 reads transformers 5.23's deprecated `is_gradient_checkpointing` as it wraps a model (3 per run)
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = add_adapter(model, flags.model)
+        if os.environ.get("RANK", "0") == "0":  # the main process (the dry run has no Accelerator to ask)
+            logging.getLogger(__name__).info(trainable_summary(model))
         return model
-    from parts.lora.adapters import add_adapter, trainable_summary
 
-    # peft 0.21 reads transformers 5.23's deprecated `is_gradient_checkpointing` as it wraps a model (3 per LoRA run)
-    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    def after_export(self, finished: Finished) -> None:
+        """--merge_adapter: from the files just written, with plain peft (what a user would load), final/merged."""
+        model_args = finished.model_args
+        if model_args.use_peft and model_args.merge_adapter:
+            from parts.lora.adapters import merge_adapter
 
-    model = add_adapter(model, model_args)
-    if os.environ.get("RANK", "0") == "0":  # the main process (the dry run has no Accelerator to ask)
-        logging.getLogger(__name__).info(trainable_summary(model))
-    return model
-
-
-def after_export(final_dir, processor, model_args, args) -> None:
-    """--merge_adapter: from the files just written, with plain peft (what a user would load), final/merged."""
-    if model_args.use_peft and model_args.merge_adapter:
-        from parts.lora.adapters import merge_adapter
-
-        processor.save_pretrained(merge_adapter(model_args.model_name_or_path, final_dir, model_args.trust_remote_code))
+            merged = merge_adapter(model_args.model_name_or_path, finished.final_dir, model_args.trust_remote_code)
+            finished.processor.save_pretrained(merged)
 
 
-PART = Part("lora", "LoRA and DoRA adapters through peft, exported alone or merged (--use_peft)",
-            model_flags=LoraFlags, task_flags={"causal-lm": FLAGS, "sft": FLAGS},  # the models peft adapts here (CAUSAL_LM)
-            check_flags=check_flags, adapt_model=adapt_model, after_export=after_export,
-            files=("tests/test_fine_tuning.py",), requirements=("peft",))
+PART = Lora()

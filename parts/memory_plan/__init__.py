@@ -4,24 +4,38 @@ and names the one to launch, `--dry_run` prints the memory of the launch as conf
 holds the model state each rank held (measured.py). See docs/memory_plan.md.
 """
 
-from training.parts import Part
+from training.parts import Part, Plan, Training
 
 
-def after_prepare(accelerator, model, optimizer, args):
-    """The model state this rank holds, measured at the second optimizer step, for summary.json."""
-    from parts.memory_plan.measured import held_gradients, model_state_probe
-    from training.collectives import max_over_ranks
+class MemoryPlan(Part):
+    name = "memory_plan"
+    description = ("memory per GPU planned before launch: which config fits (scripts/plan_memory.py), and the dry run's "
+                   "memory line; the model state each rank holds, measured (summary.json)")
+    files = ("scripts/plan_memory.py",)
 
-    measured = model_state_probe(model, optimizer, lambda: held_gradients(model))
-    return lambda steps_run: {"model_state_bytes_per_rank": max_over_ranks(measured, accelerator)}
+    def __init__(self) -> None:
+        self.measured = None  # the model state this rank holds, measured at the second optimizer step
+        self.accelerator = None
+
+    def after_prepare(self, training: Training) -> None:
+        """The model state this rank holds, measured at the second optimizer step."""
+        from parts.memory_plan.measured import held_gradients, model_state_probe
+
+        self.measured = model_state_probe(training.model, training.optimizer, lambda: held_gradients(training.model))
+        self.accelerator = training.accelerator
+
+    def summary(self, steps_run: int) -> dict:
+        """The model state held per rank, the most over the ranks (a collective)."""
+        if self.measured is None:
+            return {}
+        from training.collectives import max_over_ranks
+
+        return {"model_state_bytes_per_rank": max_over_ranks(self.measured, self.accelerator)}
+
+    def dry_run_line(self, plan: Plan) -> str:
+        from parts.memory_plan.planner import launch_memory
+
+        return f"memory/rank:     {launch_memory(plan)}"
 
 
-def dry_run_lines(task, model, model_args, args, strategy, processes: int, compute_dtype) -> list[str]:
-    from parts.memory_plan.planner import launch_memory
-
-    return [f"memory/rank:     {launch_memory(task, model, model_args, args, strategy, processes, compute_dtype)}"]
-
-
-PART = Part("memory_plan", "memory per GPU planned before launch: which config fits (scripts/plan_memory.py), and "
-            "the dry run's memory line; the model state each rank holds, measured (summary.json)",
-            after_prepare=after_prepare, dry_run_lines=dry_run_lines, files=("scripts/plan_memory.py",))
+PART = MemoryPlan()

@@ -45,7 +45,7 @@ import yaml
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from training.loss import token_loss_sums
-from training.parts import found
+from training.parts import Plan, parts
 from training.performance import parameter_count
 from training.strategy import Strategy
 
@@ -305,14 +305,14 @@ def launched_layout(strategy: Strategy) -> Layout:
     return Layout("launched", strategy.value)
 
 
-def launch_memory(task, model: torch.nn.Module, model_args, args, strategy: Strategy, processes: int,
-                  compute_dtype: torch.dtype) -> str:
+def launch_memory(plan: Plan) -> str:
     """The dry run's memory line: model state per rank for this launch, and for a causal LM activations and
     working buffers (estimates)."""
-    layout = launched_layout(strategy)
+    task, model, model_args, args, compute_dtype = plan.task, plan.model, plan.model_args, plan.args, plan.compute_dtype
+    layout = launched_layout(plan.strategy)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    held = next(iter(found("held_parameters", model, args)), None) or parameter_count(model)  # a part may cut the model
-    state = model_state(layout, held, processes, compute_dtype.itemsize, trainable * held // parameter_count(model))
+    held = next(iter(parts().held_parameters(plan)), None) or parameter_count(model)  # a part may cut the model
+    state = model_state(layout, held, plan.processes, compute_dtype.itemsize, trainable * held // parameter_count(model))
     memory = (f"model state {(state['parameters'] + state['gradients'] + state['optimizer']) / MIB:,.1f} MiB "
               f"(parameters {state['parameters'] / MIB:,.1f}, gradients {state['gradients'] / MIB:,.1f}, "
               f"optimizer {state['optimizer'] / MIB:,.1f}; {state['offloaded'] / MIB:,.1f} of it in CPU memory)")

@@ -6,7 +6,7 @@ their own micro-steps, clipping, evaluation and export. See docs/pipeline.md.
 
 from dataclasses import dataclass, field
 
-from training.parts import Part
+from training.parts import Flags, Launch, Part, Plan, Started
 
 
 @dataclass
@@ -32,64 +32,62 @@ def pipelined(args) -> bool:
     return args.pipeline_parallel_size > 1
 
 
-def check_flags(model_args, data_args, args) -> None:
-    from parts.pipeline.layout import check_pipeline_flags
+class Pipeline(Part):
+    name = "pipeline"
+    description = "pipeline stages run by torch's schedules (--pipeline_parallel_size)"
+    flags = PipelineFlags
+    files = ("docs/pipeline.png",)
 
-    check_pipeline_flags(model_args, data_args, args)
+    def check_flags(self, flags: Flags) -> None:
+        from parts.pipeline.layout import check_pipeline_flags
+
+        check_pipeline_flags(flags.model, flags.data, flags.train)
+
+    def check_launch(self, launch: Launch) -> None:
+        from parts.pipeline.layout import check_pipeline_launch
+
+        check_pipeline_launch(launch.args, launch.strategy, launch.processes)
+
+    def model_split(self, flags: Flags) -> str | None:
+        return "--pipeline_parallel_size" if pipelined(flags.train) else None
+
+    def processes_per_replica(self, args) -> int:
+        """A pipeline's processes read the same batches: one replica is `--pipeline_parallel_size` processes."""
+        return args.pipeline_parallel_size
+
+    def wrap_model(self, model, run: Started):
+        """This process's stages of the model, in its place, when pipelined."""
+        if not pipelined(run.args):
+            return model
+        from parts.pipeline.schedule import StageModules
+
+        return StageModules(run.accelerator, model, run.args)
+
+    def checkpoint_layout(self, args) -> dict[str, int]:
+        """The stages, and how many each process holds where more than one (each process saves its own optimizer)."""
+        from parts.pipeline.layout import STAGES_PER_PROCESS, stage_count
+
+        if not pipelined(args):
+            return {}
+        per_process = STAGES_PER_PROCESS.get(args.pipeline_schedule, 1)
+        return {"pipeline_stages": stage_count(args)} | ({"pipeline_stages_per_process": per_process}
+                                                         if per_process > 1 else {})
+
+    def held_parameters(self, plan: Plan) -> int | None:
+        if not pipelined(plan.args):
+            return None
+        from parts.pipeline.layout import parameters_per_process
+
+        return parameters_per_process(plan.model, plan.args)
+
+    def dry_run_line(self, plan: Plan) -> str | None:
+        args = plan.args
+        if not pipelined(args):
+            return None
+        from parts.pipeline.layout import stage_count
+
+        return (f"pipeline:        {stage_count(args)} pipeline stages ({args.pipeline_schedule}, "
+                f"{args.pipeline_microbatches} micro-batches) over {args.pipeline_parallel_size} processes per replica")
 
 
-def check_launch(args, strategy, processes: int, on_cpu: bool) -> None:
-    from parts.pipeline.layout import check_pipeline_launch
-
-    check_pipeline_launch(args, strategy, processes)
-
-
-def model_split(model_args, args) -> str | None:
-    return "--pipeline_parallel_size" if pipelined(args) else None
-
-
-def processes_per_replica(args) -> int:
-    """A pipeline's processes read the same batches: one replica is `--pipeline_parallel_size` processes."""
-    return args.pipeline_parallel_size
-
-
-def wrap_model(model, accelerator, args):
-    """This process's stages of the model, in its place, when pipelined."""
-    if not pipelined(args):
-        return model
-    from parts.pipeline.schedule import StageModules
-
-    return StageModules(accelerator, model, args)
-
-
-def checkpoint_layout(args) -> dict[str, int]:
-    """The stages, and how many each process holds where more than one (each process saves its own optimizer)."""
-    from parts.pipeline.layout import STAGES_PER_PROCESS, stage_count
-
-    if not pipelined(args):
-        return {}
-    per_process = STAGES_PER_PROCESS.get(args.pipeline_schedule, 1)
-    return {"pipeline_stages": stage_count(args)} | ({"pipeline_stages_per_process": per_process} if per_process > 1 else {})
-
-
-def held_parameters(model, args) -> int | None:
-    if not pipelined(args):
-        return None
-    from parts.pipeline.layout import parameters_per_process
-
-    return parameters_per_process(model, args)
-
-
-def dry_run_lines(task, model, model_args, args, strategy, processes: int, compute_dtype) -> list[str]:
-    if not pipelined(args):
-        return []
-    from parts.pipeline.layout import stage_count
-
-    return [f"pipeline:        {stage_count(args)} pipeline stages ({args.pipeline_schedule}, "
-            f"{args.pipeline_microbatches} micro-batches) over {args.pipeline_parallel_size} processes per replica"]
-
-
-PART = Part("pipeline", "pipeline stages run by torch's schedules (--pipeline_parallel_size)", PipelineFlags,
-            check_flags=check_flags, check_launch=check_launch, model_split=model_split,
-            processes_per_replica=processes_per_replica, wrap_model=wrap_model, checkpoint_layout=checkpoint_layout,
-            held_parameters=held_parameters, dry_run_lines=dry_run_lines, files=("docs/pipeline.png",))
+PART = Pipeline()

@@ -12,7 +12,7 @@ from torch import nn
 from parts.pipeline import pipelined
 from parts.pipeline.stages import split_into_stages
 from training.errors import ArgumentError, StrategyError
-from training.parts import found as parts_found
+from training.parts import Flags, parts
 from training.strategy import Strategy
 
 SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
@@ -46,7 +46,7 @@ def check_pipeline_flags(model_args, data_args, args) -> None:
                    "--task sft": model_args.task == "sft", "--packing false": not data_args.packing,
                    "--torch_compile": getattr(args, "torch_compile", False),
                    "--gradient_checkpointing": model_args.gradient_checkpointing}
-    found = [split for split in parts_found("model_split", model_args, args) if split != "--pipeline_parallel_size"]
+    found = [split for split in parts().model_split(Flags(model_args, data_args, args)) if split != "--pipeline_parallel_size"]
     if found := found + [flag for flag, used in unsupported.items() if used]:
         raise ArgumentError(f"{', '.join(found)} with --pipeline_parallel_size is not supported (stages exchange "
                             "fixed-shape activations of whole models); drop it, or train without pipeline stages")

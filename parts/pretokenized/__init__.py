@@ -5,19 +5,12 @@ memory-mapped by every rank of every node. `shards.py` holds the format and its 
 from dataclasses import dataclass, field
 
 from training.errors import ArgumentError
-from training.parts import Part, TextSource
+from training.parts import Flags, Part, TextSource
 
 
 @dataclass
 class PretokenizedFlags:
     dataset_path: str | None = field(default=None, metadata={"help": "Pre-tokenised shards from scripts/prepare_data.py."})
-
-
-def check_flags(model_args, data_args, args) -> None:
-    if not data_args.dataset_path:
-        return
-    if data_args.dataset_name or data_args.train_file:
-        raise ArgumentError("--dataset_path trains on shards already tokenised: drop --dataset_name/--train_file")
 
 
 class ShardSource(TextSource):
@@ -42,10 +35,21 @@ class ShardSource(TextSource):
         return load_shards(self.data_args.dataset_path, tokenizer, block_size, self.data_args.packing)
 
 
-def text_source(data_args) -> TextSource | None:
-    return ShardSource(data_args) if data_args.dataset_path else None
+class Pretokenized(Part):
+    name = "pretokenized"
+    description = "shards tokenised once by scripts/prepare_data.py, memory-mapped by every rank (--dataset_path)"
+    data_flags = PretokenizedFlags
+    task_flags = {"causal-lm": ("dataset_path",)}
+    run_inputs = ("dataset_path",)
+    files = ("scripts/prepare_data.py",)
+
+    def check_flags(self, flags: Flags) -> None:
+        data = flags.data
+        if data.dataset_path and (data.dataset_name or data.train_file):
+            raise ArgumentError("--dataset_path trains on shards already tokenised: drop --dataset_name/--train_file")
+
+    def text_source(self, data) -> TextSource | None:
+        return ShardSource(data) if data.dataset_path else None
 
 
-PART = Part("pretokenized", "shards tokenised once by scripts/prepare_data.py, memory-mapped by every rank (--dataset_path)",
-            data_flags=PretokenizedFlags, task_flags={"causal-lm": ("dataset_path",)}, run_inputs=("dataset_path",), check_flags=check_flags, text_source=text_source,
-            files=("scripts/prepare_data.py",))
+PART = Pretokenized()

@@ -4,7 +4,7 @@
 
 from dataclasses import dataclass, field
 
-from training.parts import Part
+from training.parts import Finished, Part
 
 
 @dataclass
@@ -16,13 +16,18 @@ class ReportFlags:
     )
 
 
-def run_ended(args, title: str) -> None:
-    """Draw the report from metrics.jsonl (main process, the trackers flushed)."""
-    if args.report_png:
-        from parts.report.drawing import write_report
+class Report(Part):
+    name = "report"
+    description = "report.png: loss, learning rate, throughput, gradient norm and every evaluation metric against the step"
+    flags = ReportFlags
+    files = ("docs/report.png",)
 
-        write_report(args.output_dir, title)
+    def run_ended(self, finished: Finished) -> None:
+        """Draw the report from metrics.jsonl (main process, the trackers flushed)."""
+        if finished.args.report_png:
+            from parts.report.drawing import write_report
+
+            write_report(finished.args.output_dir, finished.title)
 
 
-PART = Part("report", "report.png: loss, learning rate, throughput, gradient norm and every evaluation metric against "
-            "the step", ReportFlags, run_ended=run_ended, files=("docs/report.png",))
+PART = Report()

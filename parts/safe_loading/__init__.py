@@ -3,15 +3,18 @@
 files with full unpickling, FSDP2's metadata with plain pickle. See docs/safe_loading.md.
 """
 
-from training.parts import Part
+from training.parts import CheckpointLoad, Part
 
 
-def loading_checkpoint(checkpoint, deepspeed: bool):
-    """The context a resume loads `checkpoint` in: its DCP metadata checked, then weights-only torch.load."""
-    from parts.safe_loading.unpickling import safe_unpickling
+class SafeLoading(Part):
+    name = "safe_loading"
+    description = "checkpoints unpickled against an allow-list: a tampered one runs no code"
 
-    return safe_unpickling(checkpoint, deepspeed)
+    def loading_checkpoint(self, checkpoint: CheckpointLoad):
+        """The context a resume loads the checkpoint in: its DCP metadata checked, then weights-only torch.load."""
+        from parts.safe_loading.unpickling import safe_unpickling
+
+        return safe_unpickling(checkpoint.path, checkpoint.deepspeed)
 
 
-PART = Part("safe_loading", "checkpoints unpickled against an allow-list: a tampered one runs no code",
-            loading_checkpoint=loading_checkpoint)
+PART = SafeLoading()

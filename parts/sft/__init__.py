@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from models.configs import NAMED_CONFIGS
 from training.errors import ArgumentError
-from training.parts import Part, TaskEntry
+from training.parts import Flags, Part, TaskEntry
 from training.task_registry import TEXT_FLAGS
 
 
@@ -37,18 +37,22 @@ class SftFlags:
     )
 
 
-def check_flags(model_args, data_args, args) -> None:
-    if data_args.max_length is not None and data_args.max_length < 2:
-        raise ArgumentError(f"--max_length must be at least 2, got {data_args.max_length}")
-    if data_args.eval_generation_samples < 0:
-        raise ArgumentError(f"--eval_generation_samples must be >= 0, got {data_args.eval_generation_samples}")
+class Sft(Part):
+    name = "sft"
+    description = "supervised fine-tuning on chat or instruction data, the loss on the answers (--task sft)"
+    data_flags = SftFlags
+    run_inputs = ("chat_template",)
+    tasks = {"sft": TaskEntry("parts.sft.task:SupervisedFineTuning", NAMED_CONFIGS, "llama-small",
+                              (*TEXT_FLAGS, "chat_template", "assistant_only_loss", "completion_only_loss", "max_length",
+                               "truncation_mode", "eval_generation_samples"),
+                              data_columns=(frozenset({"messages"}), frozenset({"prompt", "completion"})))}
+
+    def check_flags(self, flags: Flags) -> None:
+        data = flags.data
+        if data.max_length is not None and data.max_length < 2:
+            raise ArgumentError(f"--max_length must be at least 2, got {data.max_length}")
+        if data.eval_generation_samples < 0:
+            raise ArgumentError(f"--eval_generation_samples must be >= 0, got {data.eval_generation_samples}")
 
 
-PART = Part(
-    "sft", "supervised fine-tuning on chat or instruction data, the loss on the answers (--task sft)",
-    data_flags=SftFlags, run_inputs=("chat_template",), check_flags=check_flags,
-    tasks={"sft": TaskEntry("parts.sft.task:SupervisedFineTuning", NAMED_CONFIGS, "llama-small",
-                            (*TEXT_FLAGS, "chat_template", "assistant_only_loss", "completion_only_loss", "max_length",
-                             "truncation_mode", "eval_generation_samples"),
-                            data_columns=(frozenset({"messages"}), frozenset({"prompt", "completion"})))},
-)
+PART = Sft()

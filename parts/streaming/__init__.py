@@ -9,7 +9,7 @@ import time: `train.py --help` lists the flags before it loads.
 from dataclasses import dataclass, field, fields
 
 from training.errors import ArgumentError
-from training.parts import Part, TextSource
+from training.parts import Flags, Loading, Part, TextSource
 
 
 @dataclass
@@ -20,32 +20,6 @@ class StreamingFlags:
                                                                      "(reseeded every epoch); 0: none."})
     skip_bad_shards: bool = field(default=False, metadata={"help": "--streaming: skip a data file that cannot be read or "
                                                                    "is empty (logged, counted) instead of stopping."})
-
-
-def check_flags(model_args, data_args, args) -> None:
-    """A stream has no length and no random access: what needs either is refused before any process group starts."""
-    if not data_args.streaming:
-        for option in fields(StreamingFlags)[1:]:  # --streaming's options
-            if getattr(data_args, option.name) != option.default:
-                raise ArgumentError(f"--{option.name} is for --streaming: add --streaming, or drop it")
-        return
-    from training.arguments import split_model  # not at import: training/flags.py imports the parts
-
-    # a split model: the ranks of one replica would need the same share
-    refusals = {"--max_train_samples (use --max_steps)": data_args.max_train_samples,
-                (split := split_model(model_args, args)): split}
-    if refused := [name for name, value in refusals.items() if value]:
-        raise ArgumentError(f"--streaming with {refused[0]} is not supported")
-    if args.max_steps < 1:
-        raise ArgumentError("--streaming needs --max_steps: a stream's length is not known before it ends")
-    if "epoch" in (args.eval_strategy, args.save_strategy):
-        raise ArgumentError("--eval_strategy/--save_strategy epoch need an epoch's length, which a stream does not "
-                            "know: use steps with --streaming")
-    if args.eval_strategy != "no" and data_args.max_eval_samples is None:
-        raise ArgumentError("--streaming evaluates a bounded set: add --max_eval_samples N (the first N sequences of "
-                            "the validation stream), or --eval_strategy no")
-    if data_args.shuffle_buffer_size < 0:
-        raise ArgumentError(f"--shuffle_buffer_size must be >= 0 (0: no shuffling), got {data_args.shuffle_buffer_size}")
 
 
 class StreamSource(TextSource):
@@ -71,25 +45,58 @@ class StreamSource(TextSource):
         return stream_datasets(raw, tokenizer, d.text_column, block_size, d.packing, self.seed, d.max_eval_samples)
 
 
-def text_source(data_args) -> TextSource | None:
-    return StreamSource(data_args) if data_args.streaming else None
+class Streaming(Part):
+    name = "streaming"
+    description = "text read as streams, each rank its share, its position in checkpoints (--streaming)"
+    data_flags = StreamingFlags
+    task_flags = {"causal-lm": tuple(f.name for f in fields(StreamingFlags))}
+    files = ("tests/probes/stream_probe.py",)
+    requirements = ("torchdata",)
+
+    def check_flags(self, flags: Flags) -> None:
+        """A stream has no length and no random access: what needs either is refused before any process group
+        starts."""
+        data_args, args = flags.data, flags.train
+        if not data_args.streaming:
+            for option in fields(StreamingFlags)[1:]:  # --streaming's options
+                if getattr(data_args, option.name) != option.default:
+                    raise ArgumentError(f"--{option.name} is for --streaming: add --streaming, or drop it")
+            return
+        from training.arguments import split_model  # not at import: training/flags.py imports the parts
+
+        # a split model: the ranks of one replica would need the same share
+        refusals = {"--max_train_samples (use --max_steps)": data_args.max_train_samples,
+                    (split := split_model(flags)): split}
+        if refused := [name for name, value in refusals.items() if value]:
+            raise ArgumentError(f"--streaming with {refused[0]} is not supported")
+        if args.max_steps < 1:
+            raise ArgumentError("--streaming needs --max_steps: a stream's length is not known before it ends")
+        if "epoch" in (args.eval_strategy, args.save_strategy):
+            raise ArgumentError("--eval_strategy/--save_strategy epoch need an epoch's length, which a stream does not "
+                                "know: use steps with --streaming")
+        if args.eval_strategy != "no" and data_args.max_eval_samples is None:
+            raise ArgumentError("--streaming evaluates a bounded set: add --max_eval_samples N (the first N sequences "
+                                "of the validation stream), or --eval_strategy no")
+        if data_args.shuffle_buffer_size < 0:
+            raise ArgumentError(f"--shuffle_buffer_size must be >= 0 (0: no shuffling), got "
+                                f"{data_args.shuffle_buffer_size}")
+
+    def text_source(self, data) -> TextSource | None:
+        return StreamSource(data) if data.streaming else None
+
+    def train_loader(self, loading: Loading):
+        """This rank's share of the training stream, batched, its position in every checkpoint."""
+        from datasets import IterableDataset
+
+        if not isinstance(loading.train_set, IterableDataset):
+            return None
+        from parts.streaming.loader import StreamLoader, keep_stream_position_in_checkpoints
+
+        args = loading.args
+        loader = StreamLoader(loading.accelerator, loading.train_set, args.per_device_train_batch_size, loading.settings,
+                              args.seed, loading.task.data_args.shuffle_buffer_size, args.ddp_timeout)
+        keep_stream_position_in_checkpoints(loading.accelerator, loader)
+        return loader
 
 
-def train_loader(accelerator, train_set, task, args, loading: dict):
-    """This rank's share of the training stream, batched, its position in every checkpoint."""
-    from datasets import IterableDataset
-
-    if not isinstance(train_set, IterableDataset):
-        return None
-    from parts.streaming.loader import StreamLoader, keep_stream_position_in_checkpoints
-
-    loader = StreamLoader(accelerator, train_set, args.per_device_train_batch_size, loading, args.seed,
-                          task.data_args.shuffle_buffer_size, args.ddp_timeout)
-    keep_stream_position_in_checkpoints(accelerator, loader)
-    return loader
-
-
-PART = Part("streaming", "text read as streams, each rank its share, its position in checkpoints (--streaming)",
-            data_flags=StreamingFlags, task_flags={"causal-lm": tuple(f.name for f in fields(StreamingFlags))},
-            check_flags=check_flags, text_source=text_source, train_loader=train_loader,
-            files=("tests/probes/stream_probe.py",), requirements=("torchdata",))
+PART = Streaming()

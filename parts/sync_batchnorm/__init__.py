@@ -11,7 +11,7 @@ with or without this part: training/batchnorm.py.)
 
 from dataclasses import dataclass, field
 
-from training.parts import Part
+from training.parts import Part, Started
 
 
 @dataclass
@@ -20,18 +20,22 @@ class SyncBatchNormFlags:
         "help": "BatchNorm statistics over all processes' batches (GPUs; see parts/sync_batchnorm)."})
 
 
-def convert_model(model, accelerator, args):
-    """The model with `SyncBatchNorm` layers under --sync_batchnorm, and a log line saying what happened."""
-    if not args.sync_batchnorm:
+class SyncBatchNorm(Part):
+    name = "sync_batchnorm"
+    description = "BatchNorm statistics over every process's micro-batch, on GPUs (--sync_batchnorm)"
+    flags = SyncBatchNormFlags
+
+    def convert_model(self, model, run: Started):
+        """The model with `SyncBatchNorm` layers under --sync_batchnorm, and a log line saying what happened."""
+        if not run.args.sync_batchnorm:
+            return model
+        from accelerate.logging import get_logger
+
+        from parts.sync_batchnorm.convert import convert_sync_batchnorm
+
+        model, note = convert_sync_batchnorm(model, run.accelerator)
+        get_logger(__name__).info(note, main_process_only=True)
         return model
-    from accelerate.logging import get_logger
-
-    from parts.sync_batchnorm.convert import convert_sync_batchnorm
-
-    model, note = convert_sync_batchnorm(model, accelerator)
-    get_logger(__name__).info(note, main_process_only=True)
-    return model
 
 
-PART = Part("sync_batchnorm", "BatchNorm statistics over every process's micro-batch, on GPUs (--sync_batchnorm)",
-            SyncBatchNormFlags, convert_model=convert_model)
+PART = SyncBatchNorm()
