@@ -1,6 +1,6 @@
 """Resumable checkpoints and `final/`. A checkpoint (`checkpoints/step_N`) holds the model and optimizer state in one
 format for every strategy and process count (`model_state/`), accelerate's `save_state` of the rest (schedule, RNG,
-data position, the parts' objects), `manifest.json` (every file and its size, checked before a resume) and
+data position), the parts' own files (`Part.save_state`: a stream's position, PowerSGD's state), `manifest.json` (every file and its size, checked before a resume) and
 `trainer_state.json`. Each is saved to `step_N.tmp` and renamed once every rank is done (a killed save never counts);
 multi-node needs a shared filesystem. A checkpoint belongs to one run (`run_id`, kept across resumes): a resume never
 mixes its checkpoints with another run's."""
@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from training.batchnorm import average_running_statistics
 from training.errors import ArgumentError, ResumeError
 from training.optim import optimizer_for
-from training.parts import CheckpointLoad, ModelRunner, parts
+from training.parts import CheckpointFiles, CheckpointLoad, ModelRunner, parts
 from training.strategy_adapters import (TensorState, bare_model, base_optimizer, held_pieces, load_optimizer_states,
                                         model_tensors, own_class_while_saving, set_full_state, whole_shape)
 
@@ -198,8 +198,11 @@ def save_checkpoint(accelerator: Accelerator, model: torch.nn.Module, optimizer,
     accelerator.wait_for_everyone()
     with without_model_and_optimizer(accelerator, model):
         accelerator.save_state(str(staging))
-    if not isinstance(model, ModelRunner):  # (a part's model saves itself through save_state's hooks: pipeline stages)
+    if isinstance(model, ModelRunner):  # a part's model that saves itself (pipeline stages)
+        model.save(staging)
+    else:
         save_model_state(accelerator, model, optimizer, staging / MODEL_STATE)
+    parts().save_state(CheckpointFiles(accelerator, staging))  # the parts' own (a stream's position, PowerSGD's)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_manifest(staging)
@@ -390,6 +393,9 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
                 loading.enter_context(context)
             with without_model_and_optimizer(accelerator, model if (path / MODEL_STATE).is_dir() else None):
                 accelerator.load_state(str(path))
+            if isinstance(model, ModelRunner):  # a part's model that loads itself (pipeline stages)
+                model.load(path)
+            parts().load_state(CheckpointFiles(accelerator, path))  # the parts' own
     except pickle.UnpicklingError:
         raise ResumeError(f"{path} holds pickled objects that are not plain tensors or data; refused to load them, "
                           "as unpickling can run code. Resume only checkpoints this template wrote") from None

@@ -95,6 +95,14 @@ class ModelRunner(ABC):
     def export(self, accelerator: Accelerator, processor, final_dir) -> object:
         """The whole model in `final_dir`, as training/checkpoint.py `export_final` writes it."""
 
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Its weights and optimizer state into the checkpoint being written (every rank), in place of model_state/."""
+
+    @abstractmethod
+    def load(self, directory: Path) -> None:
+        """Its weights and optimizer state from the checkpoint a run resumes (every rank)."""
+
 
 class Combine(Enum):
     """How the answers of several parts' hook combine."""
@@ -197,6 +205,14 @@ class StepEnd:
     args: TrainArguments
     step: int
     now: bool  # the step logs, evaluates or saves: a collective runs anyway
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """A checkpoint's directory, on every rank: being written (`save_state`), or resumed (`load_state`)."""
+
+    accelerator: Accelerator
+    directory: Path
 
 
 @dataclass(frozen=True)
@@ -375,6 +391,16 @@ class Part:
     @hook(Combine.ANSWERS)
     def loading_checkpoint(self, checkpoint: CheckpointLoad) -> AbstractContextManager | None:
         """What a resume loads the checkpoint within (an unpickling allow-list)."""
+
+    @hook(Combine.EACH)
+    def save_state(self, checkpoint: CheckpointFiles) -> None:
+        """On every rank, into the checkpoint being written: this part's own state (a stream's position, PowerSGD's
+        error feedback), in files of its own (the manifest lists them)."""
+
+    @hook(Combine.EACH)
+    def load_state(self, checkpoint: CheckpointFiles) -> None:
+        """On every rank, from the checkpoint a run resumes: this part's state restored alike on every rank, or
+        refused in one line on every rank (ResumeError), whatever number of processes saved it."""
 
     # ---------------------------------------------------------------- the end of the run
 

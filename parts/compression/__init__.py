@@ -6,7 +6,7 @@ kept in checkpoints (parts/compression/hooks.py). See docs/compression.md.
 from dataclasses import dataclass, field
 
 from training.errors import ArgumentError
-from training.parts import Flags, Launch, Part, Training
+from training.parts import CheckpointFiles, Flags, Launch, Part, Training
 
 # accelerate's DDPCommunicationHookType values; "allreduce" is DDP's own all-reduce as a counted hook
 DDP_COMM_HOOKS = ["allreduce", "fp16", "bf16", "power_sgd", "batched_power_sgd"]
@@ -37,6 +37,7 @@ class Compression(Part):
 
     def __init__(self) -> None:
         self.traffic = None  # the bytes the hook sent, counted (parts/compression/hooks.py)
+        self.power_sgd = None  # the hook's PowerSGDState: what checkpoints keep
 
     def check_flags(self, flags: Flags) -> None:
         """--power_sgd_* set PowerSGD, and PowerSGD needs two plain steps first (torch's rule with error feedback);
@@ -71,13 +72,27 @@ class Compression(Part):
         return {"find_unused_parameters": True, **({"bucket_cap_mb": ONE_BUCKET_MB} if launch.on_cpu else {})}
 
     def after_prepare(self, training: Training) -> None:
-        """The hook on the prepared DDP model, PowerSGD's state in every checkpoint."""
-        from parts.compression.hooks import keep_power_sgd_state_in_checkpoints, register_comm_hook
+        """The hook on the prepared DDP model (PowerSGD's state then goes into every checkpoint)."""
+        from parts.compression.hooks import power_sgd_state, register_comm_hook
 
         args = training.args
         self.traffic = register_comm_hook(training.model, args.ddp_comm_hook, args.power_sgd_rank,
                                           args.power_sgd_start_step)
-        keep_power_sgd_state_in_checkpoints(training.accelerator, training.model)
+        self.power_sgd = power_sgd_state(training.model)
+
+    def save_state(self, checkpoint: CheckpointFiles) -> None:
+        """Each rank's PowerSGD state (its error feedback differs per rank)."""
+        if self.power_sgd is not None:
+            from parts.compression.hooks import save_power_sgd
+
+            save_power_sgd(self.power_sgd, checkpoint.accelerator, checkpoint.directory)
+
+    def load_state(self, checkpoint: CheckpointFiles) -> None:
+        """PowerSGD's state, alike on every rank whatever number of processes saved it."""
+        if self.power_sgd is not None:
+            from parts.compression.hooks import load_power_sgd
+
+            load_power_sgd(self.power_sgd, checkpoint.accelerator, checkpoint.directory)
 
     def summary(self, steps_run: int) -> dict:
         """The bytes per step the hook sent."""

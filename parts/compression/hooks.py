@@ -124,35 +124,27 @@ def power_sgd_state(model: torch.nn.Module):
     return next((state for _, state in getattr(model, "_comm_hooks", []) if isinstance(state, PowerSGDState)), None)
 
 
-def keep_power_sgd_state_in_checkpoints(accelerator: Accelerator, model: torch.nn.Module) -> None:
-    """Each rank saves its PowerSGD state with every checkpoint and restores it on resume."""
-    state = power_sgd_state(model)
-    if state is None:
+def save_power_sgd(state, accelerator: Accelerator, directory: Path) -> None:
+    """This rank's PowerSGD state, in the checkpoint being written."""
+    torch.save(power_sgd_state_dict(state), directory / POWER_SGD_STATE.format(rank=accelerator.process_index))
+
+
+def load_power_sgd(state, accelerator: Accelerator, directory: Path) -> None:
+    """Every rank alike: its own state when the checkpoint holds one per rank of this run; else rank 0's step
+    count, generator and warm start (the same on every rank), with the per-rank error feedback started afresh on
+    every rank (saved by another number of processes); else nothing (saved without PowerSGD)."""
+    saved = sorted(directory.glob(POWER_SGD_STATE.format(rank="*")))
+    if not saved:
+        logger.warning(f"{directory} holds no PowerSGD state: it starts afresh", main_process_only=True)
         return
-    rank = accelerator.process_index
-
-    def save(models, weights, output_dir: str) -> None:
-        torch.save(power_sgd_state_dict(state), Path(output_dir) / POWER_SGD_STATE.format(rank=rank))
-
-    def load(models, input_dir: str) -> None:
-        """Every rank alike: its own state when the checkpoint holds one per rank of this run; else rank 0's step
-        count, generator and warm start (the same on every rank), with the per-rank error feedback started afresh on
-        every rank (saved by another number of processes); else nothing (saved without PowerSGD)."""
-        saved = sorted(Path(input_dir).glob(POWER_SGD_STATE.format(rank="*")))
-        if not saved:
-            logger.warning(f"{input_dir} holds no PowerSGD state: it starts afresh", main_process_only=True)
-            return
-        if len(saved) == accelerator.num_processes:
-            load_power_sgd_state_dict(state, torch.load(Path(input_dir) / POWER_SGD_STATE.format(rank=rank),
-                                                        weights_only=True))
-            return
-        shared = torch.load(Path(input_dir) / POWER_SGD_STATE.format(rank=0), weights_only=True) | {"error_dict": {}}
-        load_power_sgd_state_dict(state, shared)
-        logger.warning(f"PowerSGD's state was saved by {len(saved)} processes: every rank resumes at its step "
-                       f"{state.iter}, with its error feedback started afresh", main_process_only=True)
-
-    accelerator.register_save_state_pre_hook(save)
-    accelerator.register_load_state_pre_hook(load)
+    if len(saved) == accelerator.num_processes:
+        load_power_sgd_state_dict(state, torch.load(directory / POWER_SGD_STATE.format(rank=accelerator.process_index),
+                                                    weights_only=True))
+        return
+    shared = torch.load(directory / POWER_SGD_STATE.format(rank=0), weights_only=True) | {"error_dict": {}}
+    load_power_sgd_state_dict(state, shared)
+    logger.warning(f"PowerSGD's state was saved by {len(saved)} processes: every rank resumes at its step "
+                   f"{state.iter}, with its error feedback started afresh", main_process_only=True)
 
 
 def power_sgd_state_dict(state) -> dict:

@@ -96,7 +96,7 @@ class StageModules(nn.ModuleList, ModelRunner):
                 eval_loader: DataLoader, scheduler):
         """What `accelerator.prepare` does for the other strategies: the schedule over this process's stages;
         the loaders sharded over replicas (every stage of a replica reads the same batches); the optimizer
-        stepping only when gradients are synchronised; the schedule and checkpoint hooks registered."""
+        stepping only when gradients are synchronised; the schedule built."""
         self.task = task
         example = train_loader.collate_fn([train_loader.dataset[0]] * self.args.per_device_train_batch_size)
         self.schedule = self.build_schedule(accelerator, self.activation_shapes(accelerator, example))
@@ -108,8 +108,6 @@ class StageModules(nn.ModuleList, ModelRunner):
         eval_loader = prepare_data_loader(
             DataLoader(eval_loader.dataset, batch_size=self.args.per_device_train_batch_size,
                        collate_fn=eval_loader.collate_fn), even_batches=False, **shard)
-        accelerator.register_save_state_pre_hook(self.save)
-        accelerator.register_load_state_pre_hook(self.load)
         self.optimizer = optimizer
         return self, AcceleratedOptimizer(optimizer, device_placement=False), train_loader, eval_loader, \
             accelerator.prepare(scheduler)
@@ -226,20 +224,20 @@ class StageModules(nn.ModuleList, ModelRunner):
 
     # ------------------------------------------------------------ checkpoints and export
 
-    def save(self, models, weights, output_dir: str) -> None:
-        """(accelerate's save pre-hook) One replica saves each stage's weights and this process's optimizer state."""
+    def save(self, directory: Path) -> None:
+        """One replica saves each stage's weights and this process's optimizer state."""
         if self.replica != 0:
             return
         for stage, index in zip(self, self.indices):
-            save_file(self.full_state_dict([stage]), Path(output_dir) / STAGE_WEIGHTS.format(index=index))
-        torch.save(self.optimizer.state_dict(), Path(output_dir) / STAGE_OPTIMIZER.format(rank=self.stage_rank))
+            save_file(self.full_state_dict([stage]), directory / STAGE_WEIGHTS.format(index=index))
+        torch.save(self.optimizer.state_dict(), directory / STAGE_OPTIMIZER.format(rank=self.stage_rank))
 
-    def load(self, models, input_dir: str) -> None:
-        """(accelerate's load pre-hook) Every replica restores its stages' weights and optimizer state."""
+    def load(self, directory: Path) -> None:
+        """Every replica restores its stages' weights and optimizer state."""
         for stage, index in zip(self, self.indices):
-            saved = load_file(Path(input_dir) / STAGE_WEIGHTS.format(index=index))
+            saved = load_file(directory / STAGE_WEIGHTS.format(index=index))
             stage.load_state_dict({name: saved[stage.full_name(name)] for name in stage.state_dict()})
-        self.optimizer.load_state_dict(torch.load(Path(input_dir) / STAGE_OPTIMIZER.format(rank=self.stage_rank),
+        self.optimizer.load_state_dict(torch.load(directory / STAGE_OPTIMIZER.format(rank=self.stage_rank),
                                                   weights_only=True))
 
     def export(self, accelerator: Accelerator, processor, final_dir: Path) -> Path:

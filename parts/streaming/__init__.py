@@ -9,7 +9,7 @@ import time: `train.py --help` lists the flags before it loads.
 from dataclasses import dataclass, field, fields
 
 from training.errors import ArgumentError
-from training.parts import Flags, Loading, Part, TextSource
+from training.parts import CheckpointFiles, Flags, Loading, Part, TextSource
 
 
 @dataclass
@@ -53,6 +53,9 @@ class Streaming(Part):
     files = ("tests/probes/stream_probe.py",)
     requirements = ("torchdata",)
 
+    def __init__(self) -> None:
+        self.loader = None  # this rank's share of the training stream: its position goes into checkpoints
+
     def check_flags(self, flags: Flags) -> None:
         """A stream has no length and no random access: what needs either is refused before any process group
         starts."""
@@ -90,13 +93,21 @@ class Streaming(Part):
 
         if not isinstance(loading.train_set, IterableDataset):
             return None
-        from parts.streaming.loader import StreamLoader, keep_stream_position_in_checkpoints
+        from parts.streaming.loader import StreamLoader
 
         args = loading.args
-        loader = StreamLoader(loading.accelerator, loading.train_set, args.per_device_train_batch_size, loading.settings,
-                              args.seed, loading.task.data_args.shuffle_buffer_size, args.ddp_timeout)
-        keep_stream_position_in_checkpoints(loading.accelerator, loader)
-        return loader
+        self.loader = StreamLoader(loading.accelerator, loading.train_set, args.per_device_train_batch_size,
+                                   loading.settings, args.seed, loading.task.data_args.shuffle_buffer_size,
+                                   args.ddp_timeout)
+        return self.loader
+
+    def save_state(self, checkpoint: CheckpointFiles) -> None:
+        if self.loader is not None:
+            self.loader.save(checkpoint.directory)
+
+    def load_state(self, checkpoint: CheckpointFiles) -> None:
+        if self.loader is not None:
+            self.loader.load(checkpoint.directory)
 
 
 PART = Streaming()

@@ -103,6 +103,20 @@ class StreamLoader:
         return {"epoch": self.epoch, "exhausted": self.exhausted, "blocks_this_epoch": self.blocks_this_epoch,
                 "buffer": self.buffer, "generator": self.generator.get_state(), "loader": self.loader.state_dict()}
 
+    def save(self, directory: Path) -> None:
+        """This rank's position, in the checkpoint being written."""
+        torch.save(self.state_dict(), directory / STREAM_STATE.format(rank=self.rank))
+
+    def load(self, directory: Path) -> None:
+        """This rank's position from the checkpoint a run resumes; refused alike on every rank where the checkpoint's
+        ranks were not this run's (each read its own share)."""
+        saved = len(list(directory.glob(STREAM_STATE.format(rank="*"))))
+        if saved != self.accelerator.num_processes:
+            held = f"the stream positions of {saved} processes" if saved else "no stream position"
+            raise ResumeError(f"{directory} holds {held}, and this run has {self.accelerator.num_processes}: a "
+                              "streaming run resumes on as many processes as saved it")
+        self.load_state_dict(torch.load(directory / STREAM_STATE.format(rank=self.rank), weights_only=True))
+
     def load_state_dict(self, state: dict) -> None:
         self._new_epoch(state["epoch"])
         self.exhausted, self.blocks_this_epoch, self.buffer = state["exhausted"], state["blocks_this_epoch"], state["buffer"]
@@ -110,24 +124,3 @@ class StreamLoader:
         if not self.exhausted:  # an ended pass's position would be applied to the next pass
             self.loader.load_state_dict(state["loader"])
 
-
-def keep_stream_position_in_checkpoints(accelerator: Accelerator, loader) -> None:
-    """Each rank saves its stream's position with every checkpoint, and a resume restores it (a stream's loader)."""
-    if not isinstance(loader, StreamLoader):
-        return
-    path_in = lambda directory: Path(directory) / STREAM_STATE.format(rank=accelerator.process_index)  # noqa: E731
-
-    def save(models, weights, output_dir: str) -> None:
-        torch.save(loader.state_dict(), path_in(output_dir))
-
-    def load(models, input_dir: str) -> None:
-        """Refused alike on every rank where the checkpoint's ranks were not this run's: each read its own share."""
-        saved = len(list(Path(input_dir).glob(STREAM_STATE.format(rank="*"))))
-        if saved != accelerator.num_processes:
-            held = f"the stream positions of {saved} processes" if saved else "no stream position"
-            raise ResumeError(f"{input_dir} holds {held}, and this run has {accelerator.num_processes}: a streaming "
-                              "run resumes on as many processes as saved it")
-        loader.load_state_dict(torch.load(path_in(input_dir), weights_only=True))
-
-    accelerator.register_save_state_pre_hook(save)
-    accelerator.register_load_state_pre_hook(load)
