@@ -292,7 +292,7 @@ class Part:
         """A text task's sequences, when the data flags choose this part's source (a stream); two are refused."""
 
     @hook(Combine.ANSWERS)
-    def processes_per_replica(self, args: TrainArguments) -> int | None:
+    def ranks_per_batch(self, args: TrainArguments) -> int | None:
         """Processes that read the same batches (a pipeline's stages, a tensor-parallel group): their product."""
 
     @hook(Combine.MERGE)

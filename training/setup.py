@@ -95,7 +95,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     # several devices: a part split the layers over this process's GPUs
     devices = sorted({p.device for p in model.parameters() if p.device.type == accelerator.device.type}, key=str)
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
-    replica_processes, replicas = data_parallel(accelerator.num_processes, args)
+    ranks_per_batch, replicas = data_parallel(accelerator.num_processes, args)
     global_batch = global_batch_size(args, replicas)
     # Pinned host memory lets batches copy to the GPU while it computes (non_blocking in start_accelerator).
     loading = {"collate_fn": task.collator, "num_workers": args.dataloader_num_workers or 0,
@@ -123,7 +123,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         partial(training_loader, train_set, seed=args.seed, **loading), bool(resume_path)))
     forward_backward = (partial(model.forward_backward, accelerator) if isinstance(model, ModelRunner) else
                         partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
-    training = Training(accelerator, args, task, strategy, model, torch_optimizer, replica_processes)
+    training = Training(accelerator, args, task, strategy, model, torch_optimizer, ranks_per_batch)
     parts().after_prepare(training)
     verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
     write_effective_deepspeed_config(accelerator, args.output_dir)
@@ -163,13 +163,13 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         f"training to step {max_steps}, {len(eval_set)} examples for evaluation",
         main_process_only=True,
     )
-    speed = SpeedMeter(accelerator.device, task.unit, replica_processes,  # ranks that read each batch
+    speed = SpeedMeter(accelerator.device, task.unit, ranks_per_batch,  # ranks that read each batch
                        memory_devices=devices if len(devices) > 1 else None,
                        figures=parts().speed_figures(training))  # the parts' (MFU)
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                steps_per_epoch, max_steps, model_name,
                f"{model_name}: {run_description}", num_parameters, speed, state.completed_steps, model_args,
-               forward_backward, replica_processes)
+               forward_backward, ranks_per_batch)
 
 
 def check_rebuildable(task: Task) -> None:
@@ -185,8 +185,8 @@ def check_rebuildable(task: Task) -> None:
 def data_parallel(processes: int, args: TrainArguments) -> tuple[int, int]:
     """The processes that read each batch (a tensor-parallel group, a pipeline's stages: the parts say), and the
     data-parallel replicas, which read different batches."""
-    per_batch = math.prod(parts().processes_per_replica(args))
-    return per_batch, processes // per_batch
+    ranks_per_batch = math.prod(parts().ranks_per_batch(args))
+    return ranks_per_batch, processes // ranks_per_batch
 
 
 def prepared_for_training(accelerator: Accelerator, task: Task, train_data, eval_set, args: TrainArguments,

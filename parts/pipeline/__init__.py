@@ -51,7 +51,7 @@ class Pipeline(Part):
     def model_split(self, flags: Flags) -> str | None:
         return "--pipeline_parallel_size" if pipelined(flags.train) else None
 
-    def processes_per_replica(self, args) -> int:
+    def ranks_per_batch(self, args) -> int:
         """A pipeline's processes read the same batches: one replica is `--pipeline_parallel_size` processes."""
         return args.pipeline_parallel_size
 

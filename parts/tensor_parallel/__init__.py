@@ -50,7 +50,7 @@ class TensorParallel(Part):
     def model_split(self, flags) -> str | None:
         return "tensor parallelism (fsdp_tp.yaml)" if tp_size() > 1 else None
 
-    def processes_per_replica(self, args) -> int:
+    def ranks_per_batch(self, args) -> int:
         return tp_size()
 
     def wrap_model(self, model, run: Started):
