@@ -7,9 +7,10 @@
 
 main() reads as three phases: set up (training/setup.py: the Accelerator, checked to run
 what the config file asked for; the model, data, optimizer and a resumed state), train (the
-loop below; one optimizer step is `train_step`), and finish (export, summary). The strategy
-never appears here: its few differences live in training/strategy_adapters.py. The task
-never does either: training/tasks.py builds the model and data and turns logits into a loss.
+loop below; one optimizer step is training/step.py's `optimizer_step`, one save
+training/checkpoints/save.py's `save_checkpoint`), and finish (export, summary). The strategy
+never appears here: its few differences live in training/strategy/. The task never does
+either: training/tasks.py builds the model and data and turns logits into a loss.
 """
 
 from __future__ import annotations
@@ -31,21 +32,20 @@ import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from training.accelerator import release_model_construction_hooks
 from training.arguments import parse_args
-from training.checkpoint import export_final, save_checkpoint
+from training.checkpoints.resume import epoch_batches
+from training.checkpoints.save import export_final, save_checkpoint
 from training.collectives import end_collectives, gather_scalars
 from training.console import only_the_training_bar, quiet_third_party_output
 from training.dry_run import dry_run
 from training.errors import EXIT_UNEXPECTED, Preempted, ending
-from training.evaluation import evaluate
-from training.loss import NonFiniteGuard, accumulation_windows
 from training.metrics import MetricsLogger, print_summary, write_summary
 from training.parts import Finished, Loop, StepEnd, parts
 from training.prelude import after_imports
 from training.process_exit import exit_process
-from training.setup import Run, epoch_batches, set_up
-from training.strategy_adapters import clip_gradients
+from training.setup import Run, set_up
+from training.step import NonFiniteGuard, accumulation_windows, optimizer_step
+from training.strategy.accelerator import release_model_construction_hooks
 
 logger = get_logger(__name__)
 
@@ -69,10 +69,10 @@ def train(run: Run) -> dict[str, float]:
     """Optimizer steps until `max_steps`, with logging, evaluation, checkpoints and agreed stops
     between them; returns the last logged loss and evaluation."""
     args, accelerator, state, task = run.args, run.accelerator, run.state, run.task
-    metrics = MetricsLogger(accelerator, args.output_dir, run.first_step or None)
+    metrics = MetricsLogger(accelerator, args.output_dir, fresh=run.first_step == 0)
     at_start = {}  # the step-0 baseline, kept for the summary (e.g. eval_exact_match before and after)
     if state.completed_steps == 0 and args.eval_on_start and args.eval_strategy != "no":
-        at_start = evaluate(run.model, run.eval_loader, accelerator, task, run.ranks_per_batch)
+        at_start = run.runner.evaluate(run.model, run.eval_loader, task, run.ranks_per_batch)
         metrics.log(0, **at_start)
     interval_loss, interval_steps = torch.zeros((), device=accelerator.device), 0
     nonfinite = NonFiniteGuard(accelerator.device, loss_scaling=accelerator.mixed_precision == "fp16")
@@ -85,19 +85,11 @@ def train(run: Run) -> dict[str, float]:
         for guard in parts().around_training(Loop(accelerator, args, lambda: state.completed_steps + 1)):
             guards.enter_context(guard)
         while state.completed_steps < run.max_steps:
-            # Skipping by optimizer steps, not by this process's batches, keeps the position right
-            # when a checkpoint resumes on a different number of processes (a stream keeps its own).
-            batches = epoch_batches(accelerator, run.train_loader, state.epoch,
-                                    state.steps_in_epoch * args.gradient_accumulation_steps)
+            batches = epoch_batches(accelerator, run.train_loader, state, args.gradient_accumulation_steps)
             for window in accumulation_windows(batches, args.gradient_accumulation_steps):
-                step_loss, grad_norm = train_step(run, window)
-                lr = run.scheduler.get_last_lr()[0]  # the rate this step's update used
-                run.scheduler.step()
-                state.completed_steps += 1
-                state.steps_in_epoch += 1
+                step_loss, grad_norm, lr = optimizer_step(run, window, nonfinite)
                 interval_loss += step_loss
                 interval_steps += 1
-                nonfinite.update(state.completed_steps, step_loss, grad_norm)
                 step = state.completed_steps
                 log_now = step % args.logging_steps == 0 or step == run.max_steps or (args.logging_first_step and step == 1)
                 epoch_end = state.steps_in_epoch == run.steps_per_epoch
@@ -125,12 +117,12 @@ def train(run: Run) -> dict[str, float]:
                     progress.set_postfix({"loss": f"{train_loss:.3f}", "lr": f"{lr:.2e}",
                                           f"{task.unit}_per_s": f"{speed_now[f'{task.unit}_per_sec']:,.0f}"})
                 if eval_now:
-                    eval_result = evaluate(run.model, run.eval_loader, accelerator, task, run.ranks_per_batch)
+                    eval_result = run.runner.evaluate(run.model, run.eval_loader, task, run.ranks_per_batch)
                     metrics.log(step, **eval_result)
                     if accelerator.is_main_process:
                         progress.write(f"step {step}: eval_loss {eval_result['eval_loss']:.4f}")
                 if save_now:
-                    saved = save_checkpoint(accelerator, run.model, run.optimizer, args.output_dir, state,
+                    saved = save_checkpoint(accelerator, run.runner, run.model, run.optimizer, args.output_dir, state,
                                             args.save_total_limit)
                     if accelerator.is_main_process:
                         progress.write(f"step {step}: saved {saved}")
@@ -150,25 +142,6 @@ def train(run: Run) -> dict[str, float]:
     return {"train_loss": train_loss, **eval_result, **{f"{key}_at_start": value for key, value in at_start.items()}}
 
 
-def train_step(run: Run, window: list[dict]) -> tuple[torch.Tensor, torch.Tensor | float]:
-    """One optimizer step over a window of micro-batches; returns the step's loss (on the device)
-    and the gradient norm before clipping (nan when --max_grad_norm is 0 and nothing was measured)."""
-    accelerator, task, model = run.accelerator, run.task, run.model
-    # The loss is the mean over every target (token, or image) of the global batch: each
-    # micro-batch's loss sum is divided by the count over the whole window on all ranks.
-    window_targets = accelerator.reduce(sum(task.count_targets(batch) for batch in window), "sum")
-    clip_norm = run.args.max_grad_norm if run.args.max_grad_norm > 0 else math.inf  # inf: measure, never clip
-    step_loss, grad_norm = torch.zeros((), device=accelerator.device), math.nan
-    for batch in window:
-        with accelerator.accumulate(model):
-            # forward, loss and backward (training/loss.py; a part's ModelRunner: training/parts.py)
-            step_loss += run.forward_backward(batch, window_targets)  # stays on device: no host sync here
-            if accelerator.sync_gradients:
-                grad_norm = clip_gradients(accelerator, model, clip_norm)
-            run.optimizer.step()
-            run.optimizer.zero_grad()
-    return step_loss, grad_norm
-
 
 def due(strategy: str, every: int, step: int, epoch_end: bool) -> bool:
     """Whether an --eval_strategy/--save_strategy interval ("steps", "epoch" or "no") falls on this step."""
@@ -182,7 +155,7 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
     """Export the model, gather the run's figures from every rank, close the process group, and
     (main process) write summary.json and the report, and print the summary."""
     accelerator, state = run.accelerator, run.state
-    final_dir = export_final(accelerator, run.model, run.task, run.args.output_dir)
+    final_dir = export_final(accelerator, run.runner, run.model, run.task, run.args.output_dir)
     steps_run = state.completed_steps - run.first_step
     summary = {  # gathered from every rank: before end_training closes the process group
         "strategy": run.strategy.value,

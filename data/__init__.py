@@ -7,6 +7,7 @@ import copy
 import glob
 import hashlib
 import json
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,15 +127,11 @@ def cache_key(split: Dataset, embedded: str, tokenizer: PreTrainedTokenizerBase,
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
-def task_hint(columns: set[str]) -> str | None:
-    """What to do with data that another installed task reads (a part's `TaskEntry.data_columns`)."""
-    from training.task_registry import task_for_columns  # here: the registry imports the parts
-
-    task = task_for_columns(columns)
-    return f"fine-tune on it with --task {task}" if task else None
+def no_hint(columns: set[str]) -> str | None:
+    return None
 
 
-def check_plain_text(split: Dataset, text_column: str) -> None:
+def check_plain_text(split: Dataset, text_column: str, task_hint: Callable[[set[str]], str | None] = no_hint) -> None:
     """The text column holds strings: chat conversations (lists of {role, content}) cannot be packed as text."""
     values = [value for value in split[:100][text_column] if value is not None]
     if not values or all(isinstance(value, str) for value in values):
@@ -148,14 +145,16 @@ def check_plain_text(split: Dataset, text_column: str) -> None:
 
 def build_lm_datasets(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, text_column: str, block_size: int,
                       main_process_first: AbstractContextManager | None = None, packing: bool = True,
-                      num_proc: int | None = None) -> tuple[Dataset, Dataset]:
-    """Both splits as sequences of at most `block_size` tokens, cached by the main process first (any `num_proc`)."""
+                      num_proc: int | None = None,
+                      task_hint: Callable[[set[str]], str | None] = no_hint) -> tuple[Dataset, Dataset]:
+    """Both splits as sequences of at most `block_size` tokens, cached by the main process first (any `num_proc`).
+    `task_hint(columns)`: what to do with another task's data (training/tasks.py names the installed task)."""
     for split in raw.values():
         if text_column not in split.column_names:
             hint = task_hint(set(split.column_names))
             raise DataError(f"text column {text_column!r} not found (columns: {split.column_names}); "
                             + (f"this is another task's data: {hint}" if hint else "set --text_column"))
-        check_plain_text(split, text_column)
+        check_plain_text(split, text_column, task_hint)
     cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "packed"
     cache_dir.mkdir(parents=True, exist_ok=True)
     packed = {}

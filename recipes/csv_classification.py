@@ -20,7 +20,7 @@ from torch import nn
 
 from data.default_corpus import generate_documents
 from models.language import build_tokenizer
-from training.checkpoint import load_plain_model
+from training.checkpoints.save import load_plain_model
 from training.loss import class_loss_sums
 from training.tasks import Task
 

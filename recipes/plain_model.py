@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.checkpoint import load_plain_model
+from training.checkpoints.save import load_plain_model
 from training.performance import flops_per_token
 from training.tasks import CausalLM
 

@@ -2,7 +2,7 @@
 
     python scripts/checkpoint_weights.py outputs/default/checkpoints/step_200 merged/
 
-`checkpoints/step_N/model_state/` holds each tensor whole (training/checkpoint.py), so this replaces DeepSpeed's
+`checkpoints/step_N/model_state/` holds each tensor whole (training/checkpoints/), so this replaces DeepSpeed's
 `zero_to_fp32.py` and `accelerate merge-weights` for this template's checkpoints. Copy config.json and the tokenizer
 files from final/ (or the model you started from) beside it to load it with `from_pretrained`.
 """
@@ -17,7 +17,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from training.checkpoint import MODEL_STATE, ModelState  # noqa: E402
+from training.checkpoints.tensors import ModelState  # noqa: E402
+from training.checkpoints.tensors import MODEL_STATE
 
 
 def checkpoint_weights(checkpoint: Path) -> dict:

@@ -74,9 +74,9 @@ def measure(train_flags: list[str]) -> None:
     from accelerate.utils import gather_object
 
     from training.arguments import parse_args
-    from training.accelerator import build_accelerator, model_construction
-    from training.strategy_adapters import align_with_strategy, optimizer_offload_device
     from training.optim import build_optimizer
+    from training.strategy.accelerator import build_accelerator, model_construction
+    from training.strategy.adapters import align_with_strategy, optimizer_offload_device
     from training.task_registry import build_task
 
     model_args, data_args, args = parse_args(train_flags)

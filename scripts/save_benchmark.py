@@ -33,24 +33,25 @@ def directory_bytes(path: Path) -> int:
 
 def worker(argv: list[str]) -> None:
     """In each rank of a launch: one training step, then the two saves timed in turn (every rank waits for all)."""
-    from train import train_step
     from training.arguments import parse_args
-    from training.checkpoint import MODEL_STATE, save_model_state, without_model_and_optimizer
-    from training.loss import accumulation_windows
-    from training.setup import epoch_batches, set_up
+    from training.checkpoints.resume import epoch_batches
+    from training.checkpoints.save import without_model_and_optimizer
+    from training.checkpoints.tensors import MODEL_STATE, save_model_state
+    from training.setup import set_up
+    from training.step import NonFiniteGuard, accumulation_windows, optimizer_step
 
     results, rounds = Path(argv[0]), int(argv[1])
     run = set_up(*parse_args(argv[2:]))
     accelerator = run.accelerator
-    window = next(accumulation_windows(epoch_batches(accelerator, run.train_loader, 0, 0),
+    window = next(accumulation_windows(epoch_batches(accelerator, run.train_loader, run.state, 0),
                                        run.args.gradient_accumulation_steps))
-    train_step(run, window)
+    optimizer_step(run, window, NonFiniteGuard(accelerator.device))
 
     def native(directory: Path) -> None:
         accelerator.save_state(str(directory))
 
     def template(directory: Path) -> None:
-        with without_model_and_optimizer(accelerator, run.model):
+        with without_model_and_optimizer(accelerator):
             accelerator.save_state(str(directory))
         save_model_state(accelerator, run.model, run.optimizer, directory / MODEL_STATE)
 

@@ -56,7 +56,7 @@ SUITE_LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "
 # forkserver would start with, though this process's os.environ lacks it: accelerate's menus read it at import.
 for _name in {"COLUMNS", "LINES"} - os.environ.keys():
     os.unsetenv(_name)
-# A rank reads the environment its launcher was started with (training/cpu_accommodations.py: whether the user chose
+# A rank reads the environment its launcher was started with (training/strategy/cpu.py: whether the user chose
 # a thread count): a forked launcher's is the forkserver's, started with the suite's launch settings as a user's
 # shell would export them.
 for _name, _value in SUITE_LAUNCH_ENV.items():

@@ -10,18 +10,15 @@ import pytest
 import torch
 
 from training.arguments import ArgumentError, parse_args
-from training.checkpoint import (
+from training.checkpoints.files import (
     TRAINER_STATE,
-    ModelState,
     complete_checkpoints,
-    load_checkpoint,
-    load_model_state,
     require_complete_checkpoint,
-    resolve_resume_path,
     rotate_checkpoints,
-    save_model_state,
     write_manifest,
 )
+from training.checkpoints.resume import load_checkpoint, resolve_resume_path
+from training.checkpoints.tensors import ModelState, load_model_state, save_model_state
 from training.errors import ResumeError
 from training.optim import OPTIMIZERS
 

@@ -1,8 +1,8 @@
-"""The CPU accommodation in training/cpu_accommodations.py, and the silent fallbacks it guards against.
+"""The CPU accommodation in training/strategy/cpu.py, and the silent fallbacks it guards against.
 
 These run real 2-process launches. If a new accelerate changes how it treats FSDP on a
 machine without a GPU, the `plain`/`gloo_kwarg`/`cpu_flag` expectations fail first: read
-training/cpu_accommodations.py's docstring and re-measure before changing the accommodation.
+training/strategy/cpu.py's docstring and re-measure before changing the accommodation.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, launch
-from training.cpu_accommodations import MALLOC_SETTINGS
+from training.strategy.cpu import MALLOC_SETTINGS
 
 PROBE = REPO / "tests" / "probes" / "strategy_probe.py"
 
@@ -89,7 +89,7 @@ def glibc_with_small_pages() -> bool:
 # faults of each step's allocations, over 6 steps
 STEPS = """
 import json, resource, sys, torch
-from training.cpu_accommodations import keep_freed_memory
+from training.strategy.cpu import keep_freed_memory
 if sys.argv[1] == "kept":
     keep_freed_memory()
 faults = []

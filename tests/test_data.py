@@ -12,6 +12,7 @@ from data import DataError, TextReading, build_lm_datasets, load_raw_datasets
 from data.default_corpus import default_splits, generate_documents
 from data.packing import pack_sequences, tokenize_and_pack
 from models.language import build_tokenizer
+from training import tasks
 
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
@@ -126,7 +127,7 @@ def test_another_tasks_data_names_that_task(tmp_path, tokenizer) -> None:
     raw = load_raw_datasets(None, None, str(train_file), None, 10, seed=0)
     with pytest.raises(DataError, match=re.escape("columns: ['prompt', 'completion']); this is another task's data: "
                                                   "fine-tune on it with --task sft")):
-        build_lm_datasets(raw, tokenizer, "text", block_size=32)
+        build_lm_datasets(raw, tokenizer, "text", block_size=32, task_hint=tasks.other_task_hint)
 
 
 def test_default_corpus_is_deterministic_and_held_out() -> None:
@@ -148,14 +149,12 @@ CHAT = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistan
 def test_a_text_column_that_does_not_hold_text_is_named(tmp_path, tokenizer, monkeypatch, records, core_only, message) -> None:
     """A column of chat messages names the installed task that reads them (a part's TaskEntry.data_columns), if any."""
     if core_only:  # as in a project without the parts (scripts/new_project.py)
-        from training import task_registry
-
-        monkeypatch.setattr(task_registry, "tasks", lambda: task_registry.CORE_TASKS)
+        monkeypatch.setattr(tasks, "part_tasks", dict)
     train_file = tmp_path / "chat.jsonl"
     train_file.write_text("\n".join(json.dumps(record) for record in records))
     raw = load_raw_datasets(None, None, str(train_file), None, 10, seed=0)
     with pytest.raises(DataError, match=re.escape(message)):
-        build_lm_datasets(raw, tokenizer, "messages", block_size=32)
+        build_lm_datasets(raw, tokenizer, "messages", block_size=32, task_hint=tasks.other_task_hint)
 
 
 def test_unpacked_documents_pad_to_a_multiple_of_8_with_ignored_labels(tokenizer) -> None:

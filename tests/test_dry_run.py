@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data import DataError
@@ -191,7 +190,7 @@ def test_the_deepspeed_clipping_is_read_from_accelerates_own_parse_of_the_json(t
     entry becomes the flag's value (accelerate would write 1.0)."""
     from accelerate.utils import DeepSpeedPlugin
 
-    from training.strategy_adapters import align_deepspeed_config
+    from training.strategy.adapters import align_deepspeed_config
 
     json_config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
     json_config.pop("gradient_clipping", None)

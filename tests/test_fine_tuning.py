@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from scripts.compare_metrics import compare, worst_difference
-from training.checkpoint import ModelState
 from tests.conftest import (
     CONFIGS,
     LORA_STEPS,
@@ -27,9 +26,10 @@ from tests.conftest import (
     lora_args,
     read_metrics,
     target_loss,
-    validation_batches,
     train,
+    validation_batches,
 )
+from training.checkpoints.tensors import ModelState
 
 pytestmark = pytest.mark.parts("sft")  # the LoRA part's runs fine-tune on chat data
 
@@ -86,7 +86,7 @@ def test_a_lora_run_resumes_exactly(config, lora_run, tied_base_model, tmp_path)
 
 def test_a_lora_run_resumes_under_another_strategy(lora_run, tied_base_model, tmp_path) -> None:
     """FSDP2's checkpoint at step 3, resumed under ZeRO-3: the adapter, its optimizer state and the frozen base carry
-    over (training/checkpoint.py `model_state/`); the losses and final adapter are FSDP2's at the parity tolerance."""
+    over (training/checkpoints/tensors.py `model_state/`); the losses and final adapter are FSDP2's at the parity tolerance."""
     uninterrupted = lora_run("fsdp")
     shutil.copytree(uninterrupted / "checkpoints" / "step_3", tmp_path / "checkpoints" / "step_3")
     result = train("deepspeed_zero3", tmp_path, *lora_args("deepspeed_zero3", tied_base_model),

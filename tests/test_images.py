@@ -16,20 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoImageProcessor, AutoModelForImageClassification
-from PIL import Image
 
 from data import DataError
 from models.language import ModelError
 from parts.images.data import build_image_datasets, load_raw_image_datasets
-from parts.images.default_shapes import SHAPES, default_shape_splits, draw_shape
+from parts.images.default_shapes import SHAPES
 from parts.images.default_shapes import SPLIT_SIZES as DEFAULT_SPLIT_SIZES
+from parts.images.default_shapes import default_shape_splits, draw_shape
 from parts.images.models import build_image_model, build_image_processor
 from tests.conftest import NO_REPORT, launch, read_metrics
 from tests.test_effective_config import BF16, assert_runs_bf16_as_asked
 from tests.test_strategies import STRATEGIES
-from training.checkpoint import ModelState
+from training.checkpoints.tensors import ModelState
 
 IMAGE_RUN = ("--task", "image-classification", "--model_config", "resnet-tiny", "--max_steps", "6",
              "--logging_steps", "1", "--eval_steps", "3", "--save_steps", "6", "--warmup_steps", "1",

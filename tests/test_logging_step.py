@@ -19,7 +19,7 @@ LOGGING_STEP = """
 import json, math, torch, torch.distributed as dist
 from accelerate import Accelerator
 from training.collectives import gather_scalars
-from training.loss import NonFiniteGuard
+from training.step import NonFiniteGuard
 from training.parts import installed
 from training.performance import SpeedMeter
 from training.process_exit import exit_process

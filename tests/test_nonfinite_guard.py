@@ -1,4 +1,4 @@
-"""The non-finite guard (training/loss.py) decides from the values fp16 and fp32 runs produce."""
+"""The non-finite guard (training/step.py) decides from the values fp16 and fp32 runs produce."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from training.loss import NonFiniteGuard, NonFiniteLossError
+from training.errors import NonFiniteLossError
+from training.step import NonFiniteGuard
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
 

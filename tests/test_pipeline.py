@@ -16,13 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.compare_metrics import compare, worst_difference
-
-from tests.conftest import assert_continues_exactly, assert_same_final_weights, made_once, read_metrics, train, with_processes
-from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
-from training.checkpoint import ResumeError, load_checkpoint
-from training.errors import ArgumentError, StrategyError
 from parts.pipeline.layout import check_pipeline_flags, check_pipeline_launch
+from scripts.compare_metrics import compare, worst_difference
+from tests.conftest import (
+    assert_continues_exactly,
+    assert_same_final_weights,
+    made_once,
+    read_metrics,
+    train,
+    with_processes,
+)
+from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
+from training.checkpoints.resume import load_checkpoint
+from training.errors import ArgumentError, ResumeError, StrategyError
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.strategy import Strategy
 

@@ -1,6 +1,6 @@
 """Fine-tuning a pretrained directory: FSDP2 builds the model on rank 0 only and broadcasts it
 (fsdp_cpu_ram_efficient_loading), ZeRO-3 loads it partitioned (deepspeed.zero.Init); both train
-exactly as DDP, which builds it whole on every rank (training/accelerator.py `model_construction`).
+exactly as DDP, which builds it whole on every rank (training/strategy/accelerator.py `model_construction`).
 The runs are the LoRA runs of tests/test_fine_tuning.py; full fine-tuning from a checkpoint: tests/test_parity.py."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from models.configs import build_named_config
 from models.language import build_tokenizer
 from tests.conftest import LORA_STEPS, read_metrics
-from training.strategy_adapters import persistent_buffers
+from training.strategy.adapters import persistent_buffers
 
 # config -> what its log says of how the model was built
 LOADING = {"ddp": None, "fsdp": "model built on rank 0 only", "deepspeed_zero3": "model built partitioned"}

@@ -20,12 +20,22 @@ import torch
 from safetensors.torch import load_file
 
 from scripts.compare_metrics import compare, worst_difference
-from tests.conftest import (DRAW_REPORT, REPO, REPORTS, TINY_RUN, assert_continues_exactly, assert_same_final_weights, parity_args,
-                            read_metrics, train, validation_batches)
-from training.loss import token_loss_sums
+from tests.conftest import (
+    DRAW_REPORT,
+    REPO,
+    REPORTS,
+    TINY_RUN,
+    assert_continues_exactly,
+    assert_same_final_weights,
+    parity_args,
+    read_metrics,
+    train,
+    validation_batches,
+)
 from tests.test_parity import LOSS_TOLERANCE
 from training.arguments import ArgumentError, parse_args
-from training.checkpoint import load_plain_model
+from training.checkpoints.save import load_plain_model
+from training.loss import token_loss_sums
 from training.task_registry import build_task
 
 DOCS = (REPO / "docs" / "recipes.md").read_text()

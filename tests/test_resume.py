@@ -15,12 +15,12 @@ import pytest
 
 from tests.conftest import (
     MAX_STEPS,
-    bad_input_errors,
     REPO,
-    TINY_RUN,
     SPLIT_OF,
     SPLITS,
+    TINY_RUN,
     assert_continues_exactly,
+    bad_input_errors,
     end_launch,
     free_port,
     freeze,
@@ -34,7 +34,8 @@ from tests.conftest import (
     train,
     wait_for,
 )
-from training.checkpoint import MODEL_STATE, complete_checkpoints
+from training.checkpoints.files import complete_checkpoints
+from training.checkpoints.tensors import MODEL_STATE
 from training.parts import installed
 
 RESUME_STEP = 8  # mid-epoch, in the second epoch (6 steps per epoch on `uneven_data`)

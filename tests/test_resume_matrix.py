@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.conftest import CONFIGS, NO_REPORT, REPO, launch, made_once
-from training.checkpoint import ModelState
+from training.checkpoints.tensors import ModelState
 from training.optim import OPTIMIZERS
 
 PROBE = REPO / "tests" / "probes" / "resume_probe.py"
@@ -209,7 +209,7 @@ def tolerance(case: Case) -> float:
 
 
 def half_precision_buffers(key: Key) -> bool:
-    """DeepSpeed's half-precision engines hold BatchNorm's statistics in bf16 (training/strategy_adapters.py)."""
+    """DeepSpeed's half-precision engines hold BatchNorm's statistics in bf16 (training/strategy/adapters.py)."""
     return key.config.startswith("deepspeed") and key.precision == "bf16"
 
 

@@ -13,7 +13,7 @@ import torch
 
 from parts.safe_loading.unpickling import check_dcp_metadata, safe_unpickling
 from tests.conftest import SPLIT_OF, TINY_RUN, bad_input_errors, launch, split_run_args
-from training.checkpoint import write_manifest
+from training.checkpoints.files import write_manifest
 
 
 class CodeOnLoad:

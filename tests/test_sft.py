@@ -13,6 +13,8 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import GradientAccumulationPlugin
 from transformers import AutoModelForCausalLM
 
+from models.configs import build_named_config
+from models.language import build_tokenizer
 from parts.sft.chat import (
     IGNORE_INDEX,
     check_example,
@@ -24,11 +26,10 @@ from parts.sft.chat import (
     truncate,
 )
 from parts.sft.default_sft import default_sft_splits, requests
+from training.checkpoints.files import TrainerState
 from training.errors import DataError
-from models.configs import build_named_config
-from models.language import build_tokenizer
-from train import train_step
-from training.loss import forward_backward, label_loss_sums
+from training.runner import ModelRunner
+from training.step import NonFiniteGuard, label_loss_sums, optimizer_step
 
 pytestmark = pytest.mark.quick
 CONVERSATION = [
@@ -173,7 +174,7 @@ def test_the_embedded_set_is_the_same_everywhere_and_held_out() -> None:
 
 
 def test_accumulation_1x8_and_4x2_give_the_same_loss_and_gradients_on_masked_data(tokenizer) -> None:
-    """train.py's own `train_step` on one process: a global batch of 8 masked, padded conversations as one
+    """train.py's own optimizer step (training/step.py) on one process: a global batch of 8 masked, padded conversations as one
     micro-batch, or as 4 accumulated micro-batches of 2 (each padded to its own length)."""
     from data import make_collator
     from training.tasks import CausalLM
@@ -194,13 +195,13 @@ def test_accumulation_1x8_and_4x2_give_the_same_loss_and_gradients_on_masked_dat
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         kept = {}  # the window's gradients, copied when the prepared optimizer clears them after the step
         optimizer.zero_grad = lambda set_to_none=True: kept.update({n: p.grad.clone() for n, p in model.named_parameters()})
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         model, optimizer = accelerator.prepare(model, optimizer)
-        run = SimpleNamespace(accelerator=accelerator, task=task, model=model, optimizer=optimizer,
-                              args=SimpleNamespace(max_grad_norm=0.0, gradient_accumulation_steps=accumulation),
-                              forward_backward=partial(forward_backward, accelerator, partial(label_loss_sums, task), model,
-                                                       accumulation))
+        run = SimpleNamespace(accelerator=accelerator, task=task, model=model, optimizer=optimizer, scheduler=scheduler,
+                              state=TrainerState(), args=SimpleNamespace(max_grad_norm=0.0),
+                              runner=ModelRunner(accelerator), objective=partial(label_loss_sums, task))
         window = [collate(examples[i:i + micro_batch]) for i in range(0, 8, micro_batch)]
-        loss, _ = train_step(run, window)
+        loss, _, _ = optimizer_step(run, window, NonFiniteGuard(accelerator.device))
         return float(loss), kept
 
     whole_loss, whole_grads = step(8)

@@ -1,5 +1,5 @@
 """Resuming a checkpoint under another strategy or number of processes (same global batch of 8): checkpoints hold
-the model and optimizer state in one format (training/checkpoint.py `model_state/`), so a chain of resumes through
+the model and optimizer state in one format (training/checkpoints/tensors.py `model_state/`), so a chain of resumes through
 every config and 1, 2 and 4 processes continues one process's run; so does a change of accumulation."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from transformers import SchedulerType  # not in training/flags.py: it loads tor
 
 from data import check_data_file
 from models.language import first_line
-from training.checkpoint import check_output_dir
+from training.checkpoints.files import check_output_dir
 from training.strategy import Strategy, requested_strategy
 from training.flags import (ALL_ARGUMENT_CLASSES, KNOWN_KEYS, ArgumentError, DataArguments, ModelArguments,
                             TrainArguments, build_parser)

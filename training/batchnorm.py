@@ -4,7 +4,7 @@
 Running statistics (what evaluation normalises with) are updated by each process from its
 own batches, so the ranks drift apart. DDP would copy rank 0's over everyone else's before
 every forward; FSDP2 and DeepSpeed do nothing. So that every strategy behaves the same, DDP's
-copy is turned off (training/accelerator.py) and every strategy averages the running
+copy is turned off (training/strategy/accelerator.py) and every strategy averages the running
 statistics over the ranks before each evaluation, checkpoint and export: every rank then
 evaluates the same model, and the export holds what all ranks saw.
 """

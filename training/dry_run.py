@@ -9,14 +9,14 @@ from contextlib import nullcontext
 
 from accelerate.utils import DeepSpeedPlugin, set_seed
 
-from training.accelerator import check_launch
+from training.strategy.accelerator import check_launch
 from training.errors import StrategyError
 from training.optim import global_batch_size, optimizer_for, run_length, warmup_steps
 from training.parts import Flags, Launch, Plan, parts
 from training.performance import compute_dtype, parameter_count
 from training.setup import data_parallel
 from training.strategy import Strategy, has_accelerator_device, requested_strategy
-from training.strategy_adapters import align_deepspeed_config
+from training.strategy.adapters import align_deepspeed_config
 from training.task_registry import build_task
 
 

@@ -7,7 +7,6 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from training.batchnorm import average_running_statistics
-from training.parts import ModelRunner
 from training.tasks import Task
 
 
@@ -22,8 +21,6 @@ def evaluate(model: torch.nn.Module, dataloader: DataLoader, accelerator: Accele
     read the same batches, a tensor-parallel group, are counted once).
     """
     average_running_statistics(model, accelerator)  # every rank evaluates the same model
-    if isinstance(model, ModelRunner):  # a part's model that evaluates itself (pipeline stages)
-        return model.evaluate(dataloader, accelerator, task)
     model.eval()
     totals = None  # the task's named sums (`Task.eval_sums`), as one float64 column each
     for batch in dataloader:

@@ -57,23 +57,30 @@ def read_metrics(run: str | Path) -> list[dict]:
 
 
 class MetricsLogger:
-    """Any rank may call; the main process writes. Resuming at step k drops later records (logged past the save)."""
+    """Any rank may call; the main process appends to metrics.jsonl, emptied by a `fresh` start (a resume cut it
+    back to its checkpoint's step: `keep_metrics_until`)."""
 
-    def __init__(self, accelerator: Accelerator, output_dir: str, resumed_step: int | None) -> None:
+    def __init__(self, accelerator: Accelerator, output_dir: str, fresh: bool) -> None:
         self.accelerator = accelerator
         self.path = Path(output_dir) / METRICS_FILE
         if accelerator.is_main_process:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            kept = []
-            if resumed_step is not None and self.path.exists():
-                kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resumed_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            if fresh or not self.path.exists():
+                self.path.write_text("")
 
     def log(self, step: int, **values: float) -> None:
         self.accelerator.log(values, step=step)
         if self.accelerator.is_main_process:
             with self.path.open("a") as file:
                 file.write(json.dumps({"step": step, **values}) + "\n")
+
+
+def keep_metrics_until(output_dir: str, step: int) -> None:
+    """metrics.jsonl without the records logged after `step` (a resumed run logs them again)."""
+    path = Path(output_dir) / METRICS_FILE
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
 
 
 def write_summary(output_dir: str, summary: dict) -> None:

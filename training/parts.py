@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from training.flags import DataArguments, ModelArguments, TrainArguments
     from training.performance import SpeedFigures
+    from training.runner import ModelRunner
     from training.strategy import Strategy
     from training.tasks import Task
 
@@ -70,38 +71,6 @@ class TextSource(ABC):
         """The training set (a stream: one the part's `train_loader` reads) and the evaluation set."""
 
 
-class ModelRunner(ABC):
-    """A model that a part wraps and runs itself (pipeline stages: each process holds some layers). The core
-    hands it the steps it would take with a plain model, and never asks which part made it."""
-
-    @abstractmethod
-    def prepare(self, accelerator: Accelerator, task, seed: int, optimizer, train_loader, eval_loader,
-                scheduler) -> tuple:
-        """What `accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)` returns."""
-
-    @abstractmethod
-    def forward_backward(self, accelerator: Accelerator, batch: dict, window_targets: torch.Tensor) -> torch.Tensor:
-        """One micro-step (training/loss.py `forward_backward`'s contract)."""
-
-    @abstractmethod
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the whole model's gradient norm; return the norm before clipping."""
-
-    @abstractmethod
-    def evaluate(self, dataloader, accelerator: Accelerator, task) -> dict[str, float]:
-        """training/evaluation.py `evaluate`'s figures."""
-
-    @abstractmethod
-    def export(self, accelerator: Accelerator, processor, final_dir) -> object:
-        """The whole model in `final_dir`, as training/checkpoint.py `export_final` writes it."""
-
-    @abstractmethod
-    def save(self, directory: Path) -> None:
-        """Its weights and optimizer state into the checkpoint being written (every rank), in place of model_state/."""
-
-    @abstractmethod
-    def load(self, directory: Path) -> None:
-        """Its weights and optimizer state from the checkpoint a run resumes (every rank)."""
 
 
 class Combine(Enum):
@@ -340,8 +309,13 @@ class Part:
 
     @hook(Combine.CHAIN)
     def wrap_model(self, model: torch.nn.Module, run: Started) -> torch.nn.Module:
-        """The model laid out (layers over devices, tensor-parallel slices), or replaced by a `ModelRunner`."""
+        """The model laid out (layers over devices, tensor-parallel slices, this process's pipeline stages)."""
         return model
+
+    @hook(Combine.ANSWERS)
+    def model_runner(self, model: torch.nn.Module, run: Started) -> ModelRunner | None:
+        """A runner of this part's own for the laid-out model, in place of the core's (training/runner.py: pipeline
+        stages train, evaluate, save and export their own way). One part's at most."""
 
     @hook(Combine.MERGE)
     def loader_settings(self, args: TrainArguments) -> dict:

@@ -7,7 +7,7 @@ import json
 import math
 import os
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 
@@ -22,25 +22,26 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from training.accelerator import build_accelerator, describe, model_construction
-from training.checkpoint import TrainerState, clear_previous_run, resolve_resume_path, resume
+from training.checkpoints.files import TrainerState, clear_previous_run
+from training.checkpoints.resume import resolve_resume_path, resume, tracker_purge_step
 from training.console import one_voice
-from training.cpu_accommodations import keep_freed_memory, use_share_of_cores
-from training.errors import ArgumentError, ModelError
+from training.errors import ModelError
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
-from training.parts import Flags, Loading, MicroBatchSearch, ModelRunner, Started, Training, parts
+from training.parts import Flags, Loading, MicroBatchSearch, Started, Training, parts
 from training.performance import SpeedMeter, parameter_count
-from training.loss import forward_backward as data_parallel_forward_backward
-from training.loss import label_loss_sums
+from training.runner import ModelRunner
+from training.step import training_objective
 from training.strategy import Strategy, master_weight_dtypes, verify_prepared, verify_strategy
-from training.strategy_adapters import (
+from training.strategy.accelerator import build_accelerator, describe, model_construction
+from training.strategy.adapters import (
     align_with_strategy,
     config_name,
     gradient_reduction_dtypes,
     optimizer_offload_device,
     write_effective_deepspeed_config,
 )
+from training.strategy.cpu import keep_freed_memory, use_share_of_cores
 from training.task_registry import build_task
 from training.tasks import Task
 
@@ -69,7 +70,8 @@ class Run:
     speed: SpeedMeter
     first_step: int  # the step this launch started from (0, or the resumed checkpoint's: never 0)
     model_args: ModelArguments
-    forward_backward: Callable[[dict, torch.Tensor], torch.Tensor]  # one micro-step: (batch, window targets) -> loss
+    runner: ModelRunner  # how the model trains, evaluates, saves and exports (training/runner.py)
+    objective: Callable[[torch.nn.Module, dict], torch.Tensor]  # a micro-batch's loss sums (training/step.py)
     ranks_per_batch: int  # ranks that read the same batches (a tensor-parallel group): counted once
 
 
@@ -90,8 +92,9 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     check_rebuildable(task)
     num_parameters = parameter_count(model)
     logger.info(f"model {model_name}: {task.describe_model(model)}; {num_parameters:,} parameters", main_process_only=True)
-    # a part may lay the model out (layers over GPUs, tp slices) or run it itself (pipeline stages: a ModelRunner)
+    # a part may lay the model out (layers over GPUs, tp slices, pipeline stages), and run it its own way (stages)
     model = parts().wrap_model(model, started)
+    runner = next(iter(parts().model_runner(model, started)), None) or ModelRunner(accelerator)
     # several devices: a part split the layers over this process's GPUs
     devices = sorted({p.device for p in model.parameters() if p.device.type == accelerator.device.type}, key=str)
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
@@ -109,20 +112,15 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
         # whole global batches only; Subset, not datasets' select: any map-style Dataset trains
         train_data = train_set = Subset(train_set, range(steps_per_epoch * global_batch))
-    prepare_training = partial(prepared_for_training, accelerator, task, train_data, eval_set, args, loading, max_steps)
+    prepare_training = partial(prepared_for_training, accelerator, runner, task, train_data, eval_set, args, loading,
+                               max_steps)
     prepared = prepare_training(model)
     # loss sums of a micro-batch; a part may compute them another way, compile them with the model, or replace them
-    training = Training(accelerator, args, task, strategy, prepared[0])
-    own = parts().label_objective(training)
-    if len(own) > 1:
-        raise ArgumentError(f"{len(own)} parts' flags each compute the task's loss another way: keep one of them")
-    objective = parts().training_objective(own[0] if own else partial(label_loss_sums, task), training)
+    objective = training_objective(Training(accelerator, args, task, strategy, prepared[0]))
     # a part may prepare again for another micro-batch (the search for one that fits)
     model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = parts().micro_batch(prepared, MicroBatchSearch(
         accelerator, args, task, objective, train_set, prepare_training,
         partial(training_loader, train_set, seed=args.seed, **loading), bool(resume_path)))
-    forward_backward = (partial(model.forward_backward, accelerator) if isinstance(model, ModelRunner) else
-                        partial(data_parallel_forward_backward, accelerator, objective, model, args.gradient_accumulation_steps))
     training = Training(accelerator, args, task, strategy, model, torch_optimizer, ranks_per_batch)
     parts().after_prepare(training)
     verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
@@ -139,7 +137,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes, strategy=launched,
                          layout=layout, optim=args.optim, run_id=uuid.uuid4().hex)  # (the main process's is saved)
     if resume_path:
-        state = resume(accelerator, resume_path, state, max_steps, args.seed, model, optimizer, scheduler)
+        state = resume(accelerator, resume_path, state, max_steps, args.seed, runner, model, optimizer, scheduler,
+                       args.output_dir)
     state.per_device_train_batch_size, state.gradient_accumulation_steps = (args.per_device_train_batch_size,
                                                                             args.gradient_accumulation_steps)
     if args.overwrite_output_dir:  # only now: every check before has passed
@@ -154,7 +153,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
         args.run_name,  # trackers take scalars and strings only: None and lists as text
         config={key: value if isinstance(value, (bool, int, float, str)) else str(value) for key, value in settings.items()},
         # A resumed run replaces what the run it continues logged after its checkpoint.
-        init_kwargs={"tensorboard": {"purge_step": state.completed_steps + 1 if resume_path else 0},
+        init_kwargs={"tensorboard": {"purge_step": tracker_purge_step(state, bool(resume_path))},
                      "wandb": {"name": args.run_name}},
     )
     logger.info(
@@ -169,7 +168,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                steps_per_epoch, max_steps, model_name,
                f"{model_name}: {run_description}", num_parameters, speed, state.completed_steps, model_args,
-               forward_backward, ranks_per_batch)
+               runner, objective, ranks_per_batch)
 
 
 def check_rebuildable(task: Task) -> None:
@@ -189,8 +188,8 @@ def data_parallel(processes: int, args: TrainArguments) -> tuple[int, int]:
     return ranks_per_batch, processes // ranks_per_batch
 
 
-def prepared_for_training(accelerator: Accelerator, task: Task, train_data, eval_set, args: TrainArguments,
-                          loading: dict, max_steps: int, model: torch.nn.Module) -> tuple:
+def prepared_for_training(accelerator: Accelerator, runner: ModelRunner, task: Task, train_data, eval_set,
+                          args: TrainArguments, loading: dict, max_steps: int, model: torch.nn.Module) -> tuple:
     """`model`, its optimizer, the training and evaluation loaders and the scheduler, through `prepare`, for
     the flags' micro-batch; and the torch optimizer inside the prepared one. `train_data`: the training set, or
     a part's loader (a stream's, which `prepare` passes through: each rank reads its own share)."""
@@ -200,20 +199,8 @@ def prepared_for_training(accelerator: Accelerator, task: Task, train_data, eval
     align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
     torch_optimizer = build_optimizer(model, args, offloaded=optimizer_offload_device(accelerator) != "none")
     scheduler = build_scheduler(torch_optimizer, args, max_steps)
-    objects = (torch_optimizer, loader, eval_loader, scheduler)
-    if isinstance(model, ModelRunner):  # a part's model prepares itself (pipeline stages)
-        return *model.prepare(accelerator, task, args.seed, *objects), torch_optimizer
-    return *accelerator.prepare(model, *objects), torch_optimizer
+    return *runner.prepare(model, task, args.seed, torch_optimizer, loader, eval_loader, scheduler), torch_optimizer
 
-
-def epoch_batches(accelerator: Accelerator, loader: DataLoader | Iterable[dict], epoch: int,
-                  batches_done: int) -> Iterator[dict]:
-    """The micro-batches from where the run stands: a map-style loader is reshuffled for `epoch` and skips what
-    this epoch already trained on; a part's loader keeps its own position (a stream's: endless, epoch after epoch)."""
-    if not isinstance(loader, DataLoader):
-        return iter(loader)
-    loader.set_epoch(epoch)
-    return accelerator.skip_first_batches(loader, batches_done)
 
 
 def training_loader(dataset, batch_size: int, seed: int, **loading) -> DataLoader:

@@ -28,10 +28,6 @@ def tasks() -> dict[str, TaskEntry]:
             for name, entry in {**CORE_TASKS, **part_tasks()}.items()}
 
 
-def task_for_columns(columns: set[str]) -> str | None:
-    """The installed `--task` whose data has these columns (`TaskEntry.data_columns`), for a message that names it."""
-    return next((name for name, entry in tasks().items() if any(marks <= columns for marks in entry.data_columns)), None)
-
 
 class TaskChoices(list):
     """--task's choices: the registered names, and any `module:Class` (argparse asks `in`; its message lists these)."""

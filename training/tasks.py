@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, d
 from data import TextReading, build_lm_datasets, load_raw_datasets, make_collator
 from models.configs import describe_shape
 from models.language import build_model, build_tokenizer, resolve_block_size
-from training.parts import parts
+from training.parts import part_tasks, parts
 from training.loss import IGNORE_INDEX, correct_next_tokens, count_target_tokens, token_loss_sums
 from training.performance import flops_per_token
 
@@ -29,7 +29,7 @@ class Task(ABC):
     unit = "samples"  # what throughput counts (`count_units`): "samples", or "tokens"
     model_input = "input_ids"  # the batch key `forward` feeds the model (a pipeline's first stage is fed it)
     auto_model: type | None = None  # a transformers Auto class that loads this task's models (a distillation teacher)
-    can_build_empty = False  # build_model honours `empty` (training/accelerator.py `model_construction`)
+    can_build_empty = False  # build_model honours `empty` (training/strategy/accelerator.py `model_construction`)
     own_flags: tuple[str, ...] = ()  # core flags a `--task module:Class` reads (e.g. "train_file"); others are refused
 
     def __init__(self, model_args, data_args) -> None:
@@ -154,7 +154,8 @@ class CausalLM(Task):
         d = self.data_args
         if self.source:
             return self.source.datasets(raw, self.processor, self.block_size, main_process_first)
-        return build_lm_datasets(raw, self.processor, d.text_column, self.block_size, main_process_first, d.packing)
+        return build_lm_datasets(raw, self.processor, d.text_column, self.block_size, main_process_first, d.packing,
+                                 task_hint=other_task_hint)
 
     def forward(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
@@ -191,3 +192,10 @@ class CausalLM(Task):
         inputs = tokenizer(self.data_args.sample_prompt, return_tensors="pt")
         output = model.generate(**inputs, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         return repr(tokenizer.decode(output[0], skip_special_tokens=True))
+
+
+def other_task_hint(columns: set[str]) -> str | None:
+    """What to do with data that a part's task reads (`TaskEntry.data_columns`), for a message that names it."""
+    task = next((name for name, entry in part_tasks().items() if any(marks <= columns for marks in entry.data_columns)),
+                None)
+    return f"fine-tune on it with --task {task}" if task else None

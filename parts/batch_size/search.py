@@ -28,10 +28,10 @@ from accelerate.utils import send_to_device
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 from torch.utils.data import DataLoader
 
-from training.checkpoint import TRAINER_STATE
+from training.checkpoints.files import TRAINER_STATE
 from training.collectives import max_over_ranks
 from training.errors import StrategyError
-from training.loss import forward_backward as data_parallel_forward_backward
+from training.step import forward_backward as data_parallel_forward_backward
 from training.strategy import Strategy, wrapped_strategy
 
 logger = get_logger(__name__)
@@ -144,7 +144,7 @@ def take_recorded_micro_batch(accelerator: Accelerator, args, checkpoint: Path) 
         accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
 
 
-# ---- where strategies differ for the search (this part's own: the core's are in training/strategy_adapters.py)
+# ---- where strategies differ for the search (this part's own: the core's are in training/strategy/adapters.py)
 
 
 @contextmanager

@@ -67,7 +67,7 @@ class Bf16Params(Part):
         if training.args.mixed_precision_param == "float32":
             return objective
         from parts.bf16_params.cast import on_bf16_copies
-        from training.strategy_adapters import bare_model
+        from training.strategy import bare_model
 
         return on_bf16_copies(objective, partial(bare_model, training.accelerator))
 

@@ -14,7 +14,7 @@ both models' logits softened by the temperature T (`--distillation_temperature`)
 
 The sums run over the same targets as the label loss (for a causal LM the next tokens that are
 not ignored, over the shared tokenizer's tokens), per example, and are divided by the window's
-target count like every loss here (training/loss.py): every split of the global batch, on
+target count like every loss here (training/step.py): every split of the global batch, on
 every strategy, trains the same student.
 
 The teacher is an input, like the data: loaded once, in eval mode, without gradients, never in
@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
-
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from models.language import loading
@@ -43,8 +42,11 @@ from training.errors import ModelError
 from training.loss import IGNORE_INDEX
 from training.performance import compute_dtype, parameter_count, storage_bytes
 from training.strategy import Strategy
-from training.strategy_adapters import (answer_none_for_missing_embeddings, batch_norm_statistics_in,
-                                         keep_batch_norm_in_fp32)
+from training.strategy.adapters import (
+    answer_none_for_missing_embeddings,
+    batch_norm_statistics_in,
+    keep_batch_norm_in_fp32,
+)
 from training.tasks import Batch, CausalLM, Task
 
 logger = get_logger(__name__)

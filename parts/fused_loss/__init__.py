@@ -83,7 +83,7 @@ class FusedLoss(Part):
         if not training.args.fused_linear_cross_entropy:
             return None
         from parts.fused_loss.head import LossHead
-        from training.strategy_adapters import bare_model
+        from training.strategy import bare_model
 
         layer = output_layer(training.task, bare_model(training.accelerator, training.model))
         return partial(LossHead(layer, loss_kernel(training.args)[0]).loss_sums, training.task)

@@ -1,35 +1,11 @@
 """Pipeline stages (`--pipeline_parallel_size`): the model cut layer-wise over processes, run by torch's schedules
 (parts/pipeline/schedule.py), on the layouts parts/pipeline/layout.py accepts, for the model families
-parts/pipeline/stages.py can cut. The stages replace the model as a `ModelRunner` (training/parts.py): they run
-their own micro-steps, clipping, evaluation and export. See docs/pipeline.md.
+parts/pipeline/stages.py can cut. The stages run as the model's `ModelRunner` (training/runner.py): their own
+micro-steps, clipping, evaluation, checkpoint files and export. See docs/pipeline.md.
 """
 
-from dataclasses import dataclass, field
-
+from parts.pipeline.flags import PipelineFlags, pipelined
 from training.parts import Flags, Launch, Part, Plan, Started
-
-
-@dataclass
-class PipelineFlags:
-    pipeline_parallel_size: int = field(
-        default=1,
-        metadata={"help": "Pipeline stages: the model cut layer-wise over this many processes (ddp config; launch a "
-                          "multiple of it: the rest are replicas). See parts/pipeline."},
-    )
-    pipeline_schedule: str = field(default="1F1B", metadata={
-        "help": "Pipeline: torch's schedule.", "choices": ["GPipe", "1F1B", "Interleaved1F1B"]})
-    pipeline_microbatches: int = field(default=4, metadata={
-        "help": "Pipeline: equal micro-batches each per-device batch is cut into."})
-    pipeline_timeline: bool = field(
-        default=False,
-        metadata={"help": "Pipeline: record when each stage computes each micro-batch (wall clock) into "
-                          "output_dir/pipeline_timeline.json, for scripts/benchmark.py --pipeline."},
-    )
-
-
-def pipelined(args) -> bool:
-    """Whether the model is cut into stages (here, not in layout.py: the hooks below must not load torch)."""
-    return args.pipeline_parallel_size > 1
 
 
 class Pipeline(Part):
@@ -62,6 +38,11 @@ class Pipeline(Part):
         from parts.pipeline.schedule import StageModules
 
         return StageModules(run.accelerator, model, run.args)
+
+    def model_runner(self, model, run: Started):
+        """The stages run themselves: the schedule's forward and backward, the norm over every stage, each stage's
+        own checkpoint files, the export gathered on rank 0 (parts/pipeline/schedule.py)."""
+        return model if pipelined(run.args) else None
 
     def checkpoint_layout(self, args) -> dict[str, int]:
         """The stages, and how many each process holds where more than one (each process saves its own optimizer)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from parts.pipeline import pipelined
+from parts.pipeline.flags import pipelined
 from parts.pipeline.stages import split_into_stages
 from training.errors import ArgumentError, StrategyError
 from training.parts import Flags, parts

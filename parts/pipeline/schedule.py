@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from parts.pipeline.layout import SCHEDULES, stage_count
 from parts.pipeline.stages import split_into_stages
 from training.loss import IGNORE_INDEX
-from training.parts import ModelRunner
+from training.runner import ModelRunner
 
 logger = get_logger(__name__)
 
@@ -63,6 +63,7 @@ class StageModules(nn.ModuleList, ModelRunner):
             if index not in indices:
                 stage.to("meta")
         self.to(accelerator.device)
+        self.accelerator = accelerator
         self.__dict__["whole_model"] = model  # not a submodule: this process's stages in place, the others on "meta"
         self.indices, self.num_stages, self.stage_rank = indices, len(every_stage), rank
         self.replica, self.replicas = mesh.get_local_rank("dp"), replicas
@@ -92,12 +93,12 @@ class StageModules(nn.ModuleList, ModelRunner):
 
     # ------------------------------------------------------------ prepare
 
-    def prepare(self, accelerator: Accelerator, task, seed: int, optimizer, train_loader: DataLoader,
+    def prepare(self, model: nn.Module, task, seed: int, optimizer, train_loader: DataLoader,
                 eval_loader: DataLoader, scheduler):
         """What `accelerator.prepare` does for the other strategies: the schedule over this process's stages;
         the loaders sharded over replicas (every stage of a replica reads the same batches); the optimizer
         stepping only when gradients are synchronised; the schedule built."""
-        self.task = task
+        accelerator, self.task = self.accelerator, task
         example = train_loader.collate_fn([train_loader.dataset[0]] * self.args.per_device_train_batch_size)
         self.schedule = self.build_schedule(accelerator, self.activation_shapes(accelerator, example))
         shard = {"device": accelerator.device, "num_processes": self.replicas, "process_index": self.replica,
@@ -175,10 +176,11 @@ class StageModules(nn.ModuleList, ModelRunner):
         with accelerator.autocast():
             (self.schedule.step if train else self.schedule.eval)(*inputs, target=batch["labels"], losses=losses)
 
-    def forward_backward(self, accelerator: Accelerator, batch: dict, window_targets: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, model: nn.Module, objective, batch: dict, window_targets: torch.Tensor) -> torch.Tensor:
         """One micro-step: the schedule's forward and backward of every micro-batch; returns this process's share
         of the step's loss (the last stage's; zero elsewhere). `window_targets` is counted on every process, so
-        each replica's batch once per stage."""
+        each replica's batch once per stage. The last stage computes the task's loss itself (`loss`)."""
+        accelerator = self.accelerator
         self.loss_scale = self.args.pipeline_parallel_size / window_targets
         losses = []
         self.steps_run += 1
@@ -189,7 +191,7 @@ class StageModules(nn.ModuleList, ModelRunner):
                     dist.all_reduce(param.grad, group=self.replica_group)
         return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=accelerator.device)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_gradients(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the norm of every stage's gradients, each process holding some stages. Computed as
         `torch.nn.utils.clip_grad_norm_` computes it for the whole model (the norm of the per-tensor norms, in
         the model's parameter order), to the last bit: a model with BatchNorm over small batches amplifies
@@ -210,8 +212,9 @@ class StageModules(nn.ModuleList, ModelRunner):
         return total
 
     @torch.no_grad()
-    def evaluate(self, dataloader: DataLoader, accelerator: Accelerator, task) -> dict[str, float]:
+    def evaluate(self, model: nn.Module, dataloader: DataLoader, task, ranks_per_batch: int) -> dict[str, float]:
         """The task's metrics over every example: the schedule forward only, its sums added on the last stage."""
+        accelerator = self.accelerator
         self.eval()
         self.metrics = {}
         for batch in dataloader:
@@ -224,7 +227,7 @@ class StageModules(nn.ModuleList, ModelRunner):
 
     # ------------------------------------------------------------ checkpoints and export
 
-    def save(self, directory: Path) -> None:
+    def save(self, model: nn.Module, optimizer, directory: Path) -> None:
         """One replica saves each stage's weights and this process's optimizer state."""
         if self.replica != 0:
             return
@@ -232,7 +235,7 @@ class StageModules(nn.ModuleList, ModelRunner):
             save_file(self.full_state_dict([stage]), directory / STAGE_WEIGHTS.format(index=index))
         torch.save(self.optimizer.state_dict(), directory / STAGE_OPTIMIZER.format(rank=self.stage_rank))
 
-    def load(self, directory: Path) -> None:
+    def load(self, model: nn.Module, optimizer, scheduler, directory: Path) -> None:
         """Every replica restores its stages' weights and optimizer state."""
         for stage, index in zip(self, self.indices):
             saved = load_file(directory / STAGE_WEIGHTS.format(index=index))
@@ -240,8 +243,9 @@ class StageModules(nn.ModuleList, ModelRunner):
         self.optimizer.load_state_dict(torch.load(directory / STAGE_OPTIMIZER.format(rank=self.stage_rank),
                                                   weights_only=True))
 
-    def export(self, accelerator: Accelerator, processor, final_dir: Path) -> Path:
+    def export(self, model: nn.Module, task, final_dir: Path) -> Path:
         """The whole model in `final_dir` as `transformers` saves it: every stage's weights gathered to rank 0."""
+        accelerator, processor = self.accelerator, task.processor
         gathered = [None] * accelerator.num_processes if accelerator.is_main_process else None
         dist.gather_object(self.full_state_dict() if self.replica == 0 else None, gathered, dst=0)
         if self.args.pipeline_timeline:

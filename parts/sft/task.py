@@ -24,6 +24,7 @@ from datasets import Dataset, DatasetDict
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from data import DataError, cache_key, make_collator
+from models.language import ModelError, resolve_block_size
 from parts.sft.chat import (
     check_example,
     end_of_answer,
@@ -34,9 +35,8 @@ from parts.sft.chat import (
     tokenize_conversations,
 )
 from parts.sft.default_sft import SFT_VERSION, default_sft_splits
-from models.language import ModelError, resolve_block_size
 from training.flags import DataArguments, ModelArguments
-from training.strategy_adapters import bare_model
+from training.strategy import bare_model
 from training.tasks import CausalLM
 
 GENERATION_BATCH = 16

@@ -29,7 +29,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from data import DataError
 from training.collectives import cpu_group
-from training.checkpoint import ResumeError
+from training.errors import ResumeError
 
 STREAM_STATE = "stream_rank{rank}.pt"  # in each checkpoint, one per rank
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 calls it on every loader

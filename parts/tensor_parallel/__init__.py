@@ -61,7 +61,7 @@ class TensorParallel(Part):
 
         from parts.tensor_parallel.slicing import apply_tensor_parallel
 
-        # torch 2.13 warns for each tensor gathered whole (a checkpoint's model_state/, training/checkpoint.py)
+        # torch 2.13 warns for each tensor gathered whole (a checkpoint's model_state/, training/checkpoints/tensors.py)
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         get_logger(__name__).info(f"tensor parallel: every layer sliced over tp={tp_size()} processes "
                                   f"(data-parallel {run.accelerator.num_processes // tp_size()})", main_process_only=True)

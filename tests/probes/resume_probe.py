@@ -7,7 +7,7 @@ saved}), `cases` and `scratch` (directories). With train.py's own functions, in 
 1. with an `origin`: train from scratch into it as train.py does (`set_up`, `train`), saving every step: the run
    that goes on, which other keys resume;
 2. for each checkpoint of `resume`: restore it as a resume does (`resume`) and save it again at once
-   (`save_checkpoint`, in `cases/<name>`), then take the next optimizer step (`train_step`) and save that too, with
+   (`save_checkpoint`, in `cases/<name>`), then take the next optimizer step (`optimizer_step`) and save that too, with
    the step's loss in `cases/<name>/loss.json`.
 """
 
@@ -16,14 +16,15 @@ import json
 import sys
 from pathlib import Path
 
-from train import train, train_step
+from train import train
 from training.arguments import parse_args
-from training.checkpoint import resume, save_checkpoint
+from training.checkpoints.resume import epoch_batches, resume
+from training.checkpoints.save import save_checkpoint
 from training.collectives import end_collectives
-from training.loss import accumulation_windows
 from training.prelude import after_imports
 from training.process_exit import exit_process
-from training.setup import epoch_batches, set_up
+from training.setup import set_up
+from training.step import NonFiniteGuard, accumulation_windows, optimizer_step
 
 after_imports()
 key = json.loads(Path(sys.argv[1]).read_text())
@@ -34,16 +35,15 @@ if key["origin"]:
     train(run)
 accelerator = run.accelerator
 for name, checkpoint in key["resume"].items():
-    run.state = state = resume(accelerator, Path(checkpoint), fresh, run.max_steps, args.seed, run.model, run.optimizer,
-                               run.scheduler)
     output_dir = str(Path(key["cases"]) / name)
-    save_checkpoint(accelerator, run.model, run.optimizer, output_dir, state, None)
-    batches = epoch_batches(accelerator, run.train_loader, state.epoch, state.steps_in_epoch * args.gradient_accumulation_steps)
-    loss, _ = train_step(run, next(accumulation_windows(batches, args.gradient_accumulation_steps)))
-    run.scheduler.step()
-    state.completed_steps, state.steps_in_epoch = state.completed_steps + 1, state.steps_in_epoch + 1
+    run.state = state = resume(accelerator, Path(checkpoint), fresh, run.max_steps, args.seed, run.runner, run.model,
+                               run.optimizer, run.scheduler, output_dir)
+    save_checkpoint(accelerator, run.runner, run.model, run.optimizer, output_dir, state, None)
+    batches = epoch_batches(accelerator, run.train_loader, state, args.gradient_accumulation_steps)
+    loss, _, _ = optimizer_step(run, next(accumulation_windows(batches, args.gradient_accumulation_steps)),
+                                NonFiniteGuard(accelerator.device))
     loss = float(accelerator.reduce(loss, "sum"))  # the step's loss, as train.py logs it: the ranks' shares summed
-    save_checkpoint(accelerator, run.model, run.optimizer, output_dir, state, None)
+    save_checkpoint(accelerator, run.runner, run.model, run.optimizer, output_dir, state, None)
     if accelerator.is_main_process:
         (Path(output_dir) / "loss.json").write_text(json.dumps(loss))
 end_collectives(accelerator)

@@ -5,7 +5,7 @@ what `verify_strategy` concluded, as JSON in OUT_DIR/rank_<rank>.json.
   plain        Accelerator()                                  accelerate's own choice on CPU
   gloo_kwarg   Accelerator(kwargs_handlers=[gloo])            a common "fix" found online
   cpu_flag     Accelerator(cpu=True)                          the DDP-on-CPU switch
-  template     training.accelerator.build_accelerator(args)   what train.py does (--ddp_timeout 123)
+  template     training.strategy.accelerator.build_accelerator(args)   what train.py does (--ddp_timeout 123)
 """
 
 import json
@@ -17,11 +17,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
-from training.accelerator import build_accelerator
 from training.arguments import parse_args
+from training.errors import StrategyError
 from training.process_exit import exit_process
 from training.strategy import verify_strategy
-from training.errors import StrategyError
+from training.strategy.accelerator import build_accelerator
 
 scenario, out_dir = sys.argv[1], Path(sys.argv[2])
 builders = {

@@ -11,10 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-from training.accelerator import build_accelerator
+from parts.streaming.loader import StreamLoader
 from training.arguments import parse_args
 from training.process_exit import exit_process
-from parts.streaming.loader import StreamLoader
+from training.strategy.accelerator import build_accelerator
 from training.task_registry import build_task
 
 EPOCHS = 2

@@ -1,168 +1,29 @@
-"""Owns every difference between strategies that code must handle: what each needs before `prepare` to train what
-train.py asks for (`align_with_strategy`), and the few reads and saves that differ per wrapper."""
+"""The tensor format of `model_state/`: every tensor's fp32 value and optimizer state, written by each rank as the
+pieces it holds under any strategy, and read back whole into any other layout (another strategy or process count)."""
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import json
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
-from training.batchnorm import batch_norm_layers, running_statistics
-from training.errors import StrategyError
-from training.performance import compute_dtype
-from training.parts import ModelRunner
-from training.strategy import Strategy, wrapped_strategy
+from training.checkpoints.files import TRAINER_STATE
+from training.errors import ResumeError
+from training.strategy import bare_model
 
-
-def optimizer_offload_device(accelerator: Accelerator) -> str:
-    """Where ZeRO keeps and steps the optimizer: "cpu" or "nvme" under offload, else "none"."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return "none"
-    return plugin.deepspeed_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-
-
-def config_name(accelerator: Accelerator, strategy: Strategy) -> str:
-    """The strategy as its config file is named (ddp, fsdp, deepspeed_zero3_offload): what a checkpoint records."""
-    if strategy is not Strategy.DEEPSPEED:
-        return strategy.value
-    offload = "_offload" if optimizer_offload_device(accelerator) != "none" else ""
-    return f"deepspeed_zero{accelerator.state.deepspeed_plugin.zero_stage}{offload}"
-
-
-def align_with_strategy(accelerator: Accelerator, model: torch.nn.Module, max_grad_norm: float, per_device_batch: int) -> None:
-    """Before the optimizer and `prepare`: make the strategy run what train.py asks for."""
-    half = compute_dtype(accelerator.mixed_precision)
-    if accelerator.distributed_type is DistributedType.FSDP:
-        answer_none_for_missing_embeddings(model)
-        if accelerator.state.fsdp_plugin.cpu_ram_efficient_loading and (buffers := persistent_buffers(model)):
-            raise StrategyError(
-                f"fsdp_cpu_ram_efficient_loading broadcasts only parameters from rank 0, and this model has buffers "
-                f"that are saved with it ({', '.join(buffers[:3])}...); set `fsdp_cpu_ram_efficient_loading: false` "
-                "in the accelerate config (every rank then builds the whole model)")
-        if half is not torch.float32:
-            keep_batch_norm_in_fp32(model, accelerator)
-            _reduce_gradients_in_fp32(accelerator)
-    if accelerator.state.deepspeed_plugin is not None:
-        align_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm, per_device_batch)
-        if half is not torch.float32:
-            batch_norm_statistics_in(model, half)
-            keep_frozen_values(model, accelerator.process_index, accelerator.num_processes)
-
-
-def persistent_buffers(model: torch.nn.Module) -> list[str]:
-    """Names of the buffers in the model's state dict (BatchNorm statistics; not rotary tables)."""
-    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    return [name for name in model.state_dict() if name not in parameters]
-
-
-def answer_none_for_missing_embeddings(model: torch.nn.Module) -> None:
-    """accelerate 1.15's FSDP2 expects None from models without input embeddings; `transformers` raises instead."""
-    try:
-        model.get_input_embeddings()
-    except (NotImplementedError, AttributeError):  # (a plain nn.Module has no such method: accelerate then skips it)
-        model.get_input_embeddings = lambda: None
-
-
-def _reduce_gradients_in_fp32(accelerator: Accelerator) -> None:
-    """accelerate's FSDP2 bf16/fp16 policy reduces gradients in 8 mantissa bits: use fp32, as torchtitan and DDP do."""
-    plugin = accelerator.state.fsdp_plugin
-    if plugin.fsdp_version == 2 and plugin.mixed_precision_policy is not None:
-        plugin.mixed_precision_policy = dataclasses.replace(plugin.mixed_precision_policy, reduce_dtype=torch.float32)
-
-
-def gradient_reduction_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
-    """The dtypes the ranks average gradients in (DeepSpeed's default under bf16: bf16)."""
-    if wrapped_strategy(model) is Strategy.DEEPSPEED:
-        return {model.communication_data_type}
-    states = [module._get_fsdp_state() for module in model.modules() if hasattr(module, "_get_fsdp_state")]
-    if states:  # no reduce_dtype: the param_dtype, else the (fp32) parameters'
-        return {state._mp_policy.reduce_dtype or state._mp_policy.param_dtype or torch.float32 for state in states}
-    return {param.dtype for param in model.parameters() if param.requires_grad}
-
-
-def keep_batch_norm_in_fp32(model: torch.nn.Module, accelerator: Accelerator) -> None:
-    """FSDP2 casts BatchNorm weights to bf16, not running stats, which BatchNorm refuses (pytorch/torchtitan#674).
-    Its output goes on in the compute dtype: the layer after it may be in no unit of its own that casts its input."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                output_dtype=compute_dtype(accelerator.mixed_precision))
-    for layer in batch_norm_layers(model):
-        fully_shard(layer, mp_policy=fp32, reshard_after_forward=accelerator.state.fsdp_plugin.reshard_after_forward)
-
-
-def batch_norm_statistics_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """DeepSpeed's half-precision engines cast parameters, not buffers; BatchNorm needs both in one dtype."""
-    for buffer in running_statistics(model):
-        buffer.data = buffer.to(dtype)
-
-
-def align_deepspeed_config(config: dict, max_grad_norm: float, per_device_batch: int) -> None:
-    """Fill DeepSpeed's "auto"s from our flags: accelerate would clip at 1.0 and take the smallest (eval's) batch."""
-    if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        config["train_micro_batch_size_per_gpu"] = per_device_batch
-    clipping = config.get("gradient_clipping", "auto")
-    if clipping == "auto":
-        config["gradient_clipping"] = max_grad_norm
-    elif float(clipping) != max_grad_norm:
-        raise StrategyError(
-            f"gradient_clipping is {clipping} in the DeepSpeed JSON but --max_grad_norm is {max_grad_norm}; "
-            'set "gradient_clipping": "auto" in the JSON so the flag decides')
-
-
-def bare_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside the strategy's wrapper and torch.compile's, for use during training. Not accelerate's
-    default unwrap (`keep_torch_compile=True`), which points torch.compile's wrapper at the module inside DDP: the
-    compiled step, traced again, then skipped DDP, and gradients were no longer averaged after a checkpoint."""
-    return accelerator.unwrap_model(model, keep_torch_compile=False)
-
-
-def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> torch.Tensor | float:
-    """The norm before clipping, on the device (DeepSpeed clips in its step; accelerate's `.item()` would sync)."""
-    if wrapped_strategy(model) is Strategy.DEEPSPEED:
-        return model.get_global_grad_norm()
-    if isinstance(model, ModelRunner):  # a part's model that clips itself (pipeline stages: the norm over every stage)
-        return model.clip_grad_norm_(max_norm)
-    return accelerator.clip_grad_norm_(model.parameters(), max_norm)
-
-
-def write_effective_deepspeed_config(accelerator: Accelerator, output_dir: str) -> None:
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None and accelerator.is_main_process:
-        path = Path(output_dir) / "deepspeed_config.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(plugin.deepspeed_config, indent=2, default=str))
-
-
-@contextmanager
-def own_class_while_saving(model: torch.nn.Module) -> Iterator[None]:
-    """FSDP2 makes the model an `FSDP<Model>`: a custom model's `save_pretrained` would copy that into `auto_map`."""
-    from torch.distributed.fsdp import FSDPModule
-
-    fsdp_class = type(model)
-    if FSDPModule not in fsdp_class.__bases__:
-        yield
-        return
-    model.__class__ = next(base for base in fsdp_class.__bases__ if base is not FSDPModule)
-    try:
-        yield
-    finally:
-        model.__class__ = fsdp_class
-
-
-# The checkpoint's model state, one tensor at a time in the same terms under every strategy (training/checkpoint.py):
+# The checkpoint's model state, one tensor at a time in the same terms under every strategy (training/checkpoints/):
 # the pieces of its fp32 value and optimizer state that this rank holds, or the whole of them set into its layout. A
 # piece is (its offset in the flattened whole, fp32 values). Optimizer state not shaped like its tensor (a step count,
 # Adafactor's factored moments) is kept as the optimizer holds it, a tensor or a number, under offset None.
+
+MODEL_STATE = "model_state"  # rank<N>.safetensors: each rank's pieces of every tensor's fp32 value and optimizer state
 
 Piece = tuple[int | None, torch.Tensor | float | int]
 
@@ -339,7 +200,7 @@ def _zero_pieces(tensor: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict
 
 def set_full_state(tensor: torch.Tensor, saved: TensorState, optimizer: torch.optim.Optimizer,
                    torch_states: dict[int, dict]) -> None:
-    """Set `tensor` and its optimizer state from their whole values (training/checkpoint.py `ModelState.whole`), on
+    """Set `tensor` and its optimizer state from their whole values (`ModelState.whole`), on
     every rank: ZeRO's partitions at once, a torch optimizer's into `torch_states` (by the tensor's id), for
     `load_optimizer_states`."""
     value = saved.value
@@ -370,8 +231,12 @@ def set_full_state(tensor: torch.Tensor, saved: TensorState, optimizer: torch.op
 def _set_zero_state(tensor: torch.Tensor, saved: TensorState) -> None:
     """ZeRO's fp32 master and optimizer state of a parameter it steps. ZeRO-3's from this rank's padded partition
     (DeepSpeed 0.19.8's `safe_set_full_fp32_param` reads past the whole where the process count does not divide it)."""
-    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,
-                                 safe_set_local_optimizer_state)
+    from deepspeed.utils import (
+        safe_set_full_fp32_param,
+        safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_optimizer_state,
+    )
 
     if not hasattr(tensor, "ds_id"):
         safe_set_full_fp32_param(tensor, saved.value.to(tensor.device))
@@ -414,3 +279,115 @@ def load_optimizer_states(optimizer: torch.optim.Optimizer, torch_states: dict[i
     saved = optimizer.state_dict()
     saved["state"] = {index: torch_states[id(p)] for index, p in enumerate(parameters) if id(p) in torch_states}
     optimizer.load_state_dict(saved)
+
+
+WHOLE = "whole"  # the offset of optimizer state kept as the optimizer holds it (`held_pieces`' offset None)
+
+
+def save_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, directory: Path) -> None:
+    """Every rank writes the pieces it holds of every tensor and its optimizer state (`held_pieces`: no gathering, so
+    as fast as the strategies' own saves) to one file, with the tensors' whole shapes; state that is a number (a step
+    count) goes into the file's metadata, as JSON keeps it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    base, rank, pieces, numbers, shapes = base_optimizer(optimizer), accelerator.process_index, {}, {}, {}
+    for name, tensor in model_tensors(bare_model(accelerator, model)).items():
+        shapes[name] = whole_shape(tensor)
+        for key, (start, piece) in held_pieces(tensor, base, rank).items():
+            if torch.is_tensor(piece):
+                pieces[f"{name}|{key}|{WHOLE if start is None else start}"] = piece
+            else:
+                numbers[f"{name}|{key}"] = piece
+    save_file(pieces, directory / f"rank{rank}.safetensors",
+              metadata={"shapes": json.dumps(shapes), "numbers": json.dumps(numbers)})
+
+
+class ModelState:
+    """A checkpoint's `save_model_state` files, one per rank that saved it, read lazily: one whole tensor (and its
+    optimizer state) assembled at a time."""
+
+    def __init__(self, checkpoint: Path, files: contextlib.ExitStack) -> None:
+        self.directory, self.shapes, self.pieces, self.numbers = checkpoint / MODEL_STATE, {}, {}, {}
+        processes = json.loads((checkpoint / TRAINER_STATE).read_text())["num_processes"]
+        for rank in range(processes):
+            path = self.directory / f"rank{rank}.safetensors"
+            try:
+                handle = files.enter_context(safe_open(path, "pt"))
+                metadata = handle.metadata()
+                self.shapes |= json.loads(metadata["shapes"])
+                numbers = json.loads(metadata.get("numbers", "{}"))  # (checkpoints before 2026-11-28 have none)
+            except FileNotFoundError:
+                raise ResumeError(f"{path} is missing (the checkpoint was saved by {processes} processes); resume "
+                                  "an earlier checkpoint") from None
+            except (SafetensorError, OSError, KeyError, TypeError, ValueError) as error:
+                raise ResumeError(f"{path} is damaged ({str(error).splitlines()[0]}); resume an earlier "
+                                  "checkpoint") from None
+            for key, number in numbers.items():
+                name, kind = key.rsplit("|", 1)
+                self.numbers.setdefault(name, {})[kind] = number
+            for key in handle.keys():
+                name, kind, start = key.rsplit("|", 2)
+                self.pieces.setdefault(name, {}).setdefault(kind, []).append((start, path, handle, key))
+
+    def whole(self, name: str) -> TensorState:
+        """`name`'s fp32 value and optimizer state, each assembled whole from the ranks' pieces."""
+        state = TensorState(value=None, other=dict(self.numbers.get(name, {})))
+        for kind, pieces in self.pieces.get(name, {}).items():
+            if pieces[0][0] == WHOLE or kind == "step":  # the same on every rank that wrote it
+                kept = self._read(*pieces[0][1:])  # (before 2026-11-28 a step count was a piece of one value)
+                state.other[kind] = kept if pieces[0][0] == WHOLE else kept[0]
+                continue
+            flat, covered = torch.empty(math.prod(self.shapes[name])), 0
+            for start, *where in pieces:
+                piece = self._read(*where)
+                flat[int(start):int(start) + piece.numel()], covered = piece, covered + piece.numel()
+            if covered != flat.numel():
+                raise ResumeError(f"{self.directory} holds {covered} of {name}'s {flat.numel()} values ({kind}): a rank's "
+                                  "file is damaged; resume an earlier checkpoint")
+            if kind == "value":
+                state.value = flat.view(self.shapes[name])
+            else:
+                state.elementwise[kind] = flat.view(self.shapes[name])
+        if state.value is None:
+            raise ResumeError(f"{self.directory} holds no values of {name}: a rank's file is damaged; resume an "
+                              "earlier checkpoint")
+        return state
+
+    @staticmethod
+    def _read(path: Path, handle, key: str) -> torch.Tensor:
+        try:
+            return handle.get_tensor(key)
+        except (SafetensorError, OSError) as error:
+            raise ResumeError(f"{path} is damaged ({str(error).splitlines()[0]}); resume an earlier checkpoint") from None
+
+
+def load_model_state(accelerator: Accelerator, model: torch.nn.Module, base: torch.optim.Optimizer,
+                     checkpoint: Path) -> None:
+    """The checkpoint's `save_model_state` tensors into this run's model and optimizer (`base`: the one inside the
+    wrappers, `base_optimizer`), however they are laid out."""
+    tensors = model_tensors(bare_model(accelerator, model))
+    with contextlib.ExitStack() as files:
+        saved = ModelState(checkpoint, files)
+        if sorted(saved.shapes) != sorted(tensors):
+            differences = [f"{len(names)} {whose} ({', '.join(names[:2])}...)" for names, whose in (
+                (sorted(set(saved.shapes) - set(tensors)), "of its tensors are not in this model"),
+                (sorted(set(tensors) - set(saved.shapes)), "of this model's tensors are not in it")) if names]
+            raise ResumeError(f"{checkpoint} holds another model: {'; '.join(differences)}; resume with the model "
+                              "it was trained with (--model_config, --config_overrides, --model_name_or_path)")
+        torch_states = {}
+        for name, tensor in tensors.items():
+            if saved.shapes[name] != (shape := whole_shape(tensor)):
+                raise ResumeError(f"{checkpoint} holds {name} of shape {saved.shapes[name]}, this model's is "
+                                  f"{shape}; resume with the model it was trained with")
+            set_full_state(tensor, saved.whole(name), base, torch_states)
+        load_optimizer_states(base, torch_states)
+
+
+def set_next_rate(optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """The learning rate of the step to come (which an optimizer's own state dict would have held), from this run's
+    schedule at the restored step: a resume that raised --max_steps follows the stretched schedule from its first step."""
+    if hasattr(scheduler, "lr_lambdas"):  # transformers' schedules: a factor of the step
+        rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    else:
+        rates = scheduler.get_last_lr()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate

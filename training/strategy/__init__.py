@@ -154,3 +154,10 @@ def verify_prepared(accelerator: Accelerator, model: torch.nn.Module, optimizer:
         raise StrategyError(
             f"DeepSpeed replaced train.py's optimizer with {type(stepped).__name__} (different betas/eps, and the "
             'schedule would not reach it); set "zero_force_ds_cpu_optimizer": false in the DeepSpeed JSON')
+
+
+def bare_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside the strategy's wrapper and torch.compile's, for use during training. Not accelerate's
+    default unwrap (`keep_torch_compile=True`), which points torch.compile's wrapper at the module inside DDP: the
+    compiled step, traced again, then skipped DDP, and gradients were no longer averaged after a checkpoint."""
+    return accelerator.unwrap_model(model, keep_torch_compile=False)

@@ -12,10 +12,10 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 
 from training.collectives import joining_process_group, start_restarted_process_group
-from training.cpu_accommodations import cpu_process_group
+from training.strategy.cpu import cpu_process_group
 from training.parts import Launch, parts
 from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
-from training.strategy_adapters import optimizer_offload_device
+from training.strategy.adapters import optimizer_offload_device
 
 logger = get_logger(__name__)
 

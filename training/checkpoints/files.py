@@ -1,0 +1,156 @@
+"""A checkpoint's files on disk: `trainer_state.json` (`TrainerState`), `manifest.json` (every file and its size,
+checked before a resume), where checkpoints live, which is the latest, rotation, and the output directory's checks."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from training.errors import ArgumentError, ResumeError
+
+TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"  # every other file of the checkpoint and its size in bytes
+PLAIN_MODEL = "model.json"  # in final/: how to rebuild a plain nn.Module (its class and constructor arguments)
+DEEPSPEED_DIR = "pytorch_model"  # what accelerate's save_state wrote for a DeepSpeed engine (before model_state/)
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class TrainerState:
+    completed_steps: int = 0
+    epoch: int = 0
+    steps_in_epoch: int = 0  # optimizer steps taken in `epoch`: the data position to skip to
+    global_batch: int = 0  # sequences per optimizer step; resuming needs the same
+    num_processes: int = 1  # that saved the checkpoint
+    strategy: str = ""  # that saved it, as its config is named (deepspeed_zero2, fsdp...)
+    layout: dict[str, int] = field(default_factory=dict)  # how parts cut the model (pipeline stages), each saved apart
+    per_device_train_batch_size: int = 0  # the micro-batch that ran (0: not recorded, before --auto_find_batch_size)
+    gradient_accumulation_steps: int = 0
+    optim: str = ""  # the --optim whose state it holds ("": not recorded, before 2026-11-28)
+    run_id: str = ""  # the run it belongs to, made at a fresh start and kept by every resume
+
+
+def checkpoints_root(output_dir: str) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_checkpoints(output_dir: str) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / TRAINER_STATE).is_file()]
+    return [path for _, path in sorted(found)]
+
+
+RUN_OUTPUTS = ("checkpoints", "final", "runs", "metrics.jsonl", "summary.json", "report.png")
+
+
+def check_output_dir(output_dir: str, resume: str | None, overwrite: bool, inputs: dict[str, str | None]) -> None:
+    """Before any process group: resume/overwrite flags agree, overwriting deletes no input (flag -> path), writable."""
+    if resume == "latest":
+        if found := latest_checkpoint(output_dir):  # (refused where checkpoints of several runs make it ambiguous)
+            require_complete_checkpoint(found)
+    elif resume:
+        try:
+            require_complete_checkpoint(Path(resume))
+        except FileNotFoundError as error:
+            raise ArgumentError(str(error)) from None
+        others = [p for p in complete_checkpoints(output_dir) if p.resolve() != Path(resume).resolve()]
+        if foreign := [p.name for p in others if run_of(p) != run_of(Path(resume))]:
+            raise ArgumentError(f"{output_dir} holds checkpoints of another run ({', '.join(foreign[:3])}), which "
+                                "rotation and 'latest' would take for this run's; resume into another --output_dir, or "
+                                "move them elsewhere first")
+        if newer := [p.name for p in others if step_of(p) > step_of(Path(resume))]:
+            raise ArgumentError(f"{resume} is older than {newer} in the same output_dir, which 'latest' would pick "
+                                "after a restart; move those elsewhere first, or resume into another --output_dir")
+    if resume and overwrite:
+        raise ArgumentError("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues: give one")
+    if not resume and not overwrite and (complete_checkpoints(output_dir) or (Path(output_dir) / "final").exists()):
+        raise ArgumentError(
+            f"{output_dir} already holds a run (checkpoints or final/); continue it with --resume_from_checkpoint "
+            "latest, start afresh with --overwrite_output_dir, or choose another --output_dir")
+    deleted = [(Path(output_dir) / name).resolve() for name in RUN_OUTPUTS] if overwrite else []
+    for flag, path in inputs.items():
+        if path and (inside := next((d for d in deleted if Path(path).resolve().is_relative_to(d)), None)):
+            raise ArgumentError(f"--overwrite_output_dir would delete {inside}, which --{flag} {path} reads; nothing "
+                                "was deleted: give this run another --output_dir")
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        raise ArgumentError(f"cannot write to --output_dir {output_dir} ({error.strerror}); choose a writable directory") from None
+
+
+def clear_previous_run(output_dir: str) -> None:
+    """--overwrite_output_dir: delete what an earlier run left in `output_dir` (main process only)."""
+    for name in RUN_OUTPUTS:
+        path = Path(output_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def latest_checkpoint(output_dir: str) -> Path | None:
+    """The newest complete checkpoint of `output_dir`, refused where they belong to more than one run."""
+    found = complete_checkpoints(output_dir)
+    if len(runs := {run_of(path) for path in found}) > 1:
+        raise ResumeError(f"{checkpoints_root(output_dir)} holds checkpoints of {len(runs)} runs, so 'latest' could "
+                          "continue the wrong one; name the checkpoint with --resume_from_checkpoint, or move the "
+                          "other run's elsewhere")
+    return found[-1] if found else None
+
+
+def recorded(checkpoint: Path) -> dict:
+    """What a complete checkpoint's trainer_state.json says (nothing where it cannot be read: a resume says why)."""
+    try:
+        return json.loads((checkpoint / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def step_of(checkpoint: Path) -> int:
+    return recorded(checkpoint).get("completed_steps", 0)
+
+
+def run_of(checkpoint: Path) -> str:
+    """The run a checkpoint belongs to ("" for checkpoints before 2026-11-28)."""
+    return recorded(checkpoint).get("run_id", "")
+
+
+def require_complete_checkpoint(path: Path) -> Path:
+    """`path`, once it holds a complete checkpoint whose files are all there at the size they were saved."""
+    if not (path / TRAINER_STATE).is_file():
+        raise FileNotFoundError(f"no complete checkpoint at {path} (missing {TRAINER_STATE}); check --resume_from_checkpoint")
+    if not (path / MANIFEST).is_file():  # (checkpoints before 2026-11-28 have none)
+        return path
+    try:
+        sizes = json.loads((path / MANIFEST).read_text())
+    except ValueError:
+        raise ResumeError(f"{path / MANIFEST} is damaged; resume an earlier checkpoint") from None
+    for name, size in sizes.items():
+        file = path / name
+        found = file.stat().st_size if file.is_file() else None
+        if found != size:
+            what = "is missing" if found is None else f"is damaged ({found:,} bytes, saved as {size:,})"
+            raise ResumeError(f"{file} {what}; resume an earlier checkpoint (--resume_from_checkpoint <its path>)")
+    return path
+
+
+def write_manifest(checkpoint: Path) -> None:
+    sizes = {str(file.relative_to(checkpoint)): file.stat().st_size for file in sorted(checkpoint.rglob("*"))
+             if file.is_file() and file.name not in (MANIFEST, TRAINER_STATE)}
+    (checkpoint / MANIFEST).write_text(json.dumps(sizes, indent=1))
+
+
+def rotate_checkpoints(output_dir: str, newest: Path, limit: int) -> None:
+    """Keep `newest` (even below higher steps left by a resumed run) and the `limit - 1` highest others of its run."""
+    others = [path for path in complete_checkpoints(output_dir) if path != newest and run_of(path) == run_of(newest)]
+    for old in others[: max(len(others) - (limit - 1), 0)]:
+        shutil.rmtree(old)

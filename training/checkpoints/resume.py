@@ -1,0 +1,148 @@
+"""One resume, in the order it runs: which checkpoint (`resolve_resume_path`), checked against this run and loaded
+(`load_checkpoint`), then `resume`: the state to continue from, the generators reseeded where the process count
+changed, metrics.jsonl cut back to the checkpoint's step, and the data position to skip to (`epoch_batches`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pickle
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import broadcast_object_list, set_seed
+from torch.utils.data import DataLoader
+
+from training.checkpoints.files import (
+    DEEPSPEED_DIR,
+    TRAINER_STATE,
+    TrainerState,
+    latest_checkpoint,
+    require_complete_checkpoint,
+)
+from training.checkpoints.save import without_model_and_optimizer
+from training.checkpoints.tensors import MODEL_STATE
+from training.errors import ResumeError
+from training.metrics import keep_metrics_until
+from training.optim import optimizer_for
+from training.parts import CheckpointFiles, CheckpointLoad, parts
+
+if TYPE_CHECKING:
+    from training.runner import ModelRunner
+
+logger = get_logger(__name__)
+
+
+def resolve_resume_path(resume_from_checkpoint: str | None, output_dir: str,
+                        accelerator: Accelerator | None = None) -> Path | None:
+    """`latest`: the newest complete checkpoint or None, broadcast so all ranks agree while a save is renamed."""
+    if not resume_from_checkpoint:
+        return None
+    if resume_from_checkpoint == "latest":
+        found = latest_checkpoint(output_dir)
+        choice = [str(found) if found else None]
+        if accelerator is not None:
+            broadcast_object_list(choice)
+        return require_complete_checkpoint(Path(choice[0])) if choice[0] else None
+    return require_complete_checkpoint(Path(resume_from_checkpoint))
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max_steps: int,
+                    layout: dict[str, int] | None = None, runner: ModelRunner | None = None, model=None, optimizer=None,
+                    scheduler=None, optim: str | None = None) -> TrainerState:
+    """Check on every rank that `path` continues this run exactly (`optim`: this run's --optim), then restore it:
+    accelerate's `load_state` of the schedule, generators and data position, the runner's model and optimizer state,
+    the parts' own files."""
+    try:
+        saved = json.loads((path / TRAINER_STATE).read_text())
+        if (stages := saved.pop("pipeline_stages", 1)) > 1:  # how checkpoints before 2026-11-27 recorded a pipeline
+            saved["layout"] = {"pipeline_stages": stages}
+        state = TrainerState(**saved)
+    except json.JSONDecodeError:
+        raise ResumeError(f"{path / TRAINER_STATE} is damaged; resume an earlier checkpoint") from None
+    except (TypeError, ValueError):
+        raise ResumeError(f"{path / TRAINER_STATE} was not written by this version of train.py; cannot resume it")
+    if optim and state.optim and optimizer_for(state.optim).class_path != optimizer_for(optim).class_path:
+        raise ResumeError(f"{path} holds the state of --optim {state.optim}, and this run's is --optim {optim}; resume "
+                          f"with --optim {state.optim}, or start a new run from that run's final/ with "
+                          "--model_name_or_path (the optimizer state is not carried over)")
+    if state.completed_steps >= max_steps:
+        raise ResumeError(f"{path} is at step {state.completed_steps} and --max_steps is {max_steps}: nothing left "
+                          "to train; raise --max_steps (the learning-rate schedule then stretches to the new length)")
+    if state.global_batch != global_batch:
+        raise ResumeError(
+            f"{path} was trained with a global batch of {state.global_batch}, this run has {global_batch}; "
+            "keep per_device_train_batch_size x processes x gradient_accumulation_steps the same to resume")
+    if state.layout != (layout or {}):
+        def shown(cut: dict[str, int]) -> str:
+            return ", ".join(f"{key} {value}" for key, value in sorted(cut.items())) or "one whole model per process"
+
+        raise ResumeError(f"{path} holds a model laid out as {shown(state.layout)} and this run lays it out as "
+                          f"{shown(layout or {})}; resume with the flags that laid it out so, or start a new run from "
+                          "that run's final/ with --model_name_or_path (the optimizer state is not carried over)")
+    if (path / DEEPSPEED_DIR).is_dir() and state.num_processes != accelerator.num_processes:
+        raise ResumeError(
+            f"{path} is a DeepSpeed checkpoint of {state.num_processes} processes; DeepSpeed cannot resume it on "
+            f"{accelerator.num_processes}. Resume on {state.num_processes} processes, or convert it to full weights with "
+            f"`python {path}/zero_to_fp32.py {path} <out_dir> --safe_serialization`, copy config.json and the "
+            "tokenizer files from final/ into <out_dir>, and start a new run from --model_name_or_path <out_dir> "
+            "(the optimizer state is not carried over)")
+    try:
+        with contextlib.ExitStack() as loading:
+            # the parts' (parts/safe_loading: unpickling on an allow-list)
+            for context in parts().loading_checkpoint(CheckpointLoad(path, (path / DEEPSPEED_DIR).is_dir())):
+                loading.enter_context(context)
+            with without_model_and_optimizer(accelerator, emptied=(path / MODEL_STATE).is_dir()):
+                accelerator.load_state(str(path))
+            if runner is not None:
+                runner.load(model, optimizer, scheduler, path)
+            parts().load_state(CheckpointFiles(accelerator, path))  # the parts' own
+    except pickle.UnpicklingError:
+        raise ResumeError(f"{path} holds pickled objects that are not plain tensors or data; refused to load them, "
+                          "as unpickling can run code. Resume only checkpoints this template wrote") from None
+    # Resumes start at an optimizer-step boundary: the restored micro-step counter (when gradients sync) is stale if
+    # accumulation or process count changed, or 0 on some ranks only (a missing rank file); mismatched syncs hang.
+    accelerator.step = 0
+    return state
+
+
+def resume(accelerator: Accelerator, path: Path, this_run: TrainerState, max_steps: int, seed: int,
+           runner: ModelRunner, model, optimizer, scheduler, output_dir: str) -> TrainerState:
+    """Restore `path` into this run (`this_run`: its fresh state), on every rank; the state to continue from. The
+    generators are reseeded where the process count changed, and metrics.jsonl keeps only what was logged up to the
+    checkpoint's step (the trackers' own purge: `tracker_purge_step`)."""
+    state = load_checkpoint(accelerator, path, this_run.global_batch, max_steps, this_run.layout, runner, model,
+                            optimizer, scheduler, this_run.optim)
+    reseeded = ""
+    if state.num_processes != this_run.num_processes:  # a rank's saved generators have no counterpart now
+        set_seed(seed + state.completed_steps)  # alike on every rank, as a fresh start seeds them
+        reseeded = f"; random generators reseeded from --seed + step {state.completed_steps}"
+    if (state.strategy, state.num_processes) != (this_run.strategy, this_run.num_processes):
+        saved_on = f"{state.num_processes} process{'es' if state.num_processes > 1 else ''}"
+        logger.info(f"resuming a {state.strategy or 'older'} checkpoint of {saved_on} under {this_run.strategy} with "
+                    f"{this_run.num_processes}{reseeded}", main_process_only=True)
+    state.num_processes, state.strategy, state.optim = this_run.num_processes, this_run.strategy, this_run.optim
+    if accelerator.is_main_process:
+        keep_metrics_until(output_dir, state.completed_steps)
+    logger.info(f"resumed from {path} at step {state.completed_steps}", main_process_only=True)
+    return state
+
+
+def tracker_purge_step(state: TrainerState, resumed: bool) -> int:
+    """Where TensorBoard drops what the run this one continues logged after its checkpoint (0: nothing to drop)."""
+    return state.completed_steps + 1 if resumed else 0
+
+
+def epoch_batches(accelerator: Accelerator, loader: DataLoader | Iterable[dict], state: TrainerState,
+                  accumulation: int) -> Iterator[dict]:
+    """The micro-batches from where the run stands: a map-style loader is reshuffled for the epoch and skips what
+    the epoch already trained on; a part's loader keeps its own position (a stream's: endless, epoch after epoch).
+    Skipping by optimizer steps, not by this process's batches, keeps the position right when a checkpoint resumes
+    on a different number of processes."""
+    if not isinstance(loader, DataLoader):
+        return iter(loader)
+    loader.set_epoch(state.epoch)
+    return accelerator.skip_first_batches(loader, state.steps_in_epoch * accumulation)
