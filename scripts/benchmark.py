@@ -94,7 +94,7 @@ def speed_flags(args: argparse.Namespace, task: tuple[str, ...] = ()) -> tuple[s
 
 def start_launch(command: list[str], env: dict[str, str], log) -> subprocess.Popen:
     """`accelerate launch ...` (`command`) started in the repository with `env`, both streams to the file `log`.
-    The one place a launch starts: tests/test_benchmark.py runs most tables with the suite's forked launcher here."""
+    The one place a launch starts: tests/test_benchmarks.py runs most tables with the suite's forked launcher here."""
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 

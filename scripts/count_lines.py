@@ -1,8 +1,7 @@
-"""Lines of Python in the core and in each part, as docs/layout.md shows them (tests/test_module_layout.py
-checks the page against this script).
+"""Lines of Python in the core and in each part, as docs/layout.md shows them (scripts/part_tables.py writes them
+there).
 
     python scripts/count_lines.py            # the table, in markdown
-    python scripts/count_lines.py --write    # and into docs/layout.md, in place of the table there
 
 The core is train.py, training/, data/ and models/: what the promise needs, and what a fork without parts
 keeps (issue 36's goal for it: at most 3,000 lines). A part is a folder of parts/ (training/parts.py).
@@ -10,8 +9,6 @@ keeps (issue 36's goal for it: at most 3,000 lines). A part is a folder of parts
 
 from __future__ import annotations
 
-import re
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,19 +27,6 @@ def counts(repo: Path = REPO) -> dict[str, int]:
             **{f"parts/{part.name}": python_lines(part) for part in parts}}
 
 
-def table(repo: Path = REPO) -> str:
-    rows = [f"| `{name}` | {lines:,} |" for name, lines in counts(repo).items()]
-    return "\n".join(["| code | lines of Python |", "|---|---:|", *rows])
-
-
-def write_layout_page(repo: Path = REPO) -> None:
-    """docs/layout.md with its table of lines replaced by today's."""
-    page = repo / "docs" / "layout.md"
-    old = re.compile(r"\| code \| lines of Python \|\n(\|.*\|\n)+")
-    page.write_text(old.sub(table(repo) + "\n", page.read_text(), count=1))
-
-
 if __name__ == "__main__":
-    print(table())
-    if "--write" in sys.argv[1:]:
-        write_layout_page()
+    for name, lines in counts().items():
+        print(f"{name:28} {lines:>6,}")

@@ -7,16 +7,18 @@
 A part owns `parts/<name>/`, `tests/test_<name>.py`, `docs/<name>.md` and the files its `Part.files` names
 (training/parts.py); a part left out takes them along, and so do:
 - the requirements only it needs (`Part.requirements`), from requirements.txt;
-- the README's rows and lines that link to its page, and in every page kept, links to a page gone (their text
-  stays);
+- in every page kept, the table rows, list items, sentences and command lines that name it (its files, its
+  flags, its page), and the Makefile targets that run its files;
 - the tests of other files that need it (marked `@pytest.mark.parts(...)`: tests/conftest.py deselects them
   where a part is missing, so the fork's own suite runs what it can hold).
-Then docs/layout.md's table of lines is written for the fork (scripts/count_lines.py). DEST must not exist.
+The pages' rows that come from the parts are written for the fork (scripts/part_tables.py), and the files that
+serve only this template (this script and its test) stay behind. DEST must not exist.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -26,9 +28,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scripts.count_lines import write_layout_page  # noqa: E402
+from scripts.part_tables import write_pages  # noqa: E402
 from training.parts import Part, installed_parts  # noqa: E402 - imports nothing heavy
 
+TEMPLATE_ONLY = ("scripts/new_project.py", "tests/test_new_project.py")  # what makes projects of this template
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)#\s]+)(#[^)\s]*)?\)")  # a link, or an image (!)
 
 
@@ -58,24 +61,89 @@ def unlinked(text: str, page: Path, gone: set[Path]) -> str:
     return LINK.sub(replace, text)
 
 
-def readme_without(text: str, readme: Path, gone: set[Path]) -> str:
-    """The README without the table rows (a recipe of a part gone) and pictures that link to a file gone, and
-    without the list items (with their indented lines) whose links all do."""
-    def gone_links(lines: list[str]) -> list[bool]:
-        return [(readme.parent / match.group(3)).resolve() in gone for line in lines for match in LINK.finditer(line)]
+def mentions_of(parts: list[Part], paths: list[str]) -> re.Pattern:
+    """What names a part left out: its files (`paths`, as paths or, for a package, as a module), its flags, its page."""
+    names = [re.escape(path) if path.count("/") == 1 and path.endswith("/") else re.escape(path.rstrip("/")) + r"(?!\w)"
+             for path in paths]  # a top-level folder with its slash (`recipes/`, not the word), else the path
+    names += [re.escape(path.rstrip("/").replace("/", ".")) + r"\.\w" for path in paths if path.endswith("/")]
+    names += [rf"--{field.name}\b" for part in parts for kind in (part.model_flags, part.data_flags, part.flags) if kind
+              for field in dataclasses.fields(kind)]
+    names += [rf"\]\(({re.escape(part.name)}|docs/{re.escape(part.name)})\.md" for part in parts]
+    return re.compile("|".join(names)) if names else re.compile(r"(?!)")
 
-    blocks: list[list[str]] = []  # a list item and its indented lines, or one other line
+
+# after . ! or ?, and any closing mark (`**`, a parenthesis, a quote): not in e.g., i.e. or vs.
+SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][)`'\"])|(?<=[.!?]\*\*))(?<!e\.g\.)(?<!i\.e\.)(?<!vs\.)(\s+)(?=\S)")
+
+
+def without_mentions(text: str, page: Path, gone: set[Path], mentions: re.Pattern) -> str:
+    """A kept page without what names a part left out: table rows and lines of code blocks whole, and in prose (list
+    items too) the sentences; a list item or paragraph left empty goes, and so does a heading left with nothing."""
+    def named(part: str) -> bool:
+        return bool(mentions.search(part)) or any((page.parent / link.group(3)).resolve() in gone
+                                                  for link in LINK.finditer(part))
+
+    def prose(block: str) -> str:
+        pieces = SENTENCE_END.split(block)  # sentence, separator, sentence, ...
+        kept = [(sentence, separator) for sentence, separator in zip(pieces[::2], [*pieces[1::2], ""])
+                if not named(sentence)]
+        return "".join(sentence + separator for sentence, separator in kept).rstrip()
+
+    out, block, fenced = [], [], False
+
+    def flush() -> None:
+        if block:
+            marker = re.match(r"(\s*(?:[-*]|\d+\.)\s+)", block[0])
+            text = "\n".join(block)
+            body = prose(text[marker.end():] if marker else text)
+            if body and not (marker and body.startswith(("(", ":"))):
+                out.append((marker.group(1) if marker else "") + body)
+            block.clear()
+
     for line in text.splitlines():
-        if line.startswith("  ") and blocks and blocks[-1][0].startswith("- "):
-            blocks[-1].append(line)
+        if line.startswith("```"):
+            flush()
+            fenced = not fenced
+            out.append(line)
+        elif fenced or line.startswith("|"):
+            if not named(line):
+                out.append(line)
+        elif not line.strip() or line.startswith(("#", "<!--")):
+            flush()
+            out.append(line)
+        elif re.match(r"\s*(?:[-*]|\d+\.)\s+", line) and not line.startswith("  "):
+            flush()
+            block.append(line)
         else:
-            blocks.append([line])
+            block.append(line)
+    flush()
+    return unlinked(without_empty_sections("\n".join(out)) + "\n", page, gone)
+
+
+def without_empty_sections(text: str) -> str:
+    """Headings (below the title) whose section holds nothing but blank lines, dropped; blank runs made one."""
+    lines, kept = text.splitlines(), []
+    for index, line in enumerate(lines):
+        if line.startswith("##"):
+            level = len(line) - len(line.lstrip("#"))
+            rest = next((other for other in lines[index + 1:] if other.strip()), "")
+            if not rest or (rest.startswith("#") and len(rest) - len(rest.lstrip("#")) <= level):
+                continue
+        kept.append(line)
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(kept))
+
+
+def makefile_without(text: str, mentions: re.Pattern) -> str:
+    """The Makefile without the targets whose commands run a file gone (and without them in .PHONY)."""
+    blocks, targets = re.split(r"\n(?=\S)", text), []
     kept = []
     for block in blocks:
-        found = gone_links(block)
-        if not ((block[0].startswith(("|", "![")) and any(found)) or (block[0].startswith("- ") and found and all(found))):
-            kept += block
-    return unlinked("\n".join(kept) + "\n", readme, gone)
+        if re.match(r"[\w-]+:", block) and mentions.search(block):
+            targets.append(block.split(":", 1)[0])
+        else:
+            kept.append(block)
+    return re.sub(r"^(\.PHONY:.*)$", lambda m: " ".join(w for w in m.group(1).split() if w not in targets),
+                  "\n".join(kept), flags=re.M)
 
 
 def requirements_without(text: str, packages: set[str]) -> str:
@@ -92,22 +160,23 @@ def new_project(destination: Path, keep: list[str], repo: Path = REPO) -> list[s
         raise SystemExit(f"error: {destination} exists; give a new directory")
     left_out = [part for name, part in parts.items() if name not in keep]
     owned = [path for part in left_out for path in owned_files(part)]
-    files = [path for path in template_files(repo) if not any(path == own or path.startswith(own) for own in owned
-                                                               if own.endswith("/") or path == own)]
+    files = [path for path in template_files(repo) if path not in TEMPLATE_ONLY and not any(
+        path == own or path.startswith(own) for own in owned if own.endswith("/") or path == own)]
     destination.mkdir(parents=True)
     for path in files:
         (destination / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(repo / path, destination / path)
     gone = {(destination / path).resolve() for path in owned if not path.endswith("/")}
+    mentions = mentions_of(left_out, [*owned, *TEMPLATE_ONLY])
     for page in destination.rglob("*.md"):
-        text = page.read_text()
-        page.write_text(readme_without(text, page, gone) if page.name == "README.md" and page.parent == destination
-                        else unlinked(text, page, gone))
+        page.write_text(without_mentions(page.read_text(), page, gone, mentions))
+    makefile = destination / "Makefile"
+    makefile.write_text(makefile_without(makefile.read_text(), mentions))
     needed = {package for name in keep for package in parts[name].requirements}
     dropped = {package for part in left_out for package in part.requirements} - needed
     requirements = destination / "requirements.txt"
     requirements.write_text(requirements_without(requirements.read_text(), dropped))
-    write_layout_page(destination)
+    write_pages(destination, tuple(part for part in installed_parts() if part.name in keep))
     return sorted(keep)
 
 

@@ -27,7 +27,7 @@ once they train ask `start` for forked ranks (tests/test_streaming.py), found by
 launcher keeps (`forked_rank`). Commands of their own run where the command is what is tested: the
 SLURM node script (tests/test_preemption.py, tests/test_multinode.py), the machine flags of several
 nodes (tests/test_multinode.py), the launch that limits one rank's address space
-(tests/test_batch_size.py) and scripts/benchmark.py as a user runs it (tests/test_benchmark.py's data
+(tests/test_batch_size.py) and scripts/benchmark.py as a user runs it (tests/test_benchmarks.py's data
 table; its other tables fork).
 """
 

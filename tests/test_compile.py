@@ -66,8 +66,9 @@ def test_the_launchers_own_torch_compile_is_refused_before_any_process_group(mon
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize(("older_torch", "mask_skip"), [(False, False), (True, False), (True, True)],
-                         ids=["pinned torch", "older torch", "older torch, profile_run --causal_mask_skip"])
+@pytest.mark.parametrize(("older_torch", "mask_skip"), [
+    pytest.param(False, False, id="pinned torch"), pytest.param(True, False, id="older torch"),
+    pytest.param(True, True, id="older torch, profile_run --causal_mask_skip", marks=pytest.mark.parts("benchmarks"))])
 def test_compiled_attention_on_packed_blocks_gets_no_mask_tensor(older_torch: bool, mask_skip: bool,
                                                                  monkeypatch) -> None:
     """A packed batch carries no attention_mask, so under torch.compile transformers calls SDPA with `is_causal`

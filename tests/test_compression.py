@@ -1,5 +1,5 @@
 """parts/compression (--ddp_comm_hook): compressed gradient all-reduce under the ddp config, its bytes counted, PowerSGD resumed exactly.
-(Bytes, tokens/s and losses of every hook side by side: tests/test_benchmark.py.)"""
+(Bytes, tokens/s and losses of every hook side by side: tests/test_benchmarks.py.)"""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ def assert_runs_bf16_as_asked(config: str, output_dir: Path, stderr: str) -> Non
 @pytest.mark.parametrize("config", CONFIGS)
 def test_bf16_keeps_fp32_master_weights_and_deepspeed_runs_our_values(config: str, tmp_path) -> None:
     """...and each rank holds the model state the planner predicts for bf16 (counted from the tensors; fp32:
-    tests/test_memory_plan.py; ZeRO-2 and FSDP2 in bf16: tests/test_benchmark.py)."""
+    tests/test_memory_plan.py; ZeRO-2 and FSDP2 in bf16: tests/test_benchmarks.py)."""
     result = train(config, tmp_path, "--max_steps", "2", "--eval_steps", "100", *BF16,
                    launcher_args=("--mixed_precision", "bf16"))
     assert_runs_bf16_as_asked(config, tmp_path, result.stderr)

@@ -113,11 +113,18 @@ def test_a_step_that_computes_its_loss_elsewhere_is_refused(clash: tuple[str, ..
 
 
 @pytest.mark.quick
-def test_the_dry_run_names_the_kernel_and_refuses_what_a_run_refuses(tmp_path) -> None:
+def test_the_dry_run_names_the_kernel(tmp_path) -> None:
     from tests.test_dry_run import planned
 
     assert ("loss:            fused with the output layer (torch's F.linear_cross_entropy, 1024 tokens per chunk); "
             "no logits") in planned(tmp_path, FLAG)
+
+
+@pytest.mark.quick
+@pytest.mark.parts("recipes")
+def test_the_dry_run_refuses_a_task_with_its_own_objective(tmp_path) -> None:
+    from tests.test_dry_run import planned
+
     with pytest.raises(ArgumentError, match="task recipes.label_smoothing:LabelSmoothedLM has its own forward or "
                                             "objective: drop the flag$"):
         planned(tmp_path, FLAG, "--task", "recipes.label_smoothing:LabelSmoothedLM")
@@ -132,6 +139,7 @@ def test_a_model_without_a_linear_output_layer_is_refused(tmp_path) -> None:
         PART.label_objective(Training(NO_WRAPPER, args, task, None, torch.nn.Sequential(torch.nn.Embedding(4, 2))))
 
 
+@pytest.mark.parts("recipes")
 def test_a_task_with_its_own_objective_is_refused_in_one_line_and_exit_2(tmp_path) -> None:
     """A real launch (2 processes): label smoothing (recipe c) would be dropped, so the flag is refused."""
     result = launch("ddp", "train.py", *TINY_RUN, "--output_dir", str(tmp_path), FLAG,

@@ -59,7 +59,7 @@ def tiny_plan(tmp_path_factory):
 def test_model_state_agrees_with_the_measured_run_within_10_percent(config, training, tiny_plan, strategy_run,
                                                                      lora_run, tied_base_model) -> None:
     """Each config's parameters, gradients and optimizer state per rank, as counted from the
-    tensors of a real run (2 processes; 1 for single, 4 for fsdp_tp), against the planner (bf16: test_benchmark.py);
+    tensors of a real run (2 processes; 1 for single, 4 for fsdp_tp), against the planner (bf16: test_benchmarks.py);
     full fine-tuning, and a LoRA adapter on the frozen model (`--use_peft`: gradients and optimizer state for the
     adapter alone)."""
     run = strategy_run(config) if training == "full" else lora_run(config)

@@ -14,7 +14,6 @@ import torch
 
 from parts.mfu.peaks import TF32, Mfu, agreed_peak, gpu_peak_flops, measured_matmul_flops
 from tests.conftest import read_metrics
-from tests.test_benchmark import assert_figures_follow_the_logged_intervals, run_benchmark
 from tests.test_performance import SHORT_RUN
 from training.performance import SpeedMeter
 
@@ -121,10 +120,13 @@ def test_every_mfu_a_run_logs_is_recomputable_from_its_figures(cached_run) -> No
     assert summary["steady_mfu"] == pytest.approx(statistics.median(m["mfu"] for m in steps[1:]))
 
 
+@pytest.mark.parts("benchmarks")
 def test_the_mfu_table_recomputes_every_figure_from_what_train_py_logged(tmp_path) -> None:
     """On CPU: the tiny shape at GPT-2's vocabulary, then at the tokenizer's vocabulary, with --train_flags. Each
     figure is a median over the intervals each run logged after its first, MFU recomputed here from the logged
     tokens/s and peak FLOP/s, and FLOPs per token are 6N + 12·L·d·T of the model built here."""
+    from tests.test_benchmarks import assert_figures_follow_the_logged_intervals, run_benchmark  # (the part's)
+
     figures = run_benchmark(tmp_path, "--mfu", "--configs", "fsdp", "--block_sizes", "32", "--steps", "4",
                             "--log_every", "1", "--train_flags=--max_steps 5")  # added flags come last: they win
     assert "; train.py flags added: --max_steps 5" in figures["table"]

@@ -76,11 +76,19 @@ def test_no_core_module_names_a_part() -> None:
         assert not {module for module in imported if module.split(".")[0] == "parts"}, path.name
 
 
-def test_the_layout_page_shows_the_measured_lines_of_the_core_and_each_part() -> None:
-    from scripts.count_lines import counts, table
+def test_the_pages_hold_the_rows_of_the_parts_installed_and_the_measured_lines() -> None:
+    """docs/layout.md's lines of Python and what each part does, the README's list of the parts' pages, and
+    docs/train-py.md's flags of each part: each as scripts/part_tables.py writes it from the parts themselves."""
+    from scripts.count_lines import counts
+    from scripts.part_tables import BLOCK, PAGES, written
 
-    assert table() in (REPO / "docs" / "layout.md").read_text(), "run python scripts/count_lines.py --write"
+    for name in PAGES:
+        page = (REPO / name).read_text()
+        assert BLOCK.search(page), f"{name} has no block of parts' rows"
+        assert written(page, REPO, installed_parts()) == page, "run python scripts/part_tables.py --write"
     assert set(counts()) == {"core", *(f"parts/{part.name}" for part in installed_parts())}  # every part counted
+    layout = (REPO / "docs" / "layout.md").read_text()
+    assert all(f"| `parts/{part.name}` |" in layout for part in installed_parts())
 
 
 def test_the_counted_code_keeps_two_blank_lines_before_each_top_level_definition() -> None:

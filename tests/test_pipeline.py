@@ -230,3 +230,4 @@ def test_the_dry_run_plans_stages_per_process(monkeypatch) -> None:
     assert "global batch:    16 = 8 per device x 2 data-parallel" in plans[2]
     held = {size: float(plan.split("parameters ")[2].split(",")[0]) for size, plan in plans.items()}
     assert 0.4 * held[1] <= held[2] <= 0.6 * held[1]  # two balanced stages (MiB to one decimal: 0.4 of 0.9)
+    assert "trained, at most" in plans[2] and "at most" not in plans[1]  # the model line: one process's share

@@ -8,19 +8,22 @@ import re
 import shutil
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from datasets import Dataset
 from transformers import default_data_collator
 
 from data import DataError, check_data_file
 from data.default_corpus import generate_documents
-from parts.streaming.documents import split_files, stream_datasets
 from models.language import build_tokenizer
+from parts.streaming.documents import split_files, stream_datasets
+from parts.streaming.loader import StreamLoader
 from scripts.compare_metrics import compare, worst_difference
-from scripts.data_benchmark import OneRank
 from tests.conftest import (
     REPO,
+    TINY_RUN,
     assert_continues_exactly,
     bad_input_errors,
     flag_refusal,
@@ -29,14 +32,15 @@ from tests.conftest import (
     start,
     stop_after_step,
     train,
-    TINY_RUN,
 )
-from parts.streaming.loader import StreamLoader
 
 PROBE = REPO / "tests" / "probes" / "stream_probe.py"
 DOCUMENTS_PER_FILE = 12
 STEPS, STOP_AFTER = 10, 3  # the stopped run is signalled once step STOP_AFTER is logged
 SHARDED = ("ddp", "fsdp", "deepspeed_zero3")
+
+# what StreamLoader reads of its Accelerator: rank 0 of one process, on CPU
+ONE_RANK = SimpleNamespace(process_index=0, num_processes=1, non_blocking=False, device=torch.device("cpu"))
 
 
 def documents(first: int, count: int) -> list[str]:
@@ -147,7 +151,7 @@ def test_a_stream_too_short_for_one_sequence_and_a_stream_without_validation_are
     with pytest.raises(DataError, match="no validation split to evaluate on"):
         stream_datasets(raw, tokenizer, "text", 64, True, 0, max_eval_samples=8)
     train, _ = stream_datasets(raw, tokenizer, "text", 64, True, 0, max_eval_samples=None)
-    loader = StreamLoader(OneRank(), train, 2, {"collate_fn": default_data_collator, "num_workers": 0}, 0, 4, 60)
+    loader = StreamLoader(ONE_RANK, train, 2, {"collate_fn": default_data_collator, "num_workers": 0}, 0, 4, 60)
     with pytest.raises(DataError, match="holds no complete sequence"):
         next(iter(loader))
 

@@ -4,6 +4,7 @@ model in CPU memory (a pretrained 7B needs about 28 GB); any problem is the run'
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import nullcontext
 
@@ -57,14 +58,16 @@ def dry_run(model_args, data_args, args) -> str | None:
     global_batch = global_batch_size(args, replicas)
     steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    part_lines = parts().dry_run_line(Plan(task, model, model_args, args, strategy, processes,
-                                           compute_dtype(mixed_precision)))
+    plan = Plan(task, model, model_args, args, strategy, processes, compute_dtype(mixed_precision))
+    held = next(iter(parts().held_parameters(plan)), None) or parameter_count(model)  # a part may cut the model
+    part_lines = parts().dry_run_line(dataclasses.replace(plan, held_parameters=held))
     return (
         "\n===== dry run: checked, nothing trained =====\n"
         f"launch:          {launch}, {processes} process(es), {replicas} data-parallel, "
         f"mixed precision {mixed_precision}\n"
         f"model:           {task.model_name or type(model).__name__}, "
-        f"{parameter_count(model):,} parameters ({type(model).__name__}), {trainable:,} trained\n"
+        f"{parameter_count(model):,} parameters ({type(model).__name__}), {trainable:,} trained"
+        + (f", at most {held:,} on one process" if held != parameter_count(model) else "") + "\n"
         f"shape:           {task.describe_model(model)}\n"
         f"data:            {task.describe_data(train_set)}, {len(eval_set)} examples for evaluation\n"
         f"global batch:    {global_batch} = {args.per_device_train_batch_size} per device x {replicas} "

@@ -214,6 +214,7 @@ class Plan:
     strategy: Strategy
     processes: int
     compute_dtype: torch.dtype
+    held_parameters: int = 0  # the most one process holds (`Part.held_parameters`; 0 until asked)
 
 
 class Part:

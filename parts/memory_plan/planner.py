@@ -45,7 +45,7 @@ import yaml
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from training.loss import token_loss_sums
-from training.parts import Plan, parts
+from training.parts import Plan
 from training.performance import parameter_count
 from training.strategy import Strategy
 
@@ -311,7 +311,7 @@ def launch_memory(plan: Plan) -> str:
     task, model, model_args, args, compute_dtype = plan.task, plan.model, plan.model_args, plan.args, plan.compute_dtype
     layout = launched_layout(plan.strategy)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    held = next(iter(parts().held_parameters(plan)), None) or parameter_count(model)  # a part may cut the model
+    held = plan.held_parameters or parameter_count(model)  # a part may cut the model (`Part.held_parameters`)
     state = model_state(layout, held, plan.processes, compute_dtype.itemsize, trainable * held // parameter_count(model))
     memory = (f"model state {(state['parameters'] + state['gradients'] + state['optimizer']) / MIB:,.1f} MiB "
               f"(parameters {state['parameters'] / MIB:,.1f}, gradients {state['gradients'] / MIB:,.1f}, "
