@@ -1,114 +1,35 @@
-"""Shared helpers: real `accelerate launch` runs of train.py on CPU, and small local datasets.
+"""The suite's fixtures and hooks: runs that several modules read, trained once per test run by whichever worker
+needs one first, in a directory both workers share (`made_once`); what a project without a part deselects; and
+each installed part's own fixtures (tests/fixtures/<part>.py). The launches themselves: tests/harness.py.
 
 The suite runs on two pytest-xdist workers (pytest.ini), each module's tests on one worker.
-A training run that several modules read (`cached_run`) is trained once per test run, by
-whichever worker needs it first, in a directory both workers share (`made_once`).
 """
 
 from __future__ import annotations
 
-import os
-
-# The suite tests CPU semantics (gloo, the CPU accommodation, the fp16 and SyncBatchNorm
-# refusals): GPUs are hidden from it and from every launch, before torch can see them.
-# Tests marked `gpu` get them back (`launch(..., gpu=True)`) and are skipped without one.
-# (Hence the imports below this line.) This file is imported twice, as pytest's conftest and as
-# `tests.conftest` by the test modules: the second import must still see the machine's setting.
-os.environ.setdefault("SUITE_CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
-VISIBLE_GPUS = None if os.environ["SUITE_CUDA_VISIBLE_DEVICES"] == "<unset>" else os.environ["SUITE_CUDA_VISIBLE_DEVICES"]
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
-
-import signal
-
-# A suite started in the background of a non-interactive shell (`cmd &`, nohup) inherits SIGINT and SIGQUIT
-# ignored, and every launch would inherit that from it: the suite and its launches start from a terminal's
-# dispositions instead, so that no test depends on how its caller's shell started it.
-for _signal in (signal.SIGINT, signal.SIGQUIT):
-    if signal.getsignal(_signal) == signal.SIG_IGN:
-        signal.signal(_signal, signal.default_int_handler if _signal == signal.SIGINT else signal.SIG_DFL)
+from tests import harness  # isort: skip - first: it hides the GPUs from torch, which the imports below load
 
 import hashlib
+import importlib
 import json
-import random
-import re
+import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
-import yaml
-from filelock import FileLock
-from safetensors.torch import load_file
 
-from data.default_corpus import generate_documents
 from tests import forked_launcher
-from training.metrics import read_metrics
-from training.parts import installed
+from tests.harness import REPO, SPLITS, gpu_count, made_once, parity_args, split_args, train, variable_length_documents
+from training.parts import installed_parts
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "accelerate_configs"
-# Small and fast: the tiny model trains a few steps in seconds per process. Each evaluation reads the
-# first 60 validation blocks: on 2 processes x 4 the last batch is uneven (7.5 batches). No report.png (a second
-# of the main process per run) but in the tests that look at it: `DRAW_REPORT` (the report part's flag: a project
-# without the part has neither).
-EVAL_SAMPLES = 60
-REPORTS = installed("report")  # the report part: runs draw report.png
-NO_REPORT = ("--report_png", "false") if REPORTS else ()
-TINY_RUN = ["--model_config", "llama-tiny", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
-            "--learning_rate", "3e-3", "--warmup_steps", "2", "--max_eval_samples", str(EVAL_SAMPLES), *NO_REPORT]
-DRAW_REPORT = ("--report_png", "true") if REPORTS else ()
-
-
-# Splits of one global batch of 8: name -> (config, per-device batch, accumulation steps).
-SPLITS = {
-    "1x8x1": ("single", 8, 1),
-    "2x4x1": ("ddp", 4, 1),
-    "2x2x2": ("ddp", 2, 2),
-    "1x2x4": ("single", 2, 4),
-    "zero2-2x2x2": ("deepspeed_zero2", 2, 2),
-    "fsdp-2x2x2": ("fsdp", 2, 2),
-    "zero3-2x4x1": ("deepspeed_zero3", 4, 1),
-    "zero1-2x4x1": ("deepspeed_zero1", 4, 1),
-}
-SPLIT_OF = {"single": "1x8x1", "ddp": "2x4x1", "fsdp": "fsdp-2x2x2", "deepspeed_zero1": "zero1-2x4x1",
-            "deepspeed_zero2": "zero2-2x2x2", "deepspeed_zero3": "zero3-2x4x1"}  # each config's split run
-MAX_STEPS = 10  # with 6 steps per epoch on `uneven_data`: crosses into the second epoch
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def config_path(config: str | Path) -> Path:
-    """A config name from accelerate_configs/, or a path to any accelerate yaml."""
-    return config if isinstance(config, Path) else CONFIGS / f"{config}.yaml"
-
-
-def with_processes(config: str, num_processes: int, directory: Path) -> Path:
-    """The config with another `num_processes` (what `--num_processes` on the command line does)."""
-    launcher = yaml.safe_load(config_path(config).read_text()) | {"num_processes": num_processes}
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{config}-{num_processes}.yaml"
-    path.write_text(yaml.safe_dump(launcher))
-    return path
-
-
-def gpu_count() -> int:
-    """GPUs the tests may use, counted with nvidia-smi (this process never initialises CUDA)."""
-    try:
-        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    gpus = sum(line.startswith("GPU ") for line in listed.splitlines())
-    return gpus if VISIBLE_GPUS is None else min(gpus, len([g for g in VISIBLE_GPUS.split(",") if g.strip()]))
+# Each installed part's fixtures (tests/fixtures/<part>.py), as pytest plugins: a project without the part has neither.
+PART_FIXTURES = [f"tests.fixtures.{part.name}" for part in installed_parts()
+                 if (REPO / "tests" / "fixtures" / f"{part.name}.py").is_file()]
+pytest_plugins = PART_FIXTURES
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -120,11 +41,23 @@ def pytest_configure(config: pytest.Config) -> None:
     waiting for it. Only
     the xdist controller (or a run without xdist) starts it, and only for the whole suite (no -m
     selection such as the quick tier, which needs no offload); a later load waits for a build in
-    progress (torch's lock) or finds it done."""
+    progress (torch's lock) or finds it done. First, the installed parts' flags for every run (`SUITE_FLAGS`, and
+    `SHOWN_FLAGS` for a run whose outputs a test looks at) join tests/harness.py's."""
+    for name in PART_FIXTURES:
+        module = importlib.import_module(name)
+        harness.SUITE_FLAGS.extend(getattr(module, "SUITE_FLAGS", ()))
+        harness.SHOWN_FLAGS.extend(getattr(module, "SHOWN_FLAGS", ()))
+    harness.TINY_RUN.extend(harness.SUITE_FLAGS)
     if hasattr(config, "workerinput") or config.option.collectonly or config.option.markexpr:
         return
     subprocess.Popen([sys.executable, "scripts/build_cpu_adam.py"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      start_new_session=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the test's fixtures: whether its launches (and those of the runs it trains first) are forked."""
+    harness.FORKED = item.get_closest_marker("forked") is not None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -151,97 +84,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; this machine has none"))
 
 
-LAUNCHER = [sys.executable, "-m", "accelerate.commands.launch"]  # `accelerate launch`, from this environment
-
-
-def launch_command(
-    config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), gpu: bool = False,
-    env: dict[str, str] | None = None, fresh: bool = False,
-) -> tuple[list[str], dict[str, str]]:
-    """The command and environment of `accelerate launch --config_file <config> <launcher_args> <script> <args>`;
-    `gpu`: with the machine's GPUs visible; `env`: variables added; `fresh`: the user's environment (none of the
-    suite's launch settings: the threads, the module path), for `python -m accelerate... train.py` from the repo."""
-    command = [*LAUNCHER, "--config_file", str(config_path(config)),
-               "--main_process_port", str(free_port()), *launcher_args, str(script), *args]
-    # fresh: a user who chose no thread count (the caller's shell may have: the runs must not depend on it)
-    suite = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"} if fresh else \
-        os.environ | forked_launcher.SUITE_LAUNCH_ENV
-    env = suite | (env or {})
-    if gpu:
-        env.pop("CUDA_VISIBLE_DEVICES")
-        env |= {"CUDA_VISIBLE_DEVICES": VISIBLE_GPUS} if VISIBLE_GPUS is not None else {}
-    return command, env
-
-
-def launch(
-    config: str | Path, script: str | Path, *args: str, launcher_args: tuple[str, ...] = (), timeout: int = 300,
-    gpu: bool = False, env: dict[str, str] | None = None, fresh: bool = False,
-) -> subprocess.CompletedProcess:
-    """Run `accelerate launch` for real and wait for it: its `main`, in a fork of a process that imported it
-    (tests/forked_launcher.py), so that the launcher does not import torch again for each of the suite's launches;
-    `fresh` (and `gpu`): as a user's shell runs it, new interpreters for the launcher and every rank."""
-    command, env = launch_command(config, script, *args, launcher_args=launcher_args, gpu=gpu, env=env, fresh=fresh)
-    if gpu or fresh:  # a launcher that imports torch itself (with the GPUs visible: `gpu`)
-        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    return forked_launcher.run(command[len(LAUNCHER):], env, REPO, timeout)
-
-
-# torchrun's report that a rank failed: the launcher's own traceback, ending in ChildFailedError
-LAUNCHER_REPORT = re.compile(r"Traceback \(most recent call last\):\n(?: .*\n)*torch\.distributed\.elastic\.multiprocessing"
-                             r"\.errors\.ChildFailedError:.*\n")
-
-
-def bad_input_errors(result: subprocess.CompletedProcess) -> list[str]:
-    """The `error:` lines of a launch that refused bad input: exit code 2 in torchrun's report of the ranks
-    (the launcher itself exits 1), and no traceback but that report's."""
-    assert result.returncode != 0 and re.search(r"exitcode\s*:\s*2\b", result.stderr), result.stderr[-4000:]
-    assert "Traceback" not in LAUNCHER_REPORT.sub("", result.stderr, count=1), result.stderr[-4000:]
-    return [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-
-
-def train(
-    config: str | Path, output_dir: Path, *args: str, launcher_args: tuple[str, ...] = (), fresh: bool = False
-) -> subprocess.CompletedProcess:
-    """Run train.py with the tiny model (`fresh`: new interpreters); fail the test with the run's output if it fails."""
-    result = launch(config, "train.py", *TINY_RUN, "--output_dir", str(output_dir), *args, launcher_args=launcher_args,
-                    fresh=fresh)
-    assert result.returncode == 0, f"train.py failed under {config}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return result
-
-
-def logged_after(output_dir: Path, first_step: int) -> dict[tuple[int, str], float]:
-    """Every logged loss, lr and eval_loss after `first_step`."""
-    return {(m["step"], key): m[key] for m in read_metrics(output_dir) if m["step"] > first_step
-            for key in ("loss", "lr", "eval_loss") if key in m}
-
-
-def assert_continues_exactly(uninterrupted: Path, resumed: Path, from_step: int, last_step: int = MAX_STEPS,
-                             weights: str = "model.safetensors", bit_exact: bool = False) -> None:
-    """The resumed run logged the same losses, lr and eval as the uninterrupted one, and ends with its weights
-    (final/`weights`: the model, or a LoRA adapter); to the last bit with `bit_exact`."""
-    expected, actual = logged_after(uninterrupted, from_step), logged_after(resumed, from_step)
-    assert sorted(step for step, key in actual if key == "loss") == list(range(from_step + 1, last_step + 1))
-    assert actual.keys() == expected.keys()
-    for entry in expected:
-        assert actual[entry] == (expected[entry] if bit_exact else pytest.approx(expected[entry], rel=1e-6, abs=1e-7)), entry
-    assert_same_final_weights(uninterrupted, resumed, atol=0 if bit_exact else 1e-6, weights=weights)
-
-
-def assert_planned_model_state(summary: dict, config: str, mixed_precision: str) -> None:
-    """Parameters, gradients and optimizer state per rank of a llama-tiny run (summary.json) each within 10% of what
-    scripts/plan_memory.py plans for `config` (in-process). A project without the memory_plan part neither measures
-    nor plans them: its assertions leave with it (scripts/new_project.py)."""
-    if not installed("memory_plan"):
-        return
-    measured, processes = summary["model_state_bytes_per_rank"], summary["processes"]
-    from scripts.plan_memory import parse_args, plan
-
-    planned = plan(parse_args(["--model_config", "llama-tiny", "--num_gpus", str(processes),
-                               "--mixed_precision", mixed_precision]))["configs"][config]
-    for part, value in measured.items():
-        assert planned[part] == pytest.approx(value, rel=0.10), (config, part)
-
-
 @pytest.fixture(scope="module")
 def tiny_model() -> torch.nn.Module:
     """llama-tiny with the embedded tokenizer, on CPU."""
@@ -251,167 +93,6 @@ def tiny_model() -> torch.nn.Module:
     from models.language import build_tokenizer
 
     return AutoModelForCausalLM.from_config(build_named_config("llama-tiny", build_tokenizer(None, None)))
-
-
-def tiny_resnet() -> torch.nn.Module:
-    """A small transformers ResNet (convolutions, BatchNorm, no tensor-parallel plan), built without the images part."""
-    from transformers import ResNetConfig, ResNetForImageClassification
-
-    return ResNetForImageClassification(ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
-                                                     layer_type="basic", num_labels=2))
-
-
-def assert_same_final_weights(expected: Path, actual: Path, atol: float, weights: str = "model.safetensors") -> None:
-    """Both runs exported the same tensors to final/`weights`, to within `atol`."""
-    want, got = (load_file(run / "final" / weights) for run in (expected, actual))
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=0, msg=name)
-
-
-NODE_SCRIPT = REPO / "scripts" / "slurm" / "launch_node.sh"
-
-
-def node_script_command(
-    config: str, *args: str, nnodes: int = 1, node_rank: int = 0, procs_per_node: int = 2, port: int | None = None
-) -> tuple[list[str], dict[str, str]]:
-    """The command and environment of `scripts/slurm/launch_node.sh <args>`: what train.sbatch runs on each node."""
-    _, env = launch_command(config, "train.py")
-    env |= {"CONFIG": str(config_path(config)), "NNODES": str(nnodes), "NODE_RANK": str(node_rank),
-            "PROCS_PER_NODE": str(procs_per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or free_port()),
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # this venv's `accelerate`
-    return [str(NODE_SCRIPT), *args], env
-
-
-def start(config: str | Path, output_dir: Path, *args: str, via_node_script: bool = False,
-          shutdown_timeout: str | None = "300", fork_ranks: bool = False,
-          restarts: int = 0) -> subprocess.Popen | forked_launcher.Launcher:
-    """Start train.py with the tiny model in the background, in its own session; output to output_dir/launch.log.
-    The launcher: accelerate's launch command in a fork (tests/forked_launcher.py), or the SLURM node script.
-    `shutdown_timeout`: torchrun's grace after a signal (PET_SHUTDOWN_TIMEOUT); None: its default, 30 s.
-    `fork_ranks`: ranks forked too, for a test that signals them only once they train (their stop handlers are
-    installed as train.py starts, after the libraries loaded); else new interpreters. `restarts`: torchrun's
-    `--max_restarts` (the node script's MAX_RESTARTS)."""
-    run_args = (*TINY_RUN, "--output_dir", str(output_dir), *args)
-    if via_node_script:
-        command, env = node_script_command(config, *run_args)
-        env |= {"MAX_RESTARTS": str(restarts)} if restarts else {}
-    else:
-        command, env = launch_command(config, "train.py", *run_args,
-                                      launcher_args=("--max_restarts", str(restarts)) if restarts else ())
-    env.pop("PET_SHUTDOWN_TIMEOUT", None)  # whatever the caller's shell says
-    if shutdown_timeout:  # a loaded machine may need more than torchrun's 30 s to save after a signal
-        env["PET_SHUTDOWN_TIMEOUT"] = shutdown_timeout
-    output_dir.mkdir(parents=True, exist_ok=True)
-    if not via_node_script:
-        return forked_launcher.start(command[len(LAUNCHER):], env, REPO, output_dir / "launch.log", fork_ranks=fork_ranks)
-    with (output_dir / "launch.log").open("w") as log:
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def flag_refusal(args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> str:
-    """The one-line ArgumentError that `parse_args(args)` raises under the launcher environment `env`."""
-    from training.arguments import parse_args
-    from training.errors import ArgumentError
-
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    with pytest.raises(ArgumentError) as refused:
-        parse_args(args)
-    assert "\n" not in str(refused.value)
-    return str(refused.value)
-
-
-def wait_for(condition: Callable[[], object], seconds: float, what: str | Callable[[], str], poll: float = 0.2) -> None:
-    """`what`: what is awaited, for the failure message (a function: read when it fails)."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
-        time.sleep(poll)
-
-
-def rank_processes(launcher: subprocess.Popen | forked_launcher.Launcher) -> dict[int, psutil.Process]:
-    """The train.py processes under a launcher, by global rank (new interpreters, or forked: `start`)."""
-    found = {}
-    for child in psutil.Process(launcher.pid).children(recursive=True):
-        try:
-            if (rank := forked_launcher.forked_rank(child.pid)) is not None:
-                found[rank] = child
-            elif "train.py" in " ".join(child.cmdline()):
-                found[int(child.environ().get("RANK", "0"))] = child
-        except psutil.Error:
-            continue
-    return found
-
-
-def logged_loss_steps(output_dir) -> int:
-    """The last step whose training loss the run has logged so far (0 before the first)."""
-    metrics = output_dir / "metrics.jsonl"
-    complete = metrics.read_text().split("\n")[:-1] if metrics.exists() else []  # not a line still being written
-    return max((record["step"] for record in map(json.loads, complete) if "loss" in record), default=0)
-
-
-def signal_pending(process: psutil.Process) -> bool:
-    """Whether a (stopped) process has a signal waiting to be handled: /proc's pending masks, shared and its own."""
-    status = Path(f"/proc/{process.pid}/status").read_text()
-    return any(int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:")))
-
-
-def freeze(processes) -> None:
-    """SIGSTOP each process and wait until every one has stopped: a signal sent to a rank not yet stopped (its SIGSTOP
-    still pending) is delivered first, lower-numbered, and handled, never seen pending (SIGTERM: a rare failure)."""
-    processes = list(processes)
-    for process in processes:
-        process.suspend()
-    wait_for(lambda: all(process.status() == psutil.STATUS_STOPPED for process in processes), 60, "the ranks to stop",
-             poll=0.001)
-
-
-def signal_states(launcher, ranks: dict[int, psutil.Process]) -> str:
-    """The signal masks and states of a launcher and its ranks, and the launcher's processes, for a failure message."""
-    def state(pid: int) -> str:
-        try:
-            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-        except (OSError, ValueError):
-            return f"{pid}: gone"
-        return f"{pid}: " + " ".join(f"{key} {fields[key].strip()}" for key in
-                                     ("State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
-
-    children = [f"{child.pid} (rank record {forked_launcher.forked_rank(child.pid)})"
-                for child in psutil.Process(launcher.pid).children(recursive=True)]
-    return "; ".join([f"launcher {state(launcher.pid)}", *(f"rank {rank} {state(process.pid)}" for rank, process
-                                                            in ranks.items()), f"its processes {children}"])
-
-
-def stop_after_step(launcher, output_dir: Path, step: int, sig: int, processes: int = 2, to_rank_1: bool = False) -> None:
-    """Once `step` is logged, freeze the ranks, send `sig` to the launcher (or to rank 1 alone), let them go on,
-    and wait for the launcher to fail and its ranks to end; nothing outlives a failed test."""
-    ranks = {}
-    try:
-        wait_for(lambda: len(rank_processes(launcher)) == processes, 120, "the ranks to start")
-        ranks = rank_processes(launcher)
-        wait_for(lambda: logged_loss_steps(output_dir) >= step, 120, f"step {step} logged", poll=0.005)
-        freeze(ranks.values())
-        (ranks[1] if to_rank_1 else psutil.Process(launcher.pid)).send_signal(sig)
-        if not to_rank_1:  # through a launcher (forwarded, or as its parent's death): resumed once a rank holds
-            # it, or a single process's steps, faster than a launcher's death, would train on to the end
-            wait_for(lambda: any(map(signal_pending, ranks.values())), 120,
-                     lambda: f"the signal to reach a rank ({signal_states(launcher, ranks)})", poll=0.005)
-        for rank in ranks.values():
-            rank.resume()
-        assert launcher.wait(timeout=120) != 0
-        psutil.wait_procs(list(ranks.values()), timeout=120)  # a rank whose launcher died finishes its save
-    finally:
-        end_launch(launcher, ranks.values())
-
-
-def end_launch(launcher, ranks) -> None:
-    """After a test that signals or freezes ranks: kill the ranks still running, then the launcher's session."""
-    for rank in ranks:
-        if rank.is_running():
-            rank.kill()
-    if launcher.poll() is None:
-        os.killpg(launcher.pid, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -425,17 +106,6 @@ def shared_dir(tmp_path_factory) -> Path:
     """A directory every xdist worker of this test run shares (the session's temp dir without xdist)."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
-def made_once(directory: Path, make: Callable[[Path], None]) -> Path:
-    """`directory`, filled by `make` once per test run, by whichever worker asks first (the other waits)."""
-    with FileLock(f"{directory}.lock"):
-        if not (directory / ".complete").exists():
-            shutil.rmtree(directory, ignore_errors=True)  # what a failed attempt left
-            directory.mkdir(parents=True)
-            make(directory)
-            (directory / ".complete").touch()
-    return directory
 
 
 @pytest.fixture(scope="session")
@@ -468,30 +138,6 @@ def bf16_run(cached_run):
 
 
 @pytest.fixture(scope="session")
-def prepared_shards(shared_dir) -> Path:
-    """The default corpus tokenised and packed once by scripts/prepare_data.py (blocks of 64, 2 workers)."""
-
-    def make(directory: Path) -> None:
-        prepared = subprocess.run([sys.executable, "scripts/prepare_data.py", "--output_dir", str(directory / "shards"),
-                                   "--block_size", "64", "--num_proc", "2"], cwd=REPO, capture_output=True, text=True,
-                                  timeout=300)
-        assert prepared.returncode == 0 and "tokens/s" in prepared.stdout, prepared.stderr[-3000:]
-
-    return made_once(shared_dir / "prepared_shards", make) / "shards"
-
-
-def shards_run_args(shards: Path) -> tuple[str, ...]:
-    """Three steps from `shards` (--dataset_path), each logged."""
-    return ("--dataset_path", str(shards), "--max_steps", "3", "--logging_steps", "1", "--save_strategy", "no")
-
-
-def variable_length_documents(count: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    words = [doc.split() for doc in generate_documents(count, seed)]
-    return [" ".join(doc[: rng.randint(3, 40)]) for doc in words]
-
-
-@pytest.fixture(scope="session")
 def uneven_data(shared_dir) -> list[str]:
     """Flags for 50 training and 13 validation documents of different lengths, unpacked and padded."""
 
@@ -505,13 +151,6 @@ def uneven_data(shared_dir) -> list[str]:
             "--packing", "false", "--block_size", "64"]
 
 
-def split_args(uneven_data: list[str], per_device: int, accumulation: int, save_steps: int = 4) -> tuple[str, ...]:
-    """A run over `uneven_data` with one global batch split as asked; checkpoints every `save_steps`."""
-    return (*uneven_data, "--max_steps", str(MAX_STEPS), "--logging_steps", "1", "--eval_steps", "5",
-            "--save_steps", str(save_steps), "--per_device_train_batch_size", str(per_device),
-            "--gradient_accumulation_steps", str(accumulation))
-
-
 @pytest.fixture(scope="session")
 def split_run(cached_run, uneven_data):
     """`split_run(name)`: the run for one entry of SPLITS, trained once per test run."""
@@ -522,80 +161,11 @@ def split_run(cached_run, uneven_data):
     return run
 
 
-TRACKED_RUN = "tracked"  # --run_name of `tracked_run_args`
-
-
-def tracked_run_args(uneven_data: list[str]) -> tuple[str, ...]:
-    """2-process DDP over `uneven_data` (4 x 1, 10 steps, eval every 5), checkpoints at steps 5 and 10, TensorBoard
-    on: test_tracking's run."""
-    return (*split_args(uneven_data, per_device=4, accumulation=1, save_steps=5), "--report_to", "tensorboard",
-            "--run_name", TRACKED_RUN, *DRAW_REPORT)
-
-
-def split_run_args(uneven_data: list[str], name: str) -> tuple[str, ...]:
-    """The flags of SPLITS entry `name`'s run (to continue it)."""
-    _, per_device, accumulation = SPLITS[name]
-    return split_args(uneven_data, per_device, accumulation)
-
-
-STRATEGY_CLIPPING = 0.5  # below these steps' gradient norms: clipping triggers
-GLOBAL_BATCH = 12
-
-
-# Fine-tuning on the embedded chat set, answers only; `GENERATION`: 4 held-out prompts answered greedily at each
-# evaluation (eval_exact_match: the LoRA runs, compared across strategies in tests/test_fine_tuning.py).
-SFT = ("--task", "sft")
-GENERATION = ("--eval_generation_samples", "4")
-
-
-def validation_batches(output_dir: Path, task: str = "causal-lm") -> list[dict[str, torch.Tensor]]:
-    """The batches a run of `task` evaluates (TINY_RUN's first EVAL_SAMPLES held-out sequences, or
-    conversations for sft), built by the task itself from the same flags."""
-    from contextlib import nullcontext
-
-    from training.arguments import parse_args
-    from training.task_registry import build_task
-
-    model_args, data_args, _ = parse_args([*TINY_RUN, "--task", task, "--output_dir", str(output_dir)])
-    task = build_task(model_args, data_args)
-    raw = task.load_raw_datasets(seed=42)
-    task.build_model(raw)
-    _, eval_set = task.datasets(raw, nullcontext())
-    assert len(eval_set) == EVAL_SAMPLES
-    return [task.collator([eval_set[i] for i in range(start, min(start + 8, len(eval_set)))])
-            for start in range(0, len(eval_set), 8)]
-
-
-@torch.no_grad()
-def target_loss(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> float:
-    """Mean loss over the target tokens of `batches` (an SFT run's: the answers): what evaluation reports as eval_loss."""
-    from training.loss import token_loss_sums
-
-    sums = [token_loss_sums(model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask")).logits, b["labels"])
-            for b in batches]
-    return float(sum(s.sum() for s, _ in sums) / sum(c.sum() for _, c in sums))
-
-
 @pytest.fixture(scope="session")
 def base_model(cached_run) -> Path:
     """A checkpoint the suite trains first (12 steps of llama-tiny on the story corpus), in Hub format:
     what the fine-tuning runs start from."""
     return cached_run("single", "--max_steps", "12", "--eval_strategy", "no", "--save_strategy", "no") / "final"
-
-
-def parity_args(config: str, base_model: Path) -> tuple[str, ...]:
-    """Full fine-tuning of `base_model` (the core's causal LM, on the story corpus): 12 steps with a global batch
-    of 12 and not one default left: clipping (triggered), accumulation, an odd micro-batch, no decay, warmup by
-    ratio, another beta2 and epsilon (1e-6: Adam divides the rare tokens' near-zero embedding gradients by it, and
-    at 1e-8 their last-bit differences between strategies grew to 1e-5 in the weights), another seed than the
-    base's. One process accumulates 4 micro-batches of 3; 2
-    data-parallel ranks (fsdp_tp: 2 x tp 2) accumulate 2 each. Checkpoints at steps 6 and 12. (Fine-tuning on
-    chat data under every config: the LoRA runs, tests/test_fine_tuning.py.)"""
-    accumulation = "4" if config == "single" else "2"
-    return ("--model_name_or_path", str(base_model), "--seed", "7", "--max_steps", "12",
-            "--logging_steps", "1", "--eval_steps", "6", "--save_steps", "6", "--per_device_train_batch_size", "3",
-            "--gradient_accumulation_steps", accumulation, "--weight_decay", "0", "--warmup_ratio", "0.1",
-            "--adam_beta2", "0.99", "--adam_epsilon", "1e-6", "--max_grad_norm", str(STRATEGY_CLIPPING))
 
 
 @pytest.fixture(scope="session")
@@ -605,9 +175,6 @@ def strategy_run(cached_run, base_model):
 
     The shipped DeepSpeed JSONs leave clipping "auto", so the flag alone changes it on every config."""
     return lambda config: cached_run(config, *parity_args(config, base_model), fresh=True)
-
-
-LORA_STEPS = 5
 
 
 @pytest.fixture(scope="session")
@@ -626,15 +193,3 @@ def tied_base_model(base_model, shared_dir) -> Path:
     return made_once(shared_dir / "tied_base_model", make)
 
 
-def lora_args(config: str, base: Path, *extra: str) -> tuple[str, ...]:
-    """A LoRA adapter on `base`, merged at the end: 5 steps of a global batch of 8 (one process
-    accumulates 2 micro-batches of 4), evaluated at steps 0, 3 and 5, a checkpoint at step 3."""
-    return (*SFT, *GENERATION, "--model_name_or_path", str(base), "--use_peft", "--merge_adapter",
-            "--max_steps", str(LORA_STEPS), "--logging_steps", "1", "--eval_steps", "3", "--save_steps", "3",
-            "--gradient_accumulation_steps", "2" if config == "single" else "1", *extra)
-
-
-@pytest.fixture(scope="session")
-def lora_run(cached_run, tied_base_model):
-    """`lora_run(config, *extra)`: the LoRA run of one config (with `extra` flags), trained once per test run."""
-    return lambda config, *extra: cached_run(config, *lora_args(config, tied_base_model, *extra))

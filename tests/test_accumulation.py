@@ -21,7 +21,9 @@ import json
 import pytest
 
 from scripts.compare_metrics import compare, worst_difference
-from tests.conftest import MAX_STEPS, SPLITS, assert_same_final_weights, read_metrics
+from tests.harness import MAX_STEPS, SPLITS, assert_same_final_weights, read_metrics
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 TOLERANCE = 1e-5  # float rounding of differently grouped sums, as in tests/test_parity.py
 

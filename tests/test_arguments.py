@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers.optimization import Adafactor
 
+from tests.harness import REPO
 from training.arguments import ArgumentError, parse_args
-from tests.conftest import REPO
 from training.optim import build_optimizer, build_scheduler
 
 

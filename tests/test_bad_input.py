@@ -29,11 +29,23 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models.configs import build_named_config
 from models.language import SHIPPED_TOKENIZER
-from tests.conftest import (CONFIGS, REPO, TINY_RUN, bad_input_errors, end_launch, launch, launch_command,
-                            rank_processes, split_args, wait_for)
+from tests.harness import (
+    CONFIGS,
+    REPO,
+    TINY_RUN,
+    bad_input_errors,
+    end_launch,
+    launch,
+    launch_command,
+    rank_processes,
+    split_args,
+    wait_for,
+)
 from training.arguments import ArgumentError, parse_args
-from training.strategy import check_launch_config, requested_strategy
 from training.errors import StrategyError
+from training.strategy import check_launch_config, requested_strategy
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 RESUME = ("--resume_from_checkpoint", "latest")  # so the previous run in output_dir is a legitimate target
 # case -> (accelerate config, train.py arguments, what the error line says). {name} is a file made by `inputs`.

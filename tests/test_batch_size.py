@@ -15,12 +15,22 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from models.language import SHIPPED_TOKENIZER
+from parts.batch_size.search import find_micro_batch
 from scripts.compare_metrics import compare, worst_difference
 from tests import forked_launcher
-from tests.conftest import (LAUNCHER, NO_REPORT, REPO, assert_continues_exactly, flag_refusal, launch_command,
-                            rank_processes, wait_for)
-from parts.batch_size.search import find_micro_batch
+from tests.harness import (
+    LAUNCHER,
+    REPO,
+    SUITE_FLAGS,
+    assert_continues_exactly,
+    flag_refusal,
+    launch_command,
+    rank_processes,
+    wait_for,
+)
 from training.errors import StrategyError
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 # Each process may map 3.7 GB. A rank maps about 2.5 GB before its first step (libraries, threads), and its
 # logits are tokens x 32,000 floats: a micro-batch of 32 x 128 tokens (0.5 GB of logits, about three such
@@ -52,7 +62,7 @@ def run_args(model: Path, per_device: int, accumulation: int = 1) -> tuple[str, 
     return ("--model_name_or_path", str(model), "--block_size", "128", "--per_device_train_batch_size", str(per_device),
             "--gradient_accumulation_steps", str(accumulation), "--max_steps", "2", "--logging_steps", "1",
             "--save_steps", "1", "--eval_strategy", "no", "--optim", "sgd", "--learning_rate", "0.5", "--warmup_steps", "0",
-            *NO_REPORT)
+            *SUITE_FLAGS)
 
 
 def launch_run(config: str, output_dir: Path, *args: str, limited: str = "every rank") -> subprocess.CompletedProcess:

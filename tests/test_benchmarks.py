@@ -15,8 +15,10 @@ from transformers import AutoModelForCausalLM
 from models.configs import build_named_config
 from models.language import build_tokenizer
 from tests import forked_launcher
-from tests.conftest import REPO
+from tests.harness import REPO
 from training.parts import installed
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 # ZeRO-2's and FSDP2's model-state layouts in bf16; ZeRO-3's (and DDP's, ZeRO-1's, offload's): tests/test_effective_config.py
 CONFIGS = ("deepspeed_zero2", "fsdp")

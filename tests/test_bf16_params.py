@@ -10,11 +10,13 @@ from safetensors.torch import load_file
 
 from parts.bf16_params import PART
 from parts.bf16_params.cast import on_bf16_copies
-from tests.conftest import read_metrics
+from tests.harness import read_metrics
 from training.arguments import parse_args
 from training.errors import ArgumentError, StrategyError
 from training.parts import Launch
 from training.strategy import Strategy
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 FLAG = ("--mixed_precision_param", "bfloat16")
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
+
 FINAL_STEP = 12  # the strategy runs save their last checkpoint at the final step
 
 

@@ -9,7 +9,9 @@ import textwrap
 
 import pytest
 
-from tests.conftest import REPO, TINY_RUN, free_port, launch
+from tests.harness import REPO, TINY_RUN, free_port, launch
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 # A process group still referenced at exit (as DeepSpeed and DDP leave them) with a collective
 # just finished: ending through the interpreter's teardown aborts about a third of such exits.

@@ -17,6 +17,8 @@ from training.metrics import read_metrics
 from training.parts import Launch
 from training.strategy import requested_strategy
 
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
+
 
 def test_torch_compile_trains_the_same_model_on_ddp(cached_run) -> None:
     """Also with a checkpoint saved midway: unwrapping the model to save it once pointed torch.compile's wrapper
@@ -75,8 +77,9 @@ def test_compiled_attention_on_packed_blocks_gets_no_mask_tensor(older_torch: bo
     and no (batch, 1, T, T) mask: the fast causal kernels. A torch older than the pin (before pytorch#176499; an
     H200 image's 2.11, where compiled attention ran 2.2x slower per call) read `is_exporting()` as True while
     compiling and built the mask, as a patch makes the pinned one do here; profile_run's switch undoes it."""
-    import scripts.profile_run as profile_run
     import transformers.masking_utils as masking
+
+    import scripts.profile_run as profile_run
     from models.language import build_model, build_tokenizer
     from training.tasks import CausalLM
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TINY_RUN, assert_continues_exactly, read_metrics, split_run_args, train
 from parts.compression.hooks import (
     POWER_SGD_STATE,
     check_comm_hook,
@@ -18,9 +17,12 @@ from parts.compression.hooks import (
     orthogonalize_single_matrices_too,
     power_sgd_state_dict,
 )
+from tests.harness import TINY_RUN, assert_continues_exactly, read_metrics, split_run_args, train
 from training.arguments import parse_args
 from training.errors import ArgumentError, StrategyError
 from training.strategy import Strategy
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 PLAIN_STEPS = 2  # --power_sgd_start_step: steps 1 and 2 all-reduce every gradient, PowerSGD from step 3
 POWER_SGD = ("--ddp_comm_hook", "power_sgd", "--power_sgd_start_step", str(PLAIN_STEPS))

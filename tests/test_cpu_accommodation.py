@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, launch
+from tests.harness import REPO, launch
 from training.strategy.cpu import MALLOC_SETTINGS
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 PROBE = REPO / "tests" / "probes" / "strategy_probe.py"
 

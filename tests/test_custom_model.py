@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from recipes.conv_lm import ConvLMForCausalLM, register_custom_model
-from tests.conftest import REPO
+from tests.harness import REPO
 from training.metrics import read_metrics
 
-pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
+pytestmark = [pytest.mark.quick, pytest.mark.forked]  # every test here: the quick tier (pytest -m quick)
 
 PROMPT_IDS = [[5, 17, 42, 8, 99, 3]]
 

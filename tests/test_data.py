@@ -14,7 +14,6 @@ from data.packing import pack_sequences, tokenize_and_pack
 from models.language import build_tokenizer
 from training import tasks
 
-
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
 
 

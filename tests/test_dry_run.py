@@ -16,12 +16,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from data import DataError
 from models.configs import build_named_config
 from models.language import SHIPPED_TOKENIZER, ModelError
-from tests.conftest import REPO, TINY_RUN, bad_input_errors, launch
+from tests.harness import REPO, TINY_RUN, bad_input_errors, launch
 from training.arguments import ArgumentError, parse_args
 from training.dry_run import dry_run as plan_dry_run
 from training.errors import StrategyError
 from training.parts import installed
 from training.task_registry import tasks
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 MIB = 2**20
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from parts.fast_start.build_lock import release_abandoned_build_lock
-from tests.conftest import REPO
+from tests.harness import REPO
 from tests.test_arguments import build_cpu_adam_without_compiler
 
 CHECK = """

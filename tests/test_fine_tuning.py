@@ -17,13 +17,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from scripts.compare_metrics import compare, worst_difference
-from tests.conftest import (
+from tests.fixtures.lora import LORA_STEPS, lora_args
+from tests.harness import (
     CONFIGS,
-    LORA_STEPS,
     assert_continues_exactly,
     assert_same_final_weights,
     logged_after,
-    lora_args,
     read_metrics,
     target_loss,
     train,
@@ -31,7 +30,7 @@ from tests.conftest import (
 )
 from training.checkpoints.tensors import ModelState
 
-pytestmark = pytest.mark.parts("sft")  # the LoRA part's runs fine-tune on chat data
+pytestmark = [pytest.mark.parts("sft"), pytest.mark.forked]  # the LoRA part's runs fine-tune on chat data
 
 # fsdp_tp refuses adapters (tests/test_bad_input.py); single is the reference.
 LORA_CONFIGS = sorted(path.stem for path in CONFIGS.glob("*.yaml") if path.stem not in ("single", "fsdp_tp"))

@@ -11,7 +11,9 @@ import sys
 import pytest
 
 from tests import forked_launcher
-from tests.conftest import REPO, launch, launch_command
+from tests.harness import REPO, launch, launch_command
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 PROBE = "tests/probes/start_probe.py"
 PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}  # a free port and a temporary directory, each launch its own

@@ -17,14 +17,24 @@ import torch
 from parts.fused_loss import PART
 from parts.fused_loss.head import LossHead, torch_kernel
 from scripts.compare_metrics import compare, worst_difference
-from tests.conftest import (TINY_RUN, assert_same_final_weights, bad_input_errors, launch, logged_after, parity_args,
-                            read_metrics, train)
+from tests.harness import (
+    TINY_RUN,
+    assert_same_final_weights,
+    bad_input_errors,
+    launch,
+    logged_after,
+    parity_args,
+    read_metrics,
+    train,
+)
 from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
 from training.arguments import parse_args
 from training.errors import ArgumentError
 from training.loss import IGNORE_INDEX, token_loss_sums
 from training.parts import Training
 from training.tasks import CausalLM
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 FLAG = "--fused_linear_cross_entropy"
 CAUSAL_LM = SimpleNamespace(forward=partial(CausalLM.forward, None))  # the task's forward, all the head runs

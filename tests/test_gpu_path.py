@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY_RUN, launch, read_metrics, train, with_processes
+from tests.harness import TINY_RUN, launch, read_metrics, train, with_processes
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 
 GPU_STEPS = 8

@@ -10,9 +10,11 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed import DistBackendError
 
-from tests.conftest import end_launch, rank_processes, start, wait_for
 from parts.hangs.guard import collective_timeouts_reported, loopback_hint, nccl_timeouts_raise
+from tests.harness import end_launch, rank_processes, start, wait_for
 from training.errors import CollectiveTimeoutError
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 DDP_TIMEOUT = 10
 

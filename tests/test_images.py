@@ -27,14 +27,16 @@ from parts.images.default_shapes import SHAPES
 from parts.images.default_shapes import SPLIT_SIZES as DEFAULT_SPLIT_SIZES
 from parts.images.default_shapes import default_shape_splits, draw_shape
 from parts.images.models import build_image_model, build_image_processor
-from tests.conftest import NO_REPORT, launch, read_metrics
+from tests.harness import SUITE_FLAGS, launch, read_metrics
 from tests.test_effective_config import BF16, assert_runs_bf16_as_asked
 from tests.test_strategies import STRATEGIES
 from training.checkpoints.tensors import ModelState
 
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
+
 IMAGE_RUN = ("--task", "image-classification", "--model_config", "resnet-tiny", "--max_steps", "6",
              "--logging_steps", "1", "--eval_steps", "3", "--save_steps", "6", "--warmup_steps", "1",
-             "--learning_rate", "3e-3", "--per_device_eval_batch_size", "8", *NO_REPORT)
+             "--learning_rate", "3e-3", "--per_device_eval_batch_size", "8", *SUITE_FLAGS)
 SPLIT_SIZES = {"train": 120, "validation": 28}  # 28: the last eval batch is uneven on 2 ranks
 
 
@@ -151,7 +153,7 @@ def test_the_image_task_learns_the_shapes(tmp_path) -> None:
     docs/images.md). The 6-step runs above stay near chance."""
     result = launch("single", "train.py", "--task", "image-classification", "--model_config", "resnet-tiny",
                     "--max_steps", "200", "--per_device_train_batch_size", "32", "--learning_rate", "1e-3",
-                    "--eval_steps", "100", "--logging_steps", "50", *NO_REPORT, "--output_dir", str(tmp_path))
+                    "--eval_steps", "100", "--logging_steps", "50", *SUITE_FLAGS, "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-6000:]
     accuracy = {m["step"]: m["eval_accuracy"] for m in read_metrics(tmp_path) if "eval_accuracy" in m}
     assert list(accuracy) == [0, 100, 200]

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY_RUN, tiny_resnet, train
+from parts.layer_split.split import split_layers
+from tests.harness import TINY_RUN, tiny_resnet, train
 from training.arguments import ArgumentError, parse_args
 from training.errors import StrategyError
-from parts.layer_split.split import split_layers
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 
 def test_device_map_trains_in_one_process(tmp_path) -> None:

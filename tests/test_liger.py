@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from parts.liger.kernels import apply_liger_kernel, on_gpu_tensors
-from tests.conftest import TINY_RUN, bad_input_errors, launch, read_metrics, with_processes
+from tests.harness import TINY_RUN, bad_input_errors, launch, read_metrics, with_processes
 from tests.test_gpu_path import GPU_STEPS
 from training.errors import ArgumentError
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 
 @pytest.mark.quick

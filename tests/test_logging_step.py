@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, free_port
+from tests.harness import REPO, free_port
 from training.parts import installed
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)

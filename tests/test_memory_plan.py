@@ -11,10 +11,12 @@ import torch
 
 from parts.memory_plan.measured import model_state_bytes, model_state_probe
 from parts.memory_plan.planner import pick
-from tests.conftest import CONFIGS
+from tests.harness import CONFIGS
 from tests.test_performance import SHORT_RUN
 from training.arguments import TrainArguments
 from training.optim import build_optimizer
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 EVERY_CONFIG = sorted(path.stem for path in CONFIGS.glob("*.yaml") if path.stem != "fsdp_tp")  # 4 processes: below
 ORDER = ["ddp", "deepspeed_zero1", "deepspeed_zero2", "fsdp", "deepspeed_zero3", "deepspeed_zero3_offload"]

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from parts.mfu.peaks import TF32, Mfu, agreed_peak, gpu_peak_flops, measured_matmul_flops
-from tests.conftest import read_metrics
+from tests.harness import read_metrics
 from tests.test_performance import SHORT_RUN
 from training.performance import SpeedMeter
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 
 def cpu_meter(peak: float) -> SpeedMeter:

@@ -10,8 +10,7 @@ import torch
 
 from models.configs import NAMED_CONFIGS
 from models.language import SHIPPED_TOKENIZER, ModelError, build_model, build_tokenizer
-from tests.conftest import REPO
-
+from tests.harness import REPO
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
 

@@ -7,7 +7,7 @@ import ast
 
 import pytest
 
-from tests.conftest import REPO
+from tests.harness import REPO
 from training.parts import HOOKS, Combine, Flags, InstalledParts, Part, installed_parts, parts
 
 pytestmark = pytest.mark.quick

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import (
+from tests.harness import (
     REPO,
     SPLIT_OF,
     TINY_RUN,
@@ -18,11 +18,12 @@ from tests.conftest import (
     launch_command,
     logged_after,
     node_script_command,
-    shards_run_args,
     split_run_args,
     wait_for,
 )
 from training.parts import installed
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 
 def machine_command(how: str, config: str, machine_rank: int, port: int, args: tuple[str, ...]):
@@ -48,6 +49,8 @@ def test_two_machines_train_together(config, how, data, split_run, uneven_data, 
     if data == "files":  # the same 2 processes on one machine: test_accumulation.py's run, or test_streaming.py's
         args, one_machine = split_run_args(uneven_data, SPLIT_OF[config]), split_run(SPLIT_OF[config])
     else:
+        from tests.fixtures.pretokenized import shards_run_args
+
         args = shards_run_args(request.getfixturevalue("prepared_shards"))  # the pretokenized part's script
         one_machine = cached_run(config, *args)
     port, machines = free_port(), []

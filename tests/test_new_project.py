@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, launch_command
+from tests.harness import REPO, launch_command
 from training.parts import installed_parts
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 STRUCTURE_TESTS = ["tests/test_readme.py", "tests/test_module_layout.py", "tests/test_arguments.py", "tests/test_dry_run.py"]
 

@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 
 from scripts.compare_metrics import compare, worst_difference
-from tests.conftest import REPO, CONFIGS, STRATEGY_CLIPPING, assert_same_final_weights, read_metrics
+from tests.harness import CONFIGS, REPO, STRATEGY_CLIPPING, assert_same_final_weights, read_metrics
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 MULTI_PROCESS_CONFIGS = sorted(path.stem for path in CONFIGS.glob("*.yaml") if path.stem != "single")
 LOSS_TOLERANCE = 1e-5

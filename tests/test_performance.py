@@ -9,8 +9,10 @@ import pytest
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from tests.conftest import read_metrics
+from tests.harness import read_metrics
 from training.performance import SpeedMeter, flops_per_token
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 
 @pytest.mark.quick

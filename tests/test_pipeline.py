@@ -18,7 +18,7 @@ import torch
 
 from parts.pipeline.layout import check_pipeline_flags, check_pipeline_launch
 from scripts.compare_metrics import compare, worst_difference
-from tests.conftest import (
+from tests.harness import (
     assert_continues_exactly,
     assert_same_final_weights,
     made_once,
@@ -31,6 +31,8 @@ from training.checkpoints.resume import load_checkpoint
 from training.errors import ArgumentError, ResumeError, StrategyError
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.strategy import Strategy
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 STEPS, SAVED = 8, 4
 LAYOUTS = {  # name -> (processes, train.py flags): each a global batch of 8 in micro-batches of 2

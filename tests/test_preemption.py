@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from tests.conftest import (
-    DRAW_REPORT,
+from parts.preemption.signals import StopRequests
+from tests.harness import (
     MAX_STEPS,
     REPO,
-    REPORTS,
+    SHOWN_FLAGS,
     SPLIT_OF,
     assert_continues_exactly,
     free_port,
@@ -23,7 +23,9 @@ from tests.conftest import (
     stop_after_step,
     train,
 )
-from parts.preemption.signals import StopRequests
+from training.parts import installed
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 STEPS_PER_EPOCH = 6  # of `uneven_data` at the global batch of 8
 
@@ -47,7 +49,7 @@ def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
     args = split_run_args(uneven_data, SPLIT_OF[config])  # the config's run of test_accumulation, uninterrupted
     uninterrupted = split_run(SPLIT_OF[config])
     # The plain launch has torchrun's own grace, 30 s, as a user's `accelerate launch` does: the save fits in it
-    launcher = start(config, tmp_path, *args, *DRAW_REPORT, via_node_script=target == "node script",
+    launcher = start(config, tmp_path, *args, *SHOWN_FLAGS, via_node_script=target == "node script",
                      shutdown_timeout=None if (config, target) == ("ddp", "launcher") else "300")
     # Stop once the first epoch is logged (the ranks agreed on that step already), so the signal lands mid-way
     # through the second epoch, at step 7, 8 or 9 of 10, on any machine: the resume below is also test_resume.py's
@@ -59,7 +61,7 @@ def test_a_stop_signal_saves_and_the_next_launch_continues_exactly(
     assert len(stopped) == 1, log[-3000:]  # one report, not one per rank
     step = int(re.search(rf"{seen} received: stopped after step (\d+)", stopped[0]).group(1))
     assert STEPS_PER_EPOCH < step < MAX_STEPS and (tmp_path / "checkpoints" / f"step_{step}" / "trainer_state.json").is_file()
-    assert (tmp_path / "report.png").is_file() == REPORTS  # a stopped run draws its picture too (the report part)
+    assert (tmp_path / "report.png").is_file() == installed("report")  # a stopped run draws its picture too (the report part)
     if target == "rank 1":  # the launcher's failure report shows the ranks' exit code
         assert re.search(r"exitcode\s*:\s*75", log), log[-3000:]
 

@@ -11,7 +11,10 @@ import pytest
 from data import DataError
 from models.language import build_tokenizer
 from parts.pretokenized.shards import load_shards
-from tests.conftest import TINY_RUN, flag_refusal, shards_run_args
+from tests.fixtures.pretokenized import shards_run_args
+from tests.harness import TINY_RUN, flag_refusal
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 
 def test_prepared_shards_train_on_two_processes_and_refuse_another_tokenizer_or_block_size(prepared_shards,

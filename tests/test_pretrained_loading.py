@@ -11,8 +11,10 @@ from transformers import AutoModelForCausalLM
 
 from models.configs import build_named_config
 from models.language import build_tokenizer
-from tests.conftest import LORA_STEPS, read_metrics
+from tests.harness import read_metrics
 from training.strategy.adapters import persistent_buffers
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 # config -> what its log says of how the model was built
 LOADING = {"ddp": None, "fsdp": "model built on rank 0 only", "deepspeed_zero3": "model built partitioned"}
@@ -22,12 +24,14 @@ LOADING = {"ddp": None, "fsdp": "model built on rank 0 only", "deepspeed_zero3":
 @pytest.mark.parametrize("config", ["fsdp", "deepspeed_zero3"])
 def test_a_pretrained_model_loads_without_every_rank_holding_it_and_trains_as_ddp(config, lora_run) -> None:
     """The LoRA runs fine-tune a bf16-saved checkpoint with tied embeddings (tests/conftest.py `tied_base_model`)."""
+    from tests.fixtures import lora
+
     log, metrics = (lora_run(config) / "launch.log").read_text(), read_metrics(lora_run(config))
     assert LOADING[config] in log
     ddp = read_metrics(lora_run("ddp"))
     assert LOADING["fsdp"] not in (lora_run("ddp") / "launch.log").read_text()  # DDP builds it whole on every rank
     losses = [m["loss"] for m in metrics if "loss" in m]
-    assert len(losses) == LORA_STEPS and losses == pytest.approx([m["loss"] for m in ddp if "loss" in m], abs=1e-5)
+    assert len(losses) == lora.LORA_STEPS and losses == pytest.approx([m["loss"] for m in ddp if "loss" in m], abs=1e-5)
     eval_losses = [m["eval_loss"] for m in metrics if "eval_loss" in m]
     assert eval_losses == pytest.approx([m["eval_loss"] for m in ddp if "eval_loss" in m], abs=1e-5)
 

@@ -20,10 +20,12 @@ from transformers.trainer_utils import SchedulerType
 
 from models.configs import NAMED_CONFIGS, build_named_config
 from models.language import build_tokenizer
-from tests.conftest import DRAW_REPORT, REPO, REPORTS, TINY_RUN, launch
+from tests.harness import REPO, SHOWN_FLAGS, TINY_RUN, launch
 from training.arguments import check_task_flags
 from training.flags import ALL_ARGUMENT_CLASSES, build_parser
 from training.parts import installed
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 README = (REPO / "README.md").read_text()
 DOCS = REPO / "docs"
@@ -46,7 +48,7 @@ def test_the_first_hour_check_train_with_a_tracker_and_open_the_report(tmp_path)
     output_dir = Path(train[train.index("--output_dir") + 1])
     assert tensorboard_line == f"tensorboard --logdir {output_dir}/runs"
     # The same commands, shortened for CI: the tiny model, 6 steps, into a scratch directory.
-    args = [*train[train.index("train.py") + 1:], *TINY_RUN, *DRAW_REPORT, "--max_steps", "6", "--output_dir",
+    args = [*train[train.index("train.py") + 1:], *TINY_RUN, *SHOWN_FLAGS, "--max_steps", "6", "--output_dir",
             str(tmp_path / "run")]
     checked = launch(REPO / config, "train.py", *args, "--dry_run")
     assert checked.returncode == 0 and "===== dry run: checked, nothing trained =====" in checked.stdout, checked.stderr[-3000:]
@@ -57,7 +59,7 @@ def test_the_first_hour_check_train_with_a_tracker_and_open_the_report(tmp_path)
     events = EventAccumulator(str(tmp_path / "run" / "runs" / "run"))
     events.Reload()
     assert "loss" in events.Tags()["scalars"]
-    if REPORTS:  # the report part: the run drew its picture
+    if installed("report"):  # the report part: the run drew its picture
         assert imread(tmp_path / "run" / "report.png").shape == (800, 1800, 4)
     first_hour = GETTING_STARTED.split("## Your first hour")[1].split("\n## ")[0]
     picture = re.search(r"!\[[^]]*\]\(([^)]+)\)", first_hour).group(1)  # the example report shown there

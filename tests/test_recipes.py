@@ -20,10 +20,9 @@ import torch
 from safetensors.torch import load_file
 
 from scripts.compare_metrics import compare, worst_difference
-from tests.conftest import (
-    DRAW_REPORT,
+from tests.harness import (
     REPO,
-    REPORTS,
+    SHOWN_FLAGS,
     TINY_RUN,
     assert_continues_exactly,
     assert_same_final_weights,
@@ -36,7 +35,10 @@ from tests.test_parity import LOSS_TOLERANCE
 from training.arguments import ArgumentError, parse_args
 from training.checkpoints.save import load_plain_model
 from training.loss import token_loss_sums
+from training.parts import installed
 from training.task_registry import build_task
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 DOCS = (REPO / "docs" / "recipes.md").read_text()
 PARITY_KEYS = ("loss", "lr", "eval_loss")
@@ -151,7 +153,7 @@ def test_label_smoothing_changes_training_under_ddp_not_evaluation(recipe_run, s
 def test_a_top5_metric_reaches_every_output_under_fsdp_and_changes_no_loss(recipe_run, strategy_run, base_model) -> None:
     config, _ = documented_launch("top5_accuracy")
     assert config == "fsdp"
-    run = recipe_run("top5_accuracy", config, *parity_args(config, base_model), *DRAW_REPORT)
+    run = recipe_run("top5_accuracy", config, *parity_args(config, base_model), *SHOWN_FLAGS)
     assert_same_run(strategy_run("single"), run)
     top5 = [m["eval_top5_accuracy"] for m in read_metrics(run) if "eval_top5_accuracy" in m]
     accuracy = [m["eval_accuracy"] for m in read_metrics(run) if "eval_accuracy" in m]
@@ -159,7 +161,7 @@ def test_a_top5_metric_reaches_every_output_under_fsdp_and_changes_no_loss(recip
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval_top5_accuracy"] == top5[-1] and summary["eval_top5_accuracy_at_start"] == top5[0]
     assert f"eval_top5_accuracy {top5[-1]:.4f}" in (run / "launch.log").read_text()  # the console summary
-    assert (run / "report.png").is_file() == REPORTS  # its panel: tests/test_report.py draws one per eval_* metric
+    assert (run / "report.png").is_file() == installed("report")  # its panel: tests/test_report.py draws one per eval_* metric
 
 
 @pytest.mark.quick

@@ -9,7 +9,9 @@ import pytest
 from matplotlib.image import imread
 
 from parts.report.drawing import CORE_PANELS, metric_panels, write_report
-from tests.conftest import tracked_run_args
+from tests.harness import tracked_run_args
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 
 def test_every_run_ends_with_a_report_picture(cached_run, uneven_data) -> None:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import (
+from tests.harness import (
     MAX_STEPS,
     REPO,
     SPLIT_OF,
@@ -37,6 +37,8 @@ from tests.conftest import (
 from training.checkpoints.files import complete_checkpoints
 from training.checkpoints.tensors import MODEL_STATE
 from training.parts import installed
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 RESUME_STEP = 8  # mid-epoch, in the second epoch (6 steps per epoch on `uneven_data`)
 # The other configs resume the same way in test_preemption.py (parts/preemption), from a stop in the second epoch.

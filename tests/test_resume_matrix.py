@@ -27,9 +27,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import CONFIGS, NO_REPORT, REPO, launch, made_once
+from tests.harness import CONFIGS, REPO, SUITE_FLAGS, launch, made_once
 from training.checkpoints.tensors import ModelState
 from training.optim import OPTIMIZERS
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 PROBE = REPO / "tests" / "probes" / "resume_probe.py"
 STEPS = 3  # each key's own run: a checkpoint at every step; a case resumes step 2 and takes step 3
@@ -77,7 +79,7 @@ class Key:
         return ["--optim", self.optim, "--learning_rate", "3e-3", "--warmup_steps", "1", "--max_steps", str(STEPS),
                 "--save_steps", "1", "--logging_steps", "1", "--eval_strategy", "no", "--max_eval_samples", "16",
                 "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(per_rank // micro),
-                *NO_REPORT, *SHAPES[self.shape]]
+                *SUITE_FLAGS, *SHAPES[self.shape]]
 
 
 @dataclass(frozen=True, order=True)

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from parts.safe_loading.unpickling import check_dcp_metadata, safe_unpickling
-from tests.conftest import SPLIT_OF, TINY_RUN, bad_input_errors, launch, split_run_args
+from tests.harness import SPLIT_OF, TINY_RUN, bad_input_errors, launch, split_run_args
 from training.checkpoints.files import write_manifest
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 
 class CodeOnLoad:

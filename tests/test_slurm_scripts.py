@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.harness import REPO
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier (pytest -m quick)
 

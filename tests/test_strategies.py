@@ -11,9 +11,11 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import read_metrics, target_loss, validation_batches
-from training.strategy import Strategy, requested_strategy, verify_strategy
+from tests.harness import read_metrics, target_loss, validation_batches
 from training.errors import StrategyError
+from training.strategy import Strategy, requested_strategy, verify_strategy
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 # config -> (strategy line in the log, wrapper class around the model, the optimizer that steps). Under ZeRO
 #            optimizer offload the AdamW update runs on the CPU, as DeepSpeed's vectorised CPU Adam (training/optim.py).

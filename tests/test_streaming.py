@@ -21,7 +21,7 @@ from models.language import build_tokenizer
 from parts.streaming.documents import split_files, stream_datasets
 from parts.streaming.loader import StreamLoader
 from scripts.compare_metrics import compare, worst_difference
-from tests.conftest import (
+from tests.harness import (
     REPO,
     TINY_RUN,
     assert_continues_exactly,
@@ -33,6 +33,8 @@ from tests.conftest import (
     stop_after_step,
     train,
 )
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 PROBE = REPO / "tests" / "probes" / "stream_probe.py"
 DOCUMENTS_PER_FILE = 12

@@ -9,7 +9,9 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 from parts.sync_batchnorm.convert import convert_sync_batchnorm
-from tests.conftest import bad_input_errors, launch
+from tests.harness import bad_input_errors, launch
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 
 @pytest.mark.quick

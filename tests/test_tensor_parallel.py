@@ -11,13 +11,15 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from parts.tensor_parallel.slicing import tensor_parallel_plan
-from tests.conftest import GLOBAL_BATCH, read_metrics, tiny_resnet
+from tests.harness import GLOBAL_BATCH, read_metrics, tiny_resnet
 from tests.test_bad_input import FSDP_TP
 from training.arguments import parse_args
 from training.errors import StrategyError
 from training.parts import Launch
 from training.strategy import requested_strategy
 from training.strategy.accelerator import check_launch
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 GRID_CASES = {  # case -> (environment from accelerate launch, what the error line says)
     "fsdp_tp.yaml launched on fewer processes than its grid": (

@@ -16,9 +16,11 @@ from data import TextReading, build_lm_datasets, load_raw_datasets
 from data.default_corpus import generate_documents
 from data.packing import tokenize_and_pack, tokenize_documents
 from models.language import build_tokenizer
-from tests.conftest import TINY_RUN, train
+from tests.harness import TINY_RUN, train
 from training.arguments import parse_args
 from training.task_registry import build_task
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 BLOCK = 32
 LONG_WARNING = "Token indices sequence length is longer than the specified maximum sequence length"

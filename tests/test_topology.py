@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import (
+from tests.harness import (
     MAX_STEPS,
     assert_same_final_weights,
     launch,
@@ -21,6 +21,8 @@ from tests.conftest import (
     with_processes,
 )
 from training.parts import installed
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 RESUME_STEP = 8
 TOLERANCE = 1e-5  # a different process count sums gradients in a different order

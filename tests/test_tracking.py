@@ -12,10 +12,12 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import TRACKED_RUN, read_metrics, tracked_run_args, train
+from tests.harness import TRACKED_RUN, read_metrics, tracked_run_args, train
 from training.arguments import parse_args
 from training.errors import ArgumentError
 from training.metrics import resolve_trackers
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,10 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import REPO, read_metrics, split_args, train
+from tests.harness import REPO, read_metrics, split_args, train
 from train import due
+
+pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 
 @pytest.mark.quick

@@ -17,6 +17,7 @@ libraries_imported = "transformers" in sys.modules  # before this script imports
 template_imported = sorted(name for name in ("train", "training", "parts.preemption", "models", "data") if name in sys.modules)
 import numpy  # noqa: E402
 import torch  # noqa: E402
+
 import train  # noqa: E402,F401  (what the forkserver imported: the environment it leaves, TorchInductor's cache dir)
 
 descriptors = os.listdir("/proc/self/fd")  # the listing's own descriptor is the last one it opens
