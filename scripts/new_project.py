@@ -66,8 +66,7 @@ def mentions_of(parts: list[Part], paths: list[str]) -> re.Pattern:
     names = [re.escape(path) if path.count("/") == 1 and path.endswith("/") else re.escape(path.rstrip("/")) + r"(?!\w)"
              for path in paths]  # a top-level folder with its slash (`recipes/`, not the word), else the path
     names += [re.escape(path.rstrip("/").replace("/", ".")) + r"\.\w" for path in paths if path.endswith("/")]
-    names += [rf"--{field.name}\b" for part in parts for kind in (part.model_flags, part.data_flags, part.flags) if kind
-              for field in dataclasses.fields(kind)]
+    names += [rf"--{field.name}\b" for part in parts if part.flags for field in dataclasses.fields(part.flags)]
     names += [rf"\]\(({re.escape(part.name)}|docs/{re.escape(part.name)})\.md" for part in parts]
     return re.compile("|".join(names)) if names else re.compile(r"(?!)")
 
@@ -121,15 +120,19 @@ def without_mentions(text: str, page: Path, gone: set[Path], mentions: re.Patter
 
 
 def without_empty_sections(text: str) -> str:
-    """Headings (below the title) whose section holds nothing but blank lines, dropped; blank runs made one."""
-    lines, kept = text.splitlines(), []
+    """Headings (below the title) whose section holds nothing but blank lines dropped, with the page's links to them
+    (its contents list); blank runs made one."""
+    lines, kept, dropped = text.splitlines(), [], set()
     for index, line in enumerate(lines):
         if line.startswith("##"):
             level = len(line) - len(line.lstrip("#"))
             rest = next((other for other in lines[index + 1:] if other.strip()), "")
             if not rest or (rest.startswith("#") and len(rest) - len(rest.lstrip("#")) <= level):
+                dropped.add(re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-"))  # GitHub's id
                 continue
         kept.append(line)
+    kept = [line for line in kept if not (line.lstrip().startswith("- [") and
+                                          {match.group(1) for match in re.finditer(r"\]\(#([^)]+)\)", line)} & dropped)]
     return re.sub(r"\n{3,}", "\n\n", "\n".join(kept))
 
 

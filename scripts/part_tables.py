@@ -25,8 +25,7 @@ PAGES = ("README.md", "docs/layout.md", "docs/train-py.md")
 
 
 def flag_names(part: Part) -> list[str]:
-    return [f"`--{field.name}`" for kind in (part.model_flags, part.data_flags, part.flags) if kind
-            for field in dataclasses.fields(kind)]
+    return [f"`--{field.name}`" for field in dataclasses.fields(part.flags)] if part.flags else []
 
 
 def code_table(repo: Path, parts: Iterable[Part]) -> str:

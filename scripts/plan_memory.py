@@ -26,7 +26,6 @@ from transformers import AutoConfig  # noqa: E402
 
 from models.configs import NAMED_CONFIGS, build_named_config  # noqa: E402
 from models.language import ModelError, build_tokenizer, loading, resolve_block_size  # noqa: E402
-from training.flags import ModelArguments  # noqa: E402
 from parts.memory_plan.planner import (  # noqa: E402
     PREFERENCE,
     PlanError,
@@ -77,10 +76,11 @@ def load_config(args: argparse.Namespace):
 def adapter_config(args: argparse.Namespace):
     """--use_peft: the LoRA part's `LoraConfig` for --lora_r and --lora_target_modules (train.py's other defaults)."""
     try:
+        from parts.lora import LoraFlags
         from parts.lora.adapters import lora_config
     except ModuleNotFoundError:
         raise SystemExit("error: --use_peft plans a LoRA adapter, and this project has no parts/lora") from None
-    return lora_config(ModelArguments(use_peft=True, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules))
+    return lora_config(LoraFlags(use_peft=True, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules))
 
 
 def plan(args: argparse.Namespace) -> dict:

@@ -221,7 +221,7 @@ def test_the_profile_names_where_each_step_goes_without_a_train_py_edit(tmp_path
     """scripts/profile_run.py runs train.py unchanged under torch.profiler, advanced by torch's optimizer-step hook:
     the table lists the operators by time and the kinds add up to the profiled total; train.py ends as usual.
     Its attention ran on the backends allowed (`--sdpa_backends`): CPU's flash kernel."""
-    from tests.conftest import TINY_RUN, launch
+    from tests.harness import TINY_RUN, launch
 
     result = launch("single", "scripts/profile_run.py", "--skip_steps", "2", "--profile_steps", "2", "--top", "30",
                     "--sdpa_backends", "flash", "math",  # on CPU as torch would choose anyway

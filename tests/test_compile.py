@@ -41,7 +41,7 @@ def test_torch_compile_trains_the_same_model_on_ddp(cached_run) -> None:
 def test_a_compile_mode_switches_compilation_on_as_in_transformers(tmp_path) -> None:
     _, _, train_args = parse_args(["--torch_compile_mode", "max-autotune-no-cudagraphs", "--torch_compile_fullgraph",
                                    "--output_dir", str(tmp_path)])
-    assert train_args.torch_compile and train_args.torch_compile_fullgraph
+    assert train_args.parts.compile.torch_compile and train_args.parts.compile.torch_compile_fullgraph
     assert compile_options(train_args) == {"mode": "max-autotune-no-cudagraphs", "fullgraph": True, "dynamic": None}
     plugin = dynamo_plugin(train_args)
     assert (plugin.backend.value, plugin.mode, plugin.fullgraph) == ("INDUCTOR", "max-autotune-no-cudagraphs", True)

@@ -28,6 +28,7 @@ from tests.harness import (
 )
 from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
 from training.checkpoints.resume import load_checkpoint
+from training.arguments import FIELD_DEFAULTS, arguments_of, check_conflicts
 from training.errors import ArgumentError, ResumeError, StrategyError
 from training.flags import DataArguments, ModelArguments, TrainArguments
 from training.strategy import Strategy
@@ -143,12 +144,8 @@ def test_a_resnet_pipeline_trains_what_one_process_trains(tmp_path) -> None:
 
 
 def flags(**overrides) -> tuple[ModelArguments, DataArguments, TrainArguments]:
-    groups = (ModelArguments(), DataArguments(), TrainArguments(pipeline_parallel_size=2))
-    for group in groups:
-        for key, value in overrides.items():
-            if hasattr(group, key):
-                setattr(group, key, value)
-    return groups
+    """Two stages and `overrides`, every other flag at its default: the core's and the parts' (unchecked)."""
+    return arguments_of(FIELD_DEFAULTS | {"pipeline_parallel_size": 2} | overrides)
 
 
 REFUSED_FLAGS = {
@@ -166,8 +163,10 @@ REFUSED_FLAGS = {
 @pytest.mark.quick
 @pytest.mark.parametrize(("overrides", "message"), REFUSED_FLAGS.values(), ids=REFUSED_FLAGS.keys())
 def test_flags_a_pipeline_cannot_run_are_refused(overrides, message) -> None:
+    groups = flags(**overrides)
     with pytest.raises(ArgumentError, match=message):
-        check_pipeline_flags(*flags(**overrides))
+        check_conflicts(*groups)  # what another part's flag cannot run with (`Pipeline.conflicts`)
+        check_pipeline_flags(*groups)
 
 
 @pytest.mark.quick

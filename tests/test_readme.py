@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,8 @@ from transformers.trainer_utils import SchedulerType
 from models.configs import NAMED_CONFIGS, build_named_config
 from models.language import build_tokenizer
 from tests.harness import REPO, SHOWN_FLAGS, TINY_RUN, launch
-from training.arguments import check_task_flags
-from training.flags import ALL_ARGUMENT_CLASSES, build_parser
+from training.arguments import arguments_of, check_task_flags
+from training.flags import build_parser
 from training.parts import installed
 
 pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
@@ -125,8 +124,7 @@ def check_train_args(argv: list[str]) -> None:
     namespace, unknown = build_parser().parse_known_args(argv)
     assert not unknown, f"train.py {shlex.join(argv)}: unknown {unknown}"
     assert namespace.lr_scheduler_type in {s.value for s in SchedulerType}
-    values = vars(namespace)
-    model_args, data_args, _ = (cls(**{f.name: values[f.name] for f in fields(cls)}) for cls in ALL_ARGUMENT_CLASSES)
+    model_args, data_args, _ = arguments_of(vars(namespace))
     check_task_flags(model_args, data_args)  # the named config and every flag belong to --task
 
 

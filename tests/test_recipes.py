@@ -209,6 +209,6 @@ def test_a_subclass_of_a_parts_task_is_that_task_not_the_core_one(tmp_path, monk
     monkeypatch.syspath_prepend(str(tmp_path))
     model_args, data_args, _ = parse_args(["--task", "my_chat_task:MyChat", "--max_length", "64", "--output_dir",
                                            str(tmp_path / "out")])
-    assert data_args.max_length == 64  # sft's own flag, refused for causal-lm
+    assert data_args.parts.sft.max_length == 64  # sft's own flag, refused for causal-lm
     with pytest.raises(ArgumentError, match="--block_size is for --task causal-lm"):
         parse_args(["--task", "my_chat_task:MyChat", "--block_size", "64", "--output_dir", str(tmp_path / "out")])

@@ -17,11 +17,11 @@ from data import check_data_file
 from models.language import first_line
 from training.checkpoints.files import check_output_dir
 from training.strategy import Strategy, requested_strategy
-from training.flags import (ALL_ARGUMENT_CLASSES, KNOWN_KEYS, ArgumentError, DataArguments, ModelArguments,
-                            TrainArguments, build_parser)
+from training.flags import (ALL_ARGUMENT_CLASSES, FLAG_CLASSES, KNOWN_KEYS, ArgumentError, DataArguments, ModelArguments,
+                            TrainArguments, build_parser, every_flag)
 from training.metrics import resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
-from training.parts import Flags, parts, run_inputs
+from training.parts import Flags, PartFlags, installed_parts, part_flags, parts, run_inputs
 from training.task_registry import task_entry, tasks
 
 # Flags naming files or directories the run reads: --overwrite_output_dir must not delete them (a part marks its own)
@@ -74,10 +74,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         flags = [item.lstrip("-").split("=")[0] for item in unknown if item.startswith("--")]
         _check_known(flags or unknown, "the command line")
         raise ArgumentError(f"unexpected arguments {unknown}; see train.py --help")
-    values = vars(namespace)
-    model_args, data_args, train_args = (
-        cls(**{f.name: values[f.name] for f in fields(cls)}) for cls in ALL_ARGUMENT_CLASSES)
+    model_args, data_args, train_args = arguments_of(vars(namespace))
     validate(model_args, data_args, train_args)
+    return model_args, data_args, train_args
+
+
+def arguments_of(values: dict[str, Any]) -> tuple[ModelArguments, DataArguments, TrainArguments]:
+    """The parsed flag values as the three argument objects, each holding the same `parts`: every part's flags."""
+    model_args, data_args, train_args = (cls(**{f.name: values[f.name] for f in fields(cls) if f.init})
+                                         for cls in ALL_ARGUMENT_CLASSES)
+    model_args.parts = data_args.parts = train_args.parts = PartFlags(**{
+        name: flags(**{f.name: values[f.name] for f in fields(flags)}) for name, flags in part_flags().items()})
     return model_args, data_args, train_args
 
 
@@ -106,12 +113,14 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     if data_args.validation_file and not data_args.train_file:
         raise ArgumentError("--validation_file needs --train_file")
     check_task_flags(model_args, data_args)
+    check_conflicts(model_args, data_args, train_args)
     parts().check_flags(Flags(model_args, data_args, train_args))
     if model_args.model_name_or_path and Path(model_args.model_name_or_path).is_dir():
         # absolute: an exported adapter names its base model by this path, to be found from anywhere
         model_args.model_name_or_path = str(Path(model_args.model_name_or_path).resolve())
-    check_output_dir(train_args.output_dir, train_args.resume_from_checkpoint, train_args.overwrite_output_dir, {
-        flag: getattr(model_args, flag, getattr(data_args, flag, getattr(train_args, flag, None))) for flag in RUN_INPUTS})
+    values = every_flag(model_args, data_args, train_args)
+    check_output_dir(train_args.output_dir, train_args.resume_from_checkpoint, train_args.overwrite_output_dir,
+                     {flag: values[flag] for flag in RUN_INPUTS})
     report_to = train_args.report_to
     # a recipe may give one name as a string, or leave the key empty
     train_args.report_to = resolve_trackers([report_to] if isinstance(report_to, str) else report_to or ["none"])
@@ -155,7 +164,7 @@ def check_optimization_flags(train_args: TrainArguments) -> None:
 
 
 FIELD_DEFAULTS = {f.name: f.default if f.default_factory is MISSING else f.default_factory()
-                  for cls in ALL_ARGUMENT_CLASSES for f in fields(cls)}
+                  for cls in FLAG_CLASSES for f in fields(cls) if f.init}
 
 
 def flags_set(settings, names: tuple[str, ...]) -> list[str]:
@@ -171,8 +180,9 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
     if not model_args.model_name_or_path and chosen.configs and model_args.model_config not in chosen.configs:
         raise ArgumentError(f"unknown model_config {model_args.model_config!r} for --task {task}; choose one of "
                             f"{sorted(chosen.configs)}")
+    values = every_flag(model_args, data_args)
     for flag in sorted({flag for entry in every.values() for flag in entry.own_flags} - set(chosen.own_flags)):
-        if getattr(model_args, flag, getattr(data_args, flag, None)) != FIELD_DEFAULTS[flag]:
+        if values.get(flag, FIELD_DEFAULTS.get(flag)) != FIELD_DEFAULTS.get(flag):
             owners = [name for name, entry in every.items() if flag in entry.own_flags]
             raise ArgumentError(f"--{flag} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")
     if data_args.dataset_name and data_args.train_file:
@@ -188,7 +198,16 @@ def split_model(flags: Flags) -> str | None:
     return next(iter(parts().model_split(flags)), None)
 
 
-def clashing_flag(flags: Flags, *names: str) -> str | None:
-    """`split_model`'s flag, else the first of the flags `names` given (a part's a fork left out: never)."""
-    given = (f"--{name}" for name in names if getattr(flags.train, name, getattr(flags.model, name, None)))
-    return split_model(flags) or next(given, None)
+def check_conflicts(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
+    """The parts' declared conflicts (`Part.conflicts`): two flags given together that cannot run together."""
+    values = every_flag(model_args, data_args, train_args)
+
+    def given(name: str) -> bool:
+        return name in values and values[name] != FIELD_DEFAULTS[name]
+
+    for part in installed_parts():
+        for conflict in part.conflicts:
+            if given(conflict.flag) and given(conflict.other):
+                value = values[conflict.flag]
+                shown = f"--{conflict.flag}" + ("" if value is True else f" {value}")
+                raise ArgumentError(f"{shown} with --{conflict.other} is not supported{conflict.why}")

@@ -4,14 +4,14 @@ nothing heavy, so `train.py --help` prints before torch loads; `training/argumen
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from transformers.hf_argparser import HfArgumentParser
 
 from training.task_registry import TaskChoices, tasks
 from training.errors import ArgumentError
 from training.optim import OPTIMIZERS
-from training.parts import part_flags
+from training.parts import PartFlags, part_flags
 
 
 class FlagParser(HfArgumentParser):
@@ -125,27 +125,47 @@ class CoreTrainArguments:
         "help": "The run's name in the trackers (wandb project, ...). Default: output_dir's name."})
 
 
+def installed_part_flags() -> PartFlags:
+    """Every installed part's flags at their defaults (`parse_args` fills them from the command line)."""
+    return PartFlags(**{name: flags() for name, flags in part_flags().items()})
+
+
+# `parts` is not a flag (init=False: the parser skips it): the same PartFlags on all three, set by `parse_args`.
 @dataclass
-class ModelArguments(*part_flags("model_flags"), CoreModelArguments):
-    """The core's model flags, then every installed part's."""
+class ModelArguments(CoreModelArguments):
+    """The core's model flags, and each installed part's flags (`parts`)."""
+
+    parts: PartFlags = field(default_factory=installed_part_flags, init=False, repr=False, compare=False)
 
 
 @dataclass
-class DataArguments(*part_flags("data_flags"), CoreDataArguments):
-    """The core's data flags, then every installed part's."""
+class DataArguments(CoreDataArguments):
+    """The core's data flags, and each installed part's flags (`parts`)."""
+
+    parts: PartFlags = field(default_factory=installed_part_flags, init=False, repr=False, compare=False)
 
 
 @dataclass
-class TrainArguments(*part_flags(), CoreTrainArguments):
-    """The core's training flags, then every installed part's (parts/: training/parts.py)."""
+class TrainArguments(CoreTrainArguments):
+    """The core's training flags, and each installed part's flags (`parts`)."""
+
+    parts: PartFlags = field(default_factory=installed_part_flags, init=False, repr=False, compare=False)
 
 
 ALL_ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArguments)
-KNOWN_KEYS = {f.name for cls in ALL_ARGUMENT_CLASSES for f in fields(cls)}
+FLAG_CLASSES = (*ALL_ARGUMENT_CLASSES, *part_flags().values())  # every class whose fields are train.py flags
+KNOWN_KEYS = {f.name for cls in FLAG_CLASSES for f in fields(cls) if f.init}
 
 
 def build_parser() -> FlagParser:
-    parser = FlagParser(ALL_ARGUMENT_CLASSES, allow_abbrev=False,  # --learning_rat is a typo, not --learning_rate
+    parser = FlagParser(FLAG_CLASSES, allow_abbrev=False,  # --learning_rat is a typo, not --learning_rate
                         description="Train a causal LM or an image classifier with any accelerate strategy.")
     parser.add_argument("--config", help="Recipe YAML of flag values; the command line overrides it.")
     return parser
+
+
+def every_flag(*arguments) -> dict[str, Any]:
+    """Every flag's value by its name: the core's of `arguments` (model, data, training) and every part's they hold
+    (the trackers' config; the checks of flags named by a task, a run input or a conflict)."""
+    values = {f.name: getattr(args, f.name) for args in arguments for f in fields(args) if f.init}
+    return values | {f.name: getattr(flags, f.name) for flags in vars(arguments[0].parts).values() for f in fields(flags)}

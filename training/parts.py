@@ -2,7 +2,8 @@
 finding the parts installed.
 
 A part is a package `parts/<name>/` whose `__init__.py` defines `PART`, an instance of its own `Part` subclass: its
-flags (dataclasses, mixed into the core's), the tasks it adds to `--task` (`TaskEntry`), and the hooks it overrides.
+flags (a dataclass of its own, read as `args.parts.<name>`) and those it cannot run with, the tasks it adds to `--task`
+(`TaskEntry`), and the hooks it overrides.
 Every hook is a method of `Part` with a no-op default, declared once here with `@hook`: when the core calls it, what
 it is handed (one context object of the point it is called at), and how the answers of several parts combine. The
 core calls the hooks of every installed part at once through `parts()`, an object of the same class, and never
@@ -23,6 +24,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
@@ -71,6 +73,21 @@ class TextSource(ABC):
         """The training set (a stream: one the part's `train_loader` reads) and the evaluation set."""
 
 
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Two flags that cannot run together, both given (away from their defaults): refused with
+    "--<other> with --<flag> is not supported<why>". `other` may be a flag of a part a project left out: never given."""
+
+    flag: str
+    other: str
+    why: str
+
+
+class PartFlags(SimpleNamespace):
+    """Each installed part's flags, `args.parts.<part name>`: an instance of the part's own dataclass (`Part.flags`),
+    the same object on the model, data and training arguments."""
 
 
 class Combine(Enum):
@@ -223,9 +240,10 @@ class Part:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""  # one line
-    flags: ClassVar[type | None] = None  # a dataclass whose fields (all with defaults) become train.py flags
-    model_flags: ClassVar[type | None] = None  # the same, for the model flags (ModelArguments)
-    data_flags: ClassVar[type | None] = None  # the same, for the data flags (DataArguments)
+    # its flags: a dataclass whose fields (all with defaults) become train.py flags, read as `args.parts.<name>`
+    flags: ClassVar[type | None] = None
+    # flags of other parts or of the core it cannot run with: (its flag, the other, why), refused in one line
+    conflicts: ClassVar[tuple[Conflict, ...]] = ()
     tasks: ClassVar[Mapping[str, TaskEntry]] = {}  # --task names it adds
     # its flags that only these tasks read (--task name -> flags): refused for another task, as a task's own flags
     task_flags: ClassVar[Mapping[str, tuple[str, ...]]] = {}
@@ -478,10 +496,9 @@ def installed(name: str) -> bool:
     return any(part.name == name for part in installed_parts())
 
 
-def part_flags(kind: str = "flags") -> tuple[type, ...]:
-    """The parts' flag dataclasses of one `kind` (`flags`, `model_flags`, `data_flags`), mixed into TrainArguments,
-    ModelArguments and DataArguments (training/flags.py)."""
-    return tuple(flags for part in installed_parts() if (flags := getattr(part, kind)) is not None)
+def part_flags() -> dict[str, type]:
+    """Each installed part's flag dataclass, by part name (training/flags.py makes train.py's flags of them)."""
+    return {part.name: part.flags for part in installed_parts() if part.flags is not None}
 
 
 def part_tasks() -> dict[str, TaskEntry]:

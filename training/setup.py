@@ -26,7 +26,7 @@ from training.checkpoints.files import TrainerState, clear_previous_run
 from training.checkpoints.resume import resolve_resume_path, resume, tracker_purge_step
 from training.console import one_voice
 from training.errors import ModelError
-from training.flags import DataArguments, ModelArguments, TrainArguments
+from training.flags import DataArguments, ModelArguments, TrainArguments, every_flag
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
 from training.parts import Flags, Loading, MicroBatchSearch, Started, Training, parts
 from training.performance import SpeedMeter, parameter_count
@@ -148,7 +148,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     run_settings = {"strategy": strategy.value, "num_processes": accelerator.num_processes,
                     "mixed_precision": accelerator.mixed_precision, "global_batch": global_batch,
                     "total_steps": max_steps, "parameters": num_parameters, **task.settings}
-    settings = vars(model_args) | vars(data_args) | vars(args) | run_settings
+    settings = every_flag(model_args, data_args, args) | run_settings
     accelerator.init_trackers(
         args.run_name,  # trackers take scalars and strings only: None and lists as text
         config={key: value if isinstance(value, (bool, int, float, str)) else str(value) for key, value in settings.items()},

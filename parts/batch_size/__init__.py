@@ -6,7 +6,7 @@ docs/batch_size.md.
 from dataclasses import dataclass, field
 
 from training.errors import ArgumentError
-from training.parts import Flags, MicroBatchSearch, Part, Started
+from training.parts import Conflict, Flags, MicroBatchSearch, Part, Started
 
 
 @dataclass
@@ -21,27 +21,28 @@ class BatchSize(Part):
     name = "batch_size"
     description = "the largest micro-batch that fits, the global batch kept (--auto_find_batch_size)"
     flags = BatchSizeFlags
+    conflicts = (Conflict("auto_find_batch_size", "streaming", "; set --per_device_train_batch_size yourself"),)
 
     def check_flags(self, flags: Flags) -> None:
         """The search resizes the micro-batch of data-parallel training over a dataset of known examples."""
-        if not flags.train.auto_find_batch_size:
+        if not flags.train.parts.batch_size.auto_find_batch_size:
             return
         from training.arguments import split_model  # not at import: training/flags.py imports the parts
 
-        if split := split_model(flags) or ("--streaming" if getattr(flags.data, "streaming", False) else None):
+        if split := split_model(flags):
             raise ArgumentError(f"--auto_find_batch_size with {split} is not supported; set "
                                 "--per_device_train_batch_size yourself")
 
     def resuming(self, run: Started) -> None:
         """A resumed run takes the micro-batch its checkpoint's run found, instead of searching again."""
-        if run.args.auto_find_batch_size:
+        if run.args.parts.batch_size.auto_find_batch_size:
             from parts.batch_size.search import take_recorded_micro_batch
 
             take_recorded_micro_batch(run.accelerator, run.args, run.resume)
 
     def micro_batch(self, prepared: tuple, search: MicroBatchSearch) -> tuple:
         """`prepared` for the micro-batch that fits (a resumed run already took its recorded one)."""
-        if not search.args.auto_find_batch_size or search.resumed:
+        if not search.args.parts.batch_size.auto_find_batch_size or search.resumed:
             return prepared
         from parts.batch_size.search import fit_micro_batch
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from functools import partial
 
-from training.parts import Flags, Launch, Part, Started, Training
+from training.parts import Conflict, Flags, Launch, Part, Started, Training
 
 
 @dataclass
@@ -27,26 +27,28 @@ class Bf16Params(Part):
     name = "bf16_params"
     description = "bf16 parameters with fp32 master weights on ddp.yaml and one process (--mixed_precision_param bfloat16)"
     flags = Bf16ParamFlags
+    conflicts = tuple(Conflict("mixed_precision_param", other, ": drop one")
+                      for other in ("gradient_checkpointing", "torch_compile", "teacher_model_name_or_path"))
     after = ("distillation",)  # (refused together: a wrapper of the objective goes after a replacement)
 
     def check_flags(self, flags: Flags) -> None:
         """Refused where the training step would not run the objective this part wraps, or where it is untested: a
         model split over stages, devices or tensor-parallel ranks, gradient checkpointing (its recomputed forward runs
         during the backward, on the fp32 parameters again), distillation (its own objective), and torch.compile."""
-        from training.arguments import clashing_flag
+        from training.arguments import split_model
         from training.errors import ArgumentError
 
-        if flags.train.mixed_precision_param == "float32":
+        if flags.train.parts.bf16_params.mixed_precision_param == "float32":
             return
-        if clash := clashing_flag(flags, "gradient_checkpointing", "torch_compile", "teacher_model_name_or_path"):
-            raise ArgumentError(f"--mixed_precision_param bfloat16 with {clash} is not supported: drop one")
+        if split := split_model(flags):
+            raise ArgumentError(f"--mixed_precision_param bfloat16 with {split} is not supported: drop one")
 
     def check_launch(self, launch: Launch) -> None:
         """Where the flag would change nothing: refused in one line."""
         from training.errors import StrategyError
         from training.strategy import Strategy
 
-        if launch.args.mixed_precision_param == "float32":
+        if launch.args.parts.bf16_params.mixed_precision_param == "float32":
             return
         if launch.strategy not in (Strategy.SINGLE, Strategy.DDP):
             raise StrategyError(f"--mixed_precision_param bfloat16 is for ddp.yaml and one process: under "
@@ -58,13 +60,13 @@ class Bf16Params(Part):
 
     def started(self, run: Started) -> str | None:
         """The start-up line that says the flag took effect."""
-        if run.args.mixed_precision_param == "bfloat16":
+        if run.args.parts.bf16_params.mixed_precision_param == "bfloat16":
             return "--mixed_precision_param bfloat16: the training step computes on bf16 copies of the fp32 parameters"
         return None
 
     def training_objective(self, objective, training: Training):
         """The micro-step's loss sums computed on bf16 copies of the parameters, under --mixed_precision_param."""
-        if training.args.mixed_precision_param == "float32":
+        if training.args.parts.bf16_params.mixed_precision_param == "float32":
             return objective
         from parts.bf16_params.cast import on_bf16_copies
         from training.strategy import bare_model

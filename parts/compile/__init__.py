@@ -34,10 +34,10 @@ class Compile(Part):
         """--torch_compile_mode implies --torch_compile (as in transformers); the other options need it."""
         from training.errors import ArgumentError
 
-        args = flags.train
-        args.torch_compile = args.torch_compile or args.torch_compile_mode is not None
+        own = flags.train.parts.compile
+        own.torch_compile = own.torch_compile or own.torch_compile_mode is not None
         options = {"torch_compile_fullgraph": False, "torch_compile_dynamic": None, "torch_compile_regional": False}
-        if not args.torch_compile and (given := [name for name, off in options.items() if getattr(args, name) != off]):
+        if not own.torch_compile and (given := [name for name, off in options.items() if getattr(own, name) != off]):
             raise ArgumentError(f"--{given[0]} is an option of --torch_compile: add --torch_compile, or drop it")
 
     def check_launch(self, launch: Launch) -> None:

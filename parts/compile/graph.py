@@ -20,21 +20,21 @@ from accelerate.utils import TorchDynamoPlugin
 
 def dynamo_plugin(args) -> TorchDynamoPlugin:
     """accelerate's plugin for the model, from --torch_compile and its options (`args`: TrainArguments)."""
-    if not args.torch_compile:
+    if not args.parts.compile.torch_compile:
         return TorchDynamoPlugin(backend="no")
     return TorchDynamoPlugin(backend="inductor", **compile_options(args),
-                             use_regional_compilation=args.torch_compile_regional)
+                             use_regional_compilation=args.parts.compile.torch_compile_regional)
 
 
 def compile_options(args) -> dict:
     """torch.compile's keyword arguments that the flags set (unset ones keep torch's defaults)."""
-    return {"mode": args.torch_compile_mode or "default", "fullgraph": args.torch_compile_fullgraph,
-            "dynamic": args.torch_compile_dynamic}
+    return {"mode": args.parts.compile.torch_compile_mode or "default", "fullgraph": args.parts.compile.torch_compile_fullgraph,
+            "dynamic": args.parts.compile.torch_compile_dynamic}
 
 
 def compiled_objective(objective: Callable[[torch.nn.Module, dict], torch.Tensor], args) -> Callable:
     """The training objective (model forward and per-example loss sums) as one compiled graph under
     --torch_compile, unless compilation is regional; else `objective` unchanged."""
-    if not args.torch_compile or args.torch_compile_regional:
+    if not args.parts.compile.torch_compile or args.parts.compile.torch_compile_regional:
         return objective
     return torch.compile(objective, **compile_options(args))

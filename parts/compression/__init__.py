@@ -45,21 +45,21 @@ class Compression(Part):
         from training.arguments import flags_set, split_model
 
         args = flags.train
-        if args.ddp_comm_hook and (split := split_model(flags)):
+        if args.parts.compression.ddp_comm_hook and (split := split_model(flags)):
             raise ArgumentError(f"--ddp_comm_hook with {split} is not supported (DDP's gradient buckets are hooked "
                                 "where every process holds the whole model); drop it, or train without the split")
-        if "power_sgd" not in (args.ddp_comm_hook or ""):
-            if given := flags_set(args, ("power_sgd_rank", "power_sgd_start_step")):
+        if "power_sgd" not in (args.parts.compression.ddp_comm_hook or ""):
+            if given := flags_set(args.parts.compression, ("power_sgd_rank", "power_sgd_start_step")):
                 raise ArgumentError(f"--{given[0]} is for --ddp_comm_hook power_sgd or batched_power_sgd: add one, or "
                                     "drop it")
-        if args.power_sgd_rank < 1 or args.power_sgd_start_step < 2:
+        if args.parts.compression.power_sgd_rank < 1 or args.parts.compression.power_sgd_start_step < 2:
             raise ArgumentError(f"--power_sgd_rank must be >= 1 and --power_sgd_start_step >= 2; got "
-                                f"{args.power_sgd_rank}, {args.power_sgd_start_step}")
+                                f"{args.parts.compression.power_sgd_rank}, {args.parts.compression.power_sgd_start_step}")
 
     def check_launch(self, launch: Launch) -> None:
         from parts.compression.hooks import check_comm_hook
 
-        check_comm_hook(launch.args.ddp_comm_hook, launch.strategy, launch.processes, launch.on_cpu)
+        check_comm_hook(launch.args.parts.compression.ddp_comm_hook, launch.strategy, launch.processes, launch.on_cpu)
 
     def ddp_settings(self, launch: Launch) -> dict:
         """PowerSGD keeps state per gradient bucket, and DDP re-orders its buckets after the first step of every
@@ -67,7 +67,7 @@ class Compression(Part):
         Looking for unused parameters keeps the buckets in their first order, in every launch. On gloo (CPU)
         torch's PowerSGD hooks deadlock at the first compressed step once there are two buckets or more
         (measured, torch 2.13): one bucket holds every gradient there."""
-        if "power_sgd" not in (launch.args.ddp_comm_hook or ""):
+        if "power_sgd" not in (launch.args.parts.compression.ddp_comm_hook or ""):
             return {}
         return {"find_unused_parameters": True, **({"bucket_cap_mb": ONE_BUCKET_MB} if launch.on_cpu else {})}
 
@@ -76,8 +76,8 @@ class Compression(Part):
         from parts.compression.hooks import power_sgd_state, register_comm_hook
 
         args = training.args
-        self.traffic = register_comm_hook(training.model, args.ddp_comm_hook, args.power_sgd_rank,
-                                          args.power_sgd_start_step)
+        self.traffic = register_comm_hook(training.model, args.parts.compression.ddp_comm_hook, args.parts.compression.power_sgd_rank,
+                                          args.parts.compression.power_sgd_start_step)
         self.power_sgd = power_sgd_state(training.model)
 
     def save_state(self, checkpoint: CheckpointFiles) -> None:

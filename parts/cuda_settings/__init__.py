@@ -25,7 +25,7 @@ class CudaSettings(Part):
             return None
         from parts.cuda_settings.settings import use_tf32
 
-        enabled = use_tf32(run.args.tf32, run.accelerator.device, run.accelerator.mixed_precision)
+        enabled = use_tf32(run.args.parts.cuda_settings.tf32, run.accelerator.device, run.accelerator.mixed_precision)
         return f"tf32={'on' if enabled else 'off'} (fp32 matmuls and convolutions; --tf32)"
 
     def loader_settings(self, args) -> dict:

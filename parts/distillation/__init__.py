@@ -47,15 +47,15 @@ class Distillation(Part):
         from training.arguments import flags_set, split_model
 
         model_args, args = flags.model, flags.train
-        if not args.teacher_model_name_or_path:
-            if given := flags_set(args, ("distillation_alpha", "distillation_temperature", "distillation_loss")):
+        if not args.parts.distillation.teacher_model_name_or_path:
+            if given := flags_set(args.parts.distillation, ("distillation_alpha", "distillation_temperature", "distillation_loss")):
                 raise ArgumentError(f"--{given[0]} is for distillation: add --teacher_model_name_or_path, or drop it")
             return
-        if not 0 <= args.distillation_alpha <= 1:
+        if not 0 <= args.parts.distillation.distillation_alpha <= 1:
             raise ArgumentError(f"--distillation_alpha weighs the teacher loss against the label loss: it must be in "
-                                f"[0, 1], got {args.distillation_alpha}")
-        if args.distillation_temperature <= 0:
-            raise ArgumentError(f"--distillation_temperature must be > 0, got {args.distillation_temperature}")
+                                f"[0, 1], got {args.parts.distillation.distillation_alpha}")
+        if args.parts.distillation.distillation_temperature <= 0:
+            raise ArgumentError(f"--distillation_temperature must be > 0, got {args.parts.distillation.distillation_temperature}")
         from training.task_registry import task_entry
 
         if task_entry(model_args.task).load().auto_model is None:
@@ -71,13 +71,13 @@ class Distillation(Part):
         """With a teacher, the distillation objective in place of the task's (uncompiled: the teacher may be a
         DeepSpeed engine)."""
         args = training.args
-        if not args.teacher_model_name_or_path:
+        if not args.parts.distillation.teacher_model_name_or_path:
             return objective
         from parts.distillation.teacher import build_distillation
         from training.collectives import max_over_ranks
 
         distillation, held = build_distillation(training.accelerator, training.task, training.strategy,
-                                                args.teacher_model_name_or_path, args)
+                                                args.parts.distillation.teacher_model_name_or_path, args)
         self.teacher_figures = lambda: max_over_ranks({"parameters": held}, training.accelerator)
         return distillation.loss_sums
 
@@ -87,11 +87,11 @@ class Distillation(Part):
 
     def dry_run_line(self, plan: Plan) -> str | None:
         """The teacher checked from its config and tokenizer, and its weights per rank planned."""
-        if not plan.args.teacher_model_name_or_path:
+        if not plan.args.parts.distillation.teacher_model_name_or_path:
             return None
         from parts.distillation.teacher import teacher_plan
 
-        held = teacher_plan(plan.task, plan.args.teacher_model_name_or_path, plan.strategy, plan.processes,
+        held = teacher_plan(plan.task, plan.args.parts.distillation.teacher_model_name_or_path, plan.strategy, plan.processes,
                             plan.compute_dtype.itemsize)
         return f"teacher:         {held}"
 

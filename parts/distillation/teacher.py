@@ -173,10 +173,10 @@ def build_distillation(accelerator: Accelerator, task: Task, strategy: Strategy,
     teacher = place_frozen_model(accelerator, teacher)
     held = storage_bytes(teacher.parameters(), set())  # the frozen weights this rank holds
     logger.info(f"teacher {path}: {parameters:,} parameters, frozen, placed as {type(teacher).__name__} "
-                f"({held / 2**20:,.1f} MiB of weights on this rank); distilled with {args.distillation_loss} at "
-                f"temperature {args.distillation_temperature}, alpha {args.distillation_alpha}", main_process_only=True)
-    return Distillation(accelerator, task, teacher, args.distillation_alpha, args.distillation_temperature,
-                        args.distillation_loss), held
+                f"({held / 2**20:,.1f} MiB of weights on this rank); distilled with {args.parts.distillation.distillation_loss} at "
+                f"temperature {args.parts.distillation.distillation_temperature}, alpha {args.parts.distillation.distillation_alpha}", main_process_only=True)
+    return Distillation(accelerator, task, teacher, args.parts.distillation.distillation_alpha, args.parts.distillation.distillation_temperature,
+                        args.parts.distillation.distillation_loss), held
 
 
 def teacher_bytes_per_rank(strategy: Strategy, parameters: int, processes: int, compute_bytes: int) -> float:

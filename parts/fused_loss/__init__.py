@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from training.parts import Flags, Part, Plan, Started, Training
+from training.parts import Conflict, Flags, Part, Plan, Started, Training, installed
 
 
 @dataclass
@@ -47,7 +47,7 @@ def loss_kernel(args) -> tuple[Callable, str]:
     from parts.fused_loss.head import CHUNK_ROWS, liger_kernel, torch_kernel
     from training.errors import ArgumentError
 
-    if getattr(args, "use_liger_kernel", False):
+    if installed("liger") and args.parts.liger.use_liger_kernel:
         return liger_kernel, "Liger's fused kernel"
     if not hasattr(torch.nn.functional, "linear_cross_entropy"):
         raise ArgumentError(f"--fused_linear_cross_entropy needs torch 2.13's F.linear_cross_entropy (this is torch "
@@ -59,28 +59,30 @@ class FusedLoss(Part):
     name = "fused_loss"
     description = "the causal LM's loss fused with its output layer, no logits (--fused_linear_cross_entropy)"
     flags = FusedLossFlags
+    conflicts = tuple(Conflict("fused_linear_cross_entropy", other, ": drop one")
+                      for other in ("torch_compile", "teacher_model_name_or_path"))  # each computes the loss itself
 
     def check_flags(self, flags: Flags) -> None:
         """Refused where the training step computes its loss another way: torch.compile's graph (which fuses the
         loss itself), distillation's objective, a model split over stages, devices or tensor-parallel ranks."""
-        from training.arguments import clashing_flag
+        from training.arguments import split_model
         from training.errors import ArgumentError
 
-        if not flags.train.fused_linear_cross_entropy:
+        if not flags.train.parts.fused_loss.fused_linear_cross_entropy:
             return
-        if clash := clashing_flag(flags, "torch_compile", "teacher_model_name_or_path"):
-            raise ArgumentError(f"--fused_linear_cross_entropy with {clash} is not supported: drop one")
+        if split := split_model(flags):
+            raise ArgumentError(f"--fused_linear_cross_entropy with {split} is not supported: drop one")
 
     def started(self, run: Started) -> str | None:
         """The start-up line that says the flag took effect."""
-        if not run.args.fused_linear_cross_entropy:
+        if not run.args.parts.fused_loss.fused_linear_cross_entropy:
             return None
         kernel = loss_kernel(run.args)[1]
         return f"--fused_linear_cross_entropy: the training loss is computed with the output layer ({kernel}); no logits"
 
     def label_objective(self, training: Training):
         """The task's loss sums computed by the model's output layer, under --fused_linear_cross_entropy."""
-        if not training.args.fused_linear_cross_entropy:
+        if not training.args.parts.fused_loss.fused_linear_cross_entropy:
             return None
         from parts.fused_loss.head import LossHead
         from training.strategy import bare_model
@@ -90,7 +92,7 @@ class FusedLoss(Part):
 
     def dry_run_line(self, plan: Plan) -> str | None:
         """The same refusals as a run's, and what computes the loss."""
-        if not plan.args.fused_linear_cross_entropy:
+        if not plan.args.parts.fused_loss.fused_linear_cross_entropy:
             return None
         output_layer(plan.task, plan.model)
         return f"loss:            fused with the output layer ({loss_kernel(plan.args)[1]}); no logits"

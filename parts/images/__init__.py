@@ -31,7 +31,7 @@ class ImageFlags:
 class Images(Part):
     name = "images"
     description = "image classification: ResNets or any pretrained image classifier (--task image-classification)"
-    data_flags = ImageFlags
+    flags = ImageFlags
     run_inputs = ("train_dir", "validation_dir")
     tasks = {"image-classification": TaskEntry("parts.images.task:ImageClassification", IMAGE_CONFIGS, "resnet-tiny",
                                                ("train_dir", "validation_dir", "image_column", "label_column",
@@ -40,12 +40,12 @@ class Images(Part):
     def check_flags(self, flags: Flags) -> None:
         """One source of images, and a size only where the model is built here."""
         data = flags.data
-        if data.dataset_name and data.train_dir:
+        if data.dataset_name and data.parts.images.train_dir:
             raise ArgumentError("--dataset_name and --train_dir exclude each other; give one")
-        if data.image_size is not None and (data.image_size < 8 or flags.model.model_name_or_path):
-            raise ArgumentError(f"--image_size {data.image_size}: at least 8 pixels, and only for --model_config models "
+        if data.parts.images.image_size is not None and (data.parts.images.image_size < 8 or flags.model.model_name_or_path):
+            raise ArgumentError(f"--image_size {data.parts.images.image_size}: at least 8 pixels, and only for --model_config models "
                                 "(a pretrained model's processor keeps the size it was trained at)")
-        if data.validation_dir and not data.train_dir:
+        if data.parts.images.validation_dir and not data.parts.images.train_dir:
             raise ArgumentError("--validation_dir needs --train_dir")
 
 

@@ -26,22 +26,22 @@ class ImageClassification(Task):
 
     def __init__(self, model_args, data_args) -> None:
         super().__init__(model_args, data_args)
-        self.processor = build_image_processor(model_args.model_name_or_path, model_args.model_config, data_args.image_size)
+        self.processor = build_image_processor(model_args.model_name_or_path, model_args.model_config, data_args.parts.images.image_size)
         self.labels: list[str] = []  # the class names; set by build_model
         self.raw_validation: Dataset | None = None  # for the sample at the end; set by build_model
 
     def load_raw_datasets(self, seed: int) -> DatasetDict:
         d = self.data_args
-        return load_raw_image_datasets(d.dataset_name, d.dataset_config_name, d.train_dir, d.validation_dir,
-                                       d.validation_split_percentage, seed, d.image_column, d.label_column)
+        return load_raw_image_datasets(d.dataset_name, d.dataset_config_name, d.parts.images.train_dir, d.parts.images.validation_dir,
+                                       d.validation_split_percentage, seed, d.parts.images.image_column, d.parts.images.label_column)
 
     def build_model(self, raw: DatasetDict, empty: bool = False) -> PreTrainedModel:
         m, d = self.model_args, self.data_args
         self.model_name = m.model_name_or_path or m.model_config
-        self.labels, self.raw_validation = class_names(raw, d.label_column), raw["validation"]
+        self.labels, self.raw_validation = class_names(raw, d.parts.images.label_column), raw["validation"]
         model = build_image_model(m.model_name_or_path, m.model_config, self.labels, m.trust_remote_code,
-                                  m.gradient_checkpointing, d.ignore_mismatched_sizes)
-        example = pixel_values(self.processor, [raw["train"][0][d.image_column]])[0]
+                                  m.gradient_checkpointing, d.parts.images.ignore_mismatched_sizes)
+        example = pixel_values(self.processor, [raw["train"][0][d.parts.images.image_column]])[0]
         self.flops_per_unit = counted_flops_per_example(model, example, "pixel_values")
         self.settings = {"image_size": example.shape[-1], "num_labels": len(self.labels)}
         # every batch one shape: cuDNN's autotuner picks the fastest convolutions once (GPUs; no effect on CPU)
@@ -49,7 +49,7 @@ class ImageClassification(Task):
         return model
 
     def build_datasets(self, raw: DatasetDict, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]:
-        return build_image_datasets(raw, self.processor, self.data_args.image_column, self.data_args.label_column)
+        return build_image_datasets(raw, self.processor, self.data_args.parts.images.image_column, self.data_args.parts.images.label_column)
 
     def forward(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         return model(pixel_values=batch["pixel_values"].to(floating_input_dtype(model))).logits
@@ -75,10 +75,10 @@ class ImageClassification(Task):
         processor = AutoImageProcessor.from_pretrained(final_dir, backend="pil")
         examples = self.raw_validation.select(range(min(self.SAMPLE_IMAGES, len(self.raw_validation))))
         with torch.no_grad():
-            inputs = pixel_values(processor, examples[self.data_args.image_column]).to(model.dtype)  # bf16 under DeepSpeed
+            inputs = pixel_values(processor, examples[self.data_args.parts.images.image_column]).to(model.dtype)  # bf16 under DeepSpeed
             predicted = model(pixel_values=inputs).logits
         pairs = [(model.config.id2label[p], self.labels[t])
-                 for p, t in zip(predicted.argmax(dim=-1).tolist(), examples[self.data_args.label_column])]
+                 for p, t in zip(predicted.argmax(dim=-1).tolist(), examples[self.data_args.parts.images.label_column])]
         right = sum(p == t for p, t in pairs)
         return f"{right}/{len(pairs)} validation images right: " + ", ".join(f"{p} ({t})" if p != t else p for p, t in pairs)
 

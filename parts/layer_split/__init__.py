@@ -28,7 +28,7 @@ class LayerSplit(Part):
         """One process owns the GPUs it splits the model over: the launch is single.yaml's."""
         from training.strategy import Strategy, requested_strategy
 
-        if flags.train.device_map and requested_strategy() is not Strategy.SINGLE:
+        if flags.train.parts.layer_split.device_map and requested_strategy() is not Strategy.SINGLE:
             raise ArgumentError(
                 f"--device_map splits one model over the GPUs of one process, but the launch asked for "
                 f"{requested_strategy().value}; use --config_file accelerate_configs/single.yaml (or FSDP2/ZeRO-3 to "
@@ -36,17 +36,17 @@ class LayerSplit(Part):
             )
 
     def model_split(self, flags: Flags) -> str | None:
-        return "--device_map" if flags.train.device_map else None
+        return "--device_map" if flags.train.parts.layer_split.device_map else None
 
     def wrap_model(self, model, run: Started):
         """The model's layers placed over this process's GPUs, under --device_map."""
-        if not run.args.device_map:
+        if not run.args.parts.layer_split.device_map:
             return model
         from accelerate.logging import get_logger
 
         from parts.layer_split.split import split_layers
 
-        model, note = split_layers(model, run.args.device_map)
+        model, note = split_layers(model, run.args.parts.layer_split.device_map)
         get_logger(__name__).info(note, main_process_only=True)
         return model
 

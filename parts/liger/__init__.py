@@ -25,7 +25,7 @@ class Liger(Part):
 
     def convert_model(self, model, run: Started):
         """The model with Liger's kernels in its modules, under --use_liger_kernel."""
-        if run.args.use_liger_kernel:
+        if run.args.parts.liger.use_liger_kernel:
             from parts.liger.kernels import apply_liger_kernel
 
             apply_liger_kernel(model, run.accelerator.device)

@@ -42,7 +42,7 @@ FLAGS = tuple(f.name for f in fields(LoraFlags))  # --use_peft first
 class Lora(Part):
     name = "lora"
     description = "LoRA and DoRA adapters through peft, exported alone or merged (--use_peft)"
-    model_flags = LoraFlags
+    flags = LoraFlags
     task_flags = {"causal-lm": FLAGS, "sft": FLAGS}  # the models peft adapts here (CAUSAL_LM)
     files = ("tests/test_fine_tuning.py",)
     requirements = ("peft",)
@@ -52,8 +52,8 @@ class Lora(Part):
         from training.arguments import flags_set, split_model  # not at import: training/flags.py imports the parts
 
         model_args = flags.model
-        if not model_args.use_peft:
-            if given := flags_set(model_args, FLAGS[1:]):  # the adapter's settings
+        if not model_args.parts.lora.use_peft:
+            if given := flags_set(model_args.parts.lora, FLAGS[1:]):  # the adapter's settings
                 raise ArgumentError(f"--{given[0]} is for adapters: add --use_peft, or drop it")
             return
         if not model_args.model_name_or_path:
@@ -62,13 +62,13 @@ class Lora(Part):
         if split := split_model(flags):
             raise ArgumentError(f"--use_peft with {split} is not supported; train the adapter with a data-parallel "
                                 "config instead (ddp.yaml, fsdp.yaml or a ZeRO config)")
-        if model_args.lora_r < 1 or model_args.lora_alpha <= 0 or not 0 <= model_args.lora_dropout < 1:
+        if model_args.parts.lora.lora_r < 1 or model_args.parts.lora.lora_alpha <= 0 or not 0 <= model_args.parts.lora.lora_dropout < 1:
             raise ArgumentError(f"--lora_r must be >= 1, --lora_alpha > 0 and --lora_dropout in [0, 1); got "
-                                f"{model_args.lora_r}, {model_args.lora_alpha}, {model_args.lora_dropout}")
+                                f"{model_args.parts.lora.lora_r}, {model_args.parts.lora.lora_alpha}, {model_args.parts.lora.lora_dropout}")
 
     def adapt_model(self, model, flags: Flags):
         """The model frozen with a fresh adapter under --use_peft (after the seed: every rank draws the same)."""
-        if not flags.model.use_peft:
+        if not flags.model.parts.lora.use_peft:
             return model
         from parts.lora.adapters import add_adapter, trainable_summary
 
@@ -82,7 +82,7 @@ class Lora(Part):
     def after_export(self, finished: Finished) -> None:
         """--merge_adapter: from the files just written, with plain peft (what a user would load), final/merged."""
         model_args = finished.model_args
-        if model_args.use_peft and model_args.merge_adapter:
+        if model_args.parts.lora.use_peft and model_args.parts.lora.merge_adapter:
             from parts.lora.adapters import merge_adapter
 
             merged = merge_adapter(model_args.model_name_or_path, finished.final_dir, model_args.trust_remote_code)

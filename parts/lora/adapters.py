@@ -18,23 +18,24 @@ from models.language import ModelError, first_line
 if TYPE_CHECKING:  # peft is imported where it is used: it takes 1.7 s, which runs without adapters need not pay
     from peft import LoraConfig, PeftModel
 
-    from training.flags import ModelArguments  # with this part's flags
+    from parts.lora import LoraFlags
+    from training.flags import ModelArguments
 
 MERGED_DIR = "merged"  # under final/: the base model with the adapter merged in (--merge_adapter)
 
 
-def lora_config(model_args: ModelArguments) -> LoraConfig:
+def lora_config(flags: LoraFlags) -> LoraConfig:
     """The `LoraConfig` the flags describe."""
     from peft import LoraConfig
 
-    targets = model_args.lora_target_modules
+    targets = flags.lora_target_modules
     return LoraConfig(
-        r=model_args.lora_r,
-        lora_alpha=model_args.lora_alpha,
-        lora_dropout=model_args.lora_dropout,
+        r=flags.lora_r,
+        lora_alpha=flags.lora_alpha,
+        lora_dropout=flags.lora_dropout,
         target_modules=targets[0] if targets == ["all-linear"] else targets,
-        modules_to_save=model_args.lora_modules_to_save,
-        use_dora=model_args.use_dora,
+        modules_to_save=flags.lora_modules_to_save,
+        use_dora=flags.use_dora,
         task_type="CAUSAL_LM",
     )
 
@@ -44,11 +45,11 @@ def add_adapter(model: PreTrainedModel, model_args: ModelArguments) -> PeftModel
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, lora_config(model_args))
+        return get_peft_model(model, lora_config(model_args.parts.lora))
     except ValueError as error:
         if "not found in the base model" in str(error) or "No modules were targeted" in str(error):
             raise ModelError(
-                f"--lora_target_modules {' '.join(model_args.lora_target_modules)} matches no module of "
+                f"--lora_target_modules {' '.join(model_args.parts.lora.lora_target_modules)} matches no module of "
                 f"{type(model).__name__}; its linear modules are: {' '.join(linear_module_names(model))} (or all-linear)"
             ) from None
         raise ModelError(f"peft cannot add this adapter to {type(model).__name__}: {first_line(error)}; "

@@ -4,14 +4,16 @@ parts/pipeline/stages.py can cut. The stages run as the model's `ModelRunner` (t
 micro-steps, clipping, evaluation, checkpoint files and export. See docs/pipeline.md.
 """
 
-from parts.pipeline.flags import PipelineFlags, pipelined
-from training.parts import Flags, Launch, Part, Plan, Started
+from parts.pipeline.flags import WHOLE_MODELS_ONLY, PipelineFlags, pipelined
+from training.parts import Conflict, Flags, Launch, Part, Plan, Started
 
 
 class Pipeline(Part):
     name = "pipeline"
     description = "pipeline stages run by torch's schedules (--pipeline_parallel_size)"
     flags = PipelineFlags
+    conflicts = (Conflict("use_peft", "pipeline_parallel_size", WHOLE_MODELS_ONLY),
+                 Conflict("torch_compile", "pipeline_parallel_size", WHOLE_MODELS_ONLY))
     files = ("docs/pipeline.png",)
 
     def check_flags(self, flags: Flags) -> None:
@@ -29,7 +31,7 @@ class Pipeline(Part):
 
     def ranks_per_batch(self, args) -> int:
         """A pipeline's processes read the same batches: one replica is `--pipeline_parallel_size` processes."""
-        return args.pipeline_parallel_size
+        return args.parts.pipeline.pipeline_parallel_size
 
     def wrap_model(self, model, run: Started):
         """This process's stages of the model, in its place, when pipelined."""
@@ -50,7 +52,7 @@ class Pipeline(Part):
 
         if not pipelined(args):
             return {}
-        per_process = STAGES_PER_PROCESS.get(args.pipeline_schedule, 1)
+        per_process = STAGES_PER_PROCESS.get(args.parts.pipeline.pipeline_schedule, 1)
         return {"pipeline_stages": stage_count(args)} | ({"pipeline_stages_per_process": per_process}
                                                          if per_process > 1 else {})
 
@@ -67,8 +69,8 @@ class Pipeline(Part):
             return None
         from parts.pipeline.layout import stage_count
 
-        return (f"pipeline:        {stage_count(args)} pipeline stages ({args.pipeline_schedule}, "
-                f"{args.pipeline_microbatches} micro-batches) over {args.pipeline_parallel_size} processes per replica")
+        return (f"pipeline:        {stage_count(args)} pipeline stages ({args.parts.pipeline.pipeline_schedule}, "
+                f"{args.parts.pipeline.pipeline_microbatches} micro-batches) over {args.parts.pipeline.pipeline_parallel_size} processes per replica")
 
 
 PART = Pipeline()

@@ -23,4 +23,9 @@ class PipelineFlags:
 
 def pipelined(args) -> bool:
     """Whether the model is cut into stages."""
-    return args.pipeline_parallel_size > 1
+    return args.parts.pipeline.pipeline_parallel_size > 1
+
+
+# why a flag that needs the whole model in each process cannot run with stages (`Pipeline.conflicts`, layout.py)
+WHOLE_MODELS_ONLY = (" (stages exchange fixed-shape activations of whole models); drop it, or train without pipeline "
+                     "stages")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from parts.pipeline.flags import pipelined
+from parts.pipeline.flags import WHOLE_MODELS_ONLY, pipelined
 from parts.pipeline.stages import split_into_stages
 from training.errors import ArgumentError, StrategyError
 from training.parts import Flags, parts
@@ -21,35 +21,32 @@ STAGES_PER_PROCESS = {"Interleaved1F1B": 2}  # virtual stages: a process compute
 
 def stage_count(args) -> int:
     """Stages the model is cut into (1 without a pipeline)."""
-    return args.pipeline_parallel_size * STAGES_PER_PROCESS.get(args.pipeline_schedule, 1) if pipelined(args) else 1
+    return args.parts.pipeline.pipeline_parallel_size * STAGES_PER_PROCESS.get(args.parts.pipeline.pipeline_schedule, 1) if pipelined(args) else 1
 
 
 def check_pipeline_flags(model_args, data_args, args) -> None:
     """Flag combinations a pipeline cannot run, refused before any process group (ArgumentError)."""
     for name in ("pipeline_parallel_size", "pipeline_microbatches"):
-        if getattr(args, name) < 1:
-            raise ArgumentError(f"--{name} must be at least 1, got {getattr(args, name)}")
+        if getattr(args.parts.pipeline, name) < 1:
+            raise ArgumentError(f"--{name} must be at least 1, got {getattr(args.parts.pipeline, name)}")
     if not pipelined(args):
         return
-    size, micro = args.pipeline_parallel_size, args.pipeline_microbatches
+    size, micro = args.parts.pipeline.pipeline_parallel_size, args.parts.pipeline.pipeline_microbatches
     if args.per_device_train_batch_size % micro:  # (evaluation batches take the training batch's shape)
         raise ArgumentError(f"--per_device_train_batch_size {args.per_device_train_batch_size} is cut into "
                             f"--pipeline_microbatches {micro} equal micro-batches: make it a multiple of that")
-    if args.pipeline_schedule != "GPipe" and micro < size:
-        raise ArgumentError(f"--pipeline_schedule {args.pipeline_schedule} needs at least one micro-batch per stage: "
+    if args.parts.pipeline.pipeline_schedule != "GPipe" and micro < size:
+        raise ArgumentError(f"--pipeline_schedule {args.parts.pipeline.pipeline_schedule} needs at least one micro-batch per stage: "
                             f"--pipeline_microbatches {micro} < --pipeline_parallel_size {size}; raise it (more "
                             "micro-batches also shrink the idle bubble) or use GPipe")
-    if args.pipeline_schedule == "Interleaved1F1B" and micro % size:
+    if args.parts.pipeline.pipeline_schedule == "Interleaved1F1B" and micro % size:
         raise ArgumentError(f"Interleaved1F1B runs micro-batches in rounds of --pipeline_parallel_size {size}: make "
                             f"--pipeline_microbatches ({micro}) a multiple of it")
-    unsupported = {"--use_peft": getattr(model_args, "use_peft", False),  # (a project may leave lora out)
-                   "--task sft": model_args.task == "sft", "--packing false": not data_args.packing,
-                   "--torch_compile": getattr(args, "torch_compile", False),
-                   "--gradient_checkpointing": model_args.gradient_checkpointing}
+    unsupported = {"--task sft": model_args.task == "sft", "--packing false": not data_args.packing,
+                   "--gradient_checkpointing": model_args.gradient_checkpointing}  # (other parts': `Pipeline.conflicts`)
     found = [split for split in parts().model_split(Flags(model_args, data_args, args)) if split != "--pipeline_parallel_size"]
     if found := found + [flag for flag, used in unsupported.items() if used]:
-        raise ArgumentError(f"{', '.join(found)} with --pipeline_parallel_size is not supported (stages exchange "
-                            "fixed-shape activations of whole models); drop it, or train without pipeline stages")
+        raise ArgumentError(f"{', '.join(found)} with --pipeline_parallel_size is not supported{WHOLE_MODELS_ONLY}")
 
 
 def check_pipeline_launch(args, strategy: Strategy, world_size: int) -> None:
@@ -60,13 +57,13 @@ def check_pipeline_launch(args, strategy: Strategy, world_size: int) -> None:
         raise StrategyError(f"--pipeline_parallel_size runs under accelerate_configs/ddp.yaml (replicas average "
                             f"gradients as DDP does), not {strategy.value}: FSDP and ZeRO with pipeline stages are "
                             "not supported; launch with ddp.yaml")
-    if world_size % args.pipeline_parallel_size:
+    if world_size % args.parts.pipeline.pipeline_parallel_size:
         raise StrategyError(f"{world_size} processes cannot hold whole pipelines of --pipeline_parallel_size "
-                            f"{args.pipeline_parallel_size}; launch a multiple of it (--num_processes)")
+                            f"{args.parts.pipeline.pipeline_parallel_size}; launch a multiple of it (--num_processes)")
 
 
 def parameters_per_process(model: nn.Module, args) -> int:
     """The most parameters one process holds when `model` is cut into this run's stages (for the dry run's plan)."""
     stages = split_into_stages(model, stage_count(args))
-    size = args.pipeline_parallel_size
+    size = args.parts.pipeline.pipeline_parallel_size
     return max(sum(p.numel() for stage in stages[rank::size] for p in stage.parameters()) for rank in range(size))

@@ -52,7 +52,7 @@ class StageModules(nn.ModuleList, ModelRunner):
     def __init__(self, accelerator: Accelerator, model: nn.Module, args) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        size = args.pipeline_parallel_size
+        size = args.parts.pipeline.pipeline_parallel_size
         replicas = accelerator.num_processes // size
         mesh = init_device_mesh(accelerator.device.type, (replicas, size), mesh_dim_names=("dp", "pp"))
         every_stage = split_into_stages(model, stage_count(args))
@@ -74,7 +74,7 @@ class StageModules(nn.ModuleList, ModelRunner):
         self.tensors_per_stage = [sum(p.requires_grad for p in stage.parameters()) for stage in every_stage]
         layers = [len(getattr(stage, "layers", getattr(stage, "blocks", ()))) for stage in every_stage]
         logger.info(f"pipeline: {self.num_stages} stages ({', '.join(map(str, layers))} layers) over {size} processes "
-                    f"x {replicas} replica(s), {args.pipeline_schedule} with {args.pipeline_microbatches} micro-batches; "
+                    f"x {replicas} replica(s), {args.parts.pipeline.pipeline_schedule} with {args.parts.pipeline.pipeline_microbatches} micro-batches; "
                     f"rank 0 holds stages {indices} ({sum(p.numel() for p in self.parameters()):,} parameters)",
                     main_process_only=True)
 
@@ -120,12 +120,12 @@ class StageModules(nn.ModuleList, ModelRunner):
         stages = [pipelining.PipelineStage(stage, index, self.num_stages, accelerator.device, group=self.stage_group,
                                            **({"input_args": shapes[i][0], "output_args": shapes[i][1]} if shapes else {}))
                   for i, (stage, index) in enumerate(zip(self, self.indices))]
-        if shapes and self.args.pipeline_timeline:
+        if shapes and self.args.parts.pipeline.pipeline_timeline:
             for stage in stages:
                 self.record_timeline(stage)
-        schedule_class = getattr(pipelining, SCHEDULES[self.args.pipeline_schedule])
+        schedule_class = getattr(pipelining, SCHEDULES[self.args.parts.pipeline.pipeline_schedule])
         multi = issubclass(schedule_class, pipelining.schedules.PipelineScheduleMulti)
-        return schedule_class(stages if multi else stages[0], n_microbatches=self.args.pipeline_microbatches,
+        return schedule_class(stages if multi else stages[0], n_microbatches=self.args.parts.pipeline.pipeline_microbatches,
                               loss_fn=self.loss, scale_grads=False)
 
     def record_timeline(self, stage) -> None:
@@ -181,7 +181,7 @@ class StageModules(nn.ModuleList, ModelRunner):
         of the step's loss (the last stage's; zero elsewhere). `window_targets` is counted on every process, so
         each replica's batch once per stage. The last stage computes the task's loss itself (`loss`)."""
         accelerator = self.accelerator
-        self.loss_scale = self.args.pipeline_parallel_size / window_targets
+        self.loss_scale = self.args.parts.pipeline.pipeline_parallel_size / window_targets
         losses = []
         self.steps_run += 1
         self.run_schedule(accelerator, batch, train=True, losses=losses)
@@ -248,7 +248,7 @@ class StageModules(nn.ModuleList, ModelRunner):
         accelerator, processor = self.accelerator, task.processor
         gathered = [None] * accelerator.num_processes if accelerator.is_main_process else None
         dist.gather_object(self.full_state_dict() if self.replica == 0 else None, gathered, dst=0)
-        if self.args.pipeline_timeline:
+        if self.args.parts.pipeline.pipeline_timeline:
             timelines = [None] * accelerator.num_processes if accelerator.is_main_process else None
             dist.gather_object(self.timeline if self.replica == 0 else [], timelines, dst=0)
             if accelerator.is_main_process:

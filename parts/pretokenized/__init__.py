@@ -24,7 +24,7 @@ class ShardSource(TextSource):
     def block_size(self) -> int:
         from parts.pretokenized.shards import read_manifest
 
-        return read_manifest(self.data_args.dataset_path)["block_size"]  # another --block_size: refused
+        return read_manifest(self.data_args.parts.pretokenized.dataset_path)["block_size"]  # another --block_size: refused
 
     def load(self, seed: int):
         return None  # nothing to read before the model: the shards are memory-mapped by `datasets`
@@ -32,24 +32,24 @@ class ShardSource(TextSource):
     def datasets(self, raw, tokenizer, block_size: int, main_process_first) -> tuple:
         from parts.pretokenized.shards import load_shards
 
-        return load_shards(self.data_args.dataset_path, tokenizer, block_size, self.data_args.packing)
+        return load_shards(self.data_args.parts.pretokenized.dataset_path, tokenizer, block_size, self.data_args.packing)
 
 
 class Pretokenized(Part):
     name = "pretokenized"
     description = "shards tokenised once by scripts/prepare_data.py, memory-mapped by every rank (--dataset_path)"
-    data_flags = PretokenizedFlags
+    flags = PretokenizedFlags
     task_flags = {"causal-lm": ("dataset_path",)}
     run_inputs = ("dataset_path",)
     files = ("scripts/prepare_data.py",)
 
     def check_flags(self, flags: Flags) -> None:
         data = flags.data
-        if data.dataset_path and (data.dataset_name or data.train_file):
+        if data.parts.pretokenized.dataset_path and (data.dataset_name or data.train_file):
             raise ArgumentError("--dataset_path trains on shards already tokenised: drop --dataset_name/--train_file")
 
     def text_source(self, data) -> TextSource | None:
-        return ShardSource(data) if data.dataset_path else None
+        return ShardSource(data) if data.parts.pretokenized.dataset_path else None
 
 
 PART = Pretokenized()

@@ -24,7 +24,7 @@ class Report(Part):
 
     def run_ended(self, finished: Finished) -> None:
         """Draw the report from metrics.jsonl (main process, the trackers flushed)."""
-        if finished.args.report_png:
+        if finished.args.parts.report.report_png:
             from parts.report.drawing import write_report
 
             write_report(finished.args.output_dir, finished.title)

@@ -40,7 +40,7 @@ class SftFlags:
 class Sft(Part):
     name = "sft"
     description = "supervised fine-tuning on chat or instruction data, the loss on the answers (--task sft)"
-    data_flags = SftFlags
+    flags = SftFlags
     run_inputs = ("chat_template",)
     tasks = {"sft": TaskEntry("parts.sft.task:SupervisedFineTuning", NAMED_CONFIGS, "llama-small",
                               (*TEXT_FLAGS, "chat_template", "assistant_only_loss", "completion_only_loss", "max_length",
@@ -49,10 +49,10 @@ class Sft(Part):
 
     def check_flags(self, flags: Flags) -> None:
         data = flags.data
-        if data.max_length is not None and data.max_length < 2:
-            raise ArgumentError(f"--max_length must be at least 2, got {data.max_length}")
-        if data.eval_generation_samples < 0:
-            raise ArgumentError(f"--eval_generation_samples must be >= 0, got {data.eval_generation_samples}")
+        if data.parts.sft.max_length is not None and data.parts.sft.max_length < 2:
+            raise ArgumentError(f"--max_length must be at least 2, got {data.parts.sft.max_length}")
+        if data.parts.sft.eval_generation_samples < 0:
+            raise ArgumentError(f"--eval_generation_samples must be >= 0, got {data.parts.sft.eval_generation_samples}")
 
 
 PART = Sft()

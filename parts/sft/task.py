@@ -49,9 +49,9 @@ class SupervisedFineTuning(CausalLM):
     def __init__(self, model_args: ModelArguments, data_args: DataArguments) -> None:
         super().__init__(model_args, data_args)
         self.collator = make_collator(self.processor, packing=False)  # one example per sequence, padded per batch
-        if data_args.chat_template:
-            self.processor.chat_template = read_chat_template(data_args.chat_template)
-            check_chat_template(self.processor, f"--chat_template {data_args.chat_template}")
+        if data_args.parts.sft.chat_template:
+            self.processor.chat_template = read_chat_template(data_args.parts.sft.chat_template)
+            check_chat_template(self.processor, f"--chat_template {data_args.parts.sft.chat_template}")
         self.data_format = ""  # "messages" or "prompt-completion"; set by build_datasets
         self.plain_text = False  # prompt-completion as plain text: joined as it is, no template
         self.truncated = self.dropped = 0  # examples cut to, or dropped for, --max_length; set by build_datasets
@@ -67,11 +67,11 @@ class SupervisedFineTuning(CausalLM):
     def answers_only(self) -> bool:
         """Whether the loss is on the answers only: the flag (TRL's name) for the data's format."""
         d = self.data_args
-        return d.assistant_only_loss if self.data_format == "messages" else d.completion_only_loss
+        return d.parts.sft.assistant_only_loss if self.data_format == "messages" else d.parts.sft.completion_only_loss
 
     def build_model(self, raw: DatasetDict, empty: bool = False) -> PreTrainedModel:
         model = super().build_model(raw, empty)
-        self.block_size = resolve_block_size(self.data_args.max_length, model.config, "--max_length")
+        self.block_size = resolve_block_size(self.data_args.parts.sft.max_length, model.config, "--max_length")
         self.settings = {"max_length": self.block_size}
         return model
 
@@ -94,7 +94,7 @@ class SupervisedFineTuning(CausalLM):
                 if index < TEMPLATE_CHECKS:
                     rendered_with_answers(example, self.data_format, tokenizer, self.answers_only)
         settings = {"tokenizer": tokenizer, "data_format": self.data_format, "answers_only": self.answers_only,
-                    "max_length": self.block_size, "truncation_mode": d.truncation_mode}
+                    "max_length": self.block_size, "truncation_mode": d.parts.sft.truncation_mode}
         cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "sft"
         cache_dir.mkdir(parents=True, exist_ok=True)
         tokenized = {}
@@ -108,13 +108,13 @@ class SupervisedFineTuning(CausalLM):
         train = tokenized["train"]
         self.truncated, self.dropped = sum(train["truncated"]), len(raw["train"]) - len(train)
         self.prompts = [generation_prompt(example, self.data_format, tokenizer)
-                        for example in raw["validation"].select(range(min(d.eval_generation_samples, len(raw["validation"]))))]
+                        for example in raw["validation"].select(range(min(d.parts.sft.eval_generation_samples, len(raw["validation"]))))]
         return train.remove_columns("truncated"), tokenized["validation"].remove_columns("truncated")
 
     def describe_data(self, train_set: Dataset) -> str:
         mask = "answers only" if self.answers_only else "every token"
-        cut = f"{self.truncated} cut to --max_length {self.block_size} ({self.data_args.truncation_mode})"
-        if self.data_args.truncation_mode == "drop":
+        cut = f"{self.truncated} cut to --max_length {self.block_size} ({self.data_args.parts.sft.truncation_mode})"
+        if self.data_args.parts.sft.truncation_mode == "drop":
             cut = f"{self.dropped} longer than --max_length {self.block_size} dropped"
         elif self.dropped:
             cut += f", {self.dropped} dropped with no answer left"

@@ -36,7 +36,7 @@ class StreamSource(TextSource):
 
         d, self.seed = self.data_args, seed  # the shard order and the shuffle buffer draw from the seed
         return document_streams(d.dataset_name, d.dataset_config_name, d.train_file, d.validation_file, d.text_column,
-                                d.skip_bad_shards, TextReading(d.sample_by, d.keep_linebreaks))
+                                d.parts.streaming.skip_bad_shards, TextReading(d.sample_by, d.keep_linebreaks))
 
     def datasets(self, raw, tokenizer, block_size: int, main_process_first) -> tuple:
         from parts.streaming.documents import stream_datasets
@@ -48,7 +48,7 @@ class StreamSource(TextSource):
 class Streaming(Part):
     name = "streaming"
     description = "text read as streams, each rank its share, its position in checkpoints (--streaming)"
-    data_flags = StreamingFlags
+    flags = StreamingFlags
     task_flags = {"causal-lm": tuple(f.name for f in fields(StreamingFlags))}
     files = ("tests/probes/stream_probe.py",)
     requirements = ("torchdata",)
@@ -60,9 +60,9 @@ class Streaming(Part):
         """A stream has no length and no random access: what needs either is refused before any process group
         starts."""
         data_args, args = flags.data, flags.train
-        if not data_args.streaming:
+        if not data_args.parts.streaming.streaming:
             for option in fields(StreamingFlags)[1:]:  # --streaming's options
-                if getattr(data_args, option.name) != option.default:
+                if getattr(data_args.parts.streaming, option.name) != option.default:
                     raise ArgumentError(f"--{option.name} is for --streaming: add --streaming, or drop it")
             return
         from training.arguments import split_model  # not at import: training/flags.py imports the parts
@@ -80,12 +80,12 @@ class Streaming(Part):
         if args.eval_strategy != "no" and data_args.max_eval_samples is None:
             raise ArgumentError("--streaming evaluates a bounded set: add --max_eval_samples N (the first N sequences "
                                 "of the validation stream), or --eval_strategy no")
-        if data_args.shuffle_buffer_size < 0:
+        if data_args.parts.streaming.shuffle_buffer_size < 0:
             raise ArgumentError(f"--shuffle_buffer_size must be >= 0 (0: no shuffling), got "
-                                f"{data_args.shuffle_buffer_size}")
+                                f"{data_args.parts.streaming.shuffle_buffer_size}")
 
     def text_source(self, data) -> TextSource | None:
-        return StreamSource(data) if data.streaming else None
+        return StreamSource(data) if data.parts.streaming.streaming else None
 
     def train_loader(self, loading: Loading):
         """This rank's share of the training stream, batched, its position in every checkpoint."""
@@ -97,7 +97,7 @@ class Streaming(Part):
 
         args = loading.args
         self.loader = StreamLoader(loading.accelerator, loading.train_set, args.per_device_train_batch_size,
-                                   loading.settings, args.seed, loading.task.data_args.shuffle_buffer_size,
+                                   loading.settings, args.seed, loading.task.data_args.parts.streaming.shuffle_buffer_size,
                                    args.ddp_timeout)
         return self.loader
 

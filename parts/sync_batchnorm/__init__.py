@@ -27,7 +27,7 @@ class SyncBatchNorm(Part):
 
     def convert_model(self, model, run: Started):
         """The model with `SyncBatchNorm` layers under --sync_batchnorm, and a log line saying what happened."""
-        if not run.args.sync_batchnorm:
+        if not run.args.parts.sync_batchnorm.sync_batchnorm:
             return model
         from accelerate.logging import get_logger
 

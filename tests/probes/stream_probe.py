@@ -27,7 +27,7 @@ raw = task.load_raw_datasets(args.seed)
 task.build_model(raw)
 train_stream, _ = task.datasets(raw, accelerator.main_process_first())
 loader = StreamLoader(accelerator, train_stream, 1, {"collate_fn": lambda blocks: blocks, "num_workers": 0}, args.seed,
-                      data_args.shuffle_buffer_size, args.ddp_timeout)
+                      data_args.parts.streaming.shuffle_buffer_size, args.ddp_timeout)
 seen: list[list[list[int]]] = [[] for _ in range(EPOCHS)]
 batches = iter(loader)
 for _ in range(reads):  # as many on every rank: each read is a collective (the ranks agree that all have one)
