@@ -2,9 +2,9 @@
 
 Each fork is made as a user makes it (the script, a new interpreter), and then checked in its own directory:
 every test module of its suite imports and collects (no test needs a part it lacks: `@pytest.mark.parts`
-deselects those), its checks of docs, links, layout and flags pass, and its default job trains. (Both forks'
-whole quick tiers pass too, run by hand on 0c278a1: 259 and 288 tests, 37 s each on 2 workers; the suite's budget
-does not hold them yet.)
+deselects those), its pages and shared fixtures name no part it left out, its quick tier passes (the core
+alone's whole tier; the two parts' fork, their modules and its checks of docs and flags), and its default
+job trains.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,11 @@ from training.parts import installed_parts
 
 pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
-STRUCTURE_TESTS = ["tests/test_readme.py", "tests/test_module_layout.py", "tests/test_arguments.py", "tests/test_dry_run.py"]
+
+
+@dataclass
+class Empty:
+    """A part without flags."""
 
 
 def make(destination: Path, *keep: str) -> Path:
@@ -60,10 +65,18 @@ def test_the_core_alone_collects_passes_its_checks_and_trains(minimal, tmp_path)
     assert not re.search(r"\| `parts/\w+` \| [\d,]+ \|", (minimal / "docs" / "layout.md").read_text())  # no part's lines
     assert int(lines.replace(",", "")) > 1000
 
+    assert not (minimal / "scripts" / "new_project.py").exists() and not (minimal / "tests" / "test_new_project.py").exists()
+    for part in installed_parts():  # its pages and its tests' shared fixtures name no part it left out
+        names = [rf"parts/{part.name}\b", rf"\]\((docs/)?{part.name}\.md", *(rf"--{flag.name}\b" for flag in
+                                                                            fields(part.flags or Empty))]
+        for page in [minimal / "README.md", *sorted((minimal / "docs").glob("*.md")), minimal / "tests" / "conftest.py"]:
+            found = re.search("|".join(names), page.read_text())
+            assert not found, f"{page.relative_to(minimal)} names the part {part.name}: {found.group(0)}"
+
     collected = pytest_in(minimal, "--collect-only")
     assert collected.returncode == 0, collected.stdout[-3000:]
     assert re.search(r"(\d+) deselected", collected.stdout), collected.stdout[-500:]  # the tests that need a part
-    checks = pytest_in(minimal, "-m", "quick", *STRUCTURE_TESTS)
+    checks = pytest_in(minimal, "-m", "quick")  # its whole quick tier
     assert checks.returncode == 0 and " passed" in checks.stdout, checks.stdout[-3000:]
 
     command, env = launch_command("single", "train.py", "--model_config", "llama-tiny", "--max_steps", "3",

@@ -139,11 +139,18 @@ KEY_DESIGN: dict[tuple[str, str], list[tuple[str, int, str]]] = {
 }
 
 
+def held(keys: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+    """A group's keys of the configs this project holds (a project without tensor parallelism has no fsdp_tp.yaml:
+    its group's one key becomes DDP's on as many processes)."""
+    kept = [key for key in keys if key[0] in CONFIG_FILES]
+    return kept or [("ddp", keys[0][1], keys[0][2])]
+
+
 def pairwise_matrix(required: list[Case]) -> list[Case]:
     """`required`, and cases between KEY_DESIGN's keys that hold every other pair of values the full matrix holds:
     chosen greedily for the pairs each adds, among the cases a group's launch order allows."""
     allowed = [Case(Key(*saved, optim, shape), Key(*resumed, optim, shape))
-               for (optim, shape), keys in KEY_DESIGN.items()
+               for (optim, shape), keys in KEY_DESIGN.items() for keys in [held(keys)]
                for index, saved in enumerate(keys) for resumed in keys[index:]]
     uncovered = set().union(*(case.pairs() for case in full_matrix()))
     chosen = list(required)
