@@ -180,8 +180,7 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
     if accelerator.is_main_process:
         write_summary(run.args.output_dir, summary)
         finished = Finished(run.args, run.model_args, run.title, final_dir, run.task.processor)
-        parts().run_ended(finished)  # the parts' (report.png)
-        parts().after_export(finished)  # the parts' (a merged adapter)
+        parts().run_ended(finished)  # the parts' (report.png, a merged adapter)
         print_summary(summary, final_dir, run.task)
 
 

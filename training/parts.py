@@ -404,11 +404,8 @@ class Part:
 
     @hook(Combine.EACH)
     def run_ended(self, finished: Finished) -> None:
-        """Main process, when a run ends or stops, metrics.jsonl and summary.json written (report.png)."""
-
-    @hook(Combine.EACH)
-    def after_export(self, finished: Finished) -> None:
-        """Main process, once `final/` is written (a merged model)."""
+        """Main process, when a run ends or stops, metrics.jsonl and summary.json written (report.png); `final/`
+        written too where the run ended (`finished.final_dir`: a merged model)."""
 
     # ---------------------------------------------------------------- the dry run
 

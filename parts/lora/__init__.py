@@ -79,10 +79,10 @@ class Lora(Part):
             logging.getLogger(__name__).info(trainable_summary(model))
         return model
 
-    def after_export(self, finished: Finished) -> None:
+    def run_ended(self, finished: Finished) -> None:
         """--merge_adapter: from the files just written, with plain peft (what a user would load), final/merged."""
         model_args = finished.model_args
-        if model_args.parts.lora.use_peft and model_args.parts.lora.merge_adapter:
+        if finished.final_dir and model_args.parts.lora.use_peft and model_args.parts.lora.merge_adapter:
             from parts.lora.adapters import merge_adapter
 
             merged = merge_adapter(model_args.model_name_or_path, finished.final_dir, model_args.trust_remote_code)
