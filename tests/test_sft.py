@@ -29,7 +29,7 @@ from parts.sft.default_sft import default_sft_splits, requests
 from training.checkpoints.files import TrainerState
 from training.errors import DataError
 from training.runner import ModelRunner
-from training.step import NonFiniteGuard, label_loss_sums, optimizer_step
+from training.step import NonFiniteGuard, objective_sums, optimizer_step
 
 pytestmark = pytest.mark.quick
 CONVERSATION = [
@@ -199,7 +199,7 @@ def test_accumulation_1x8_and_4x2_give_the_same_loss_and_gradients_on_masked_dat
         model, optimizer = accelerator.prepare(model, optimizer)
         run = SimpleNamespace(accelerator=accelerator, task=task, model=model, optimizer=optimizer, scheduler=scheduler,
                               state=TrainerState(), args=SimpleNamespace(max_grad_norm=0.0),
-                              runner=ModelRunner(accelerator), objective=partial(label_loss_sums, task))
+                              runner=ModelRunner(accelerator), objective=partial(objective_sums, task))
         window = [collate(examples[i:i + micro_batch]) for i in range(0, 8, micro_batch)]
         loss, _, _ = optimizer_step(run, window, NonFiniteGuard(accelerator.device))
         return float(loss), kept

@@ -28,11 +28,11 @@ def training_objective(training: Training) -> Callable[[torch.nn.Module, dict], 
     own = parts().label_objective(training)
     if len(own) > 1:
         raise ArgumentError(f"{len(own)} parts' flags each compute the task's loss another way: keep one of them")
-    return parts().training_objective(own[0] if own else partial(label_loss_sums, training.task), training)
+    return parts().training_objective(own[0] if own else partial(objective_sums, training.task), training)
 
 
-def label_loss_sums(task, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """The task's objective per example (`Task.objective_sums`); a part may replace it (training/parts.py)."""
+def objective_sums(task, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """`Task.objective_sums` of the model's forward: the task's objective per example (a part may replace it)."""
     return task.objective_sums(task.forward(model, batch), batch)
 
 
