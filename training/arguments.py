@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
@@ -167,9 +168,10 @@ FIELD_DEFAULTS = {f.name: f.default if f.default_factory is MISSING else f.defau
                   for cls in FLAG_CLASSES for f in fields(cls) if f.init}
 
 
-def flags_set(settings, names: tuple[str, ...]) -> list[str]:
-    """Those of `names` that the parsed `settings` hold away from their defaults (options given without their switch)."""
-    return [name for name in names if getattr(settings, name) != FIELD_DEFAULTS[name]]
+def flags_set(values: dict[str, Any], names: Iterable[str]) -> list[str]:
+    """Those of `names` that the parsed `values` (flag -> value) hold away from their defaults; a flag of a part this
+    project lacks is never set."""
+    return [name for name in names if name in values and values[name] != FIELD_DEFAULTS[name]]
 
 
 def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> None:
@@ -181,10 +183,10 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
         raise ArgumentError(f"unknown model_config {model_args.model_config!r} for --task {task}; choose one of "
                             f"{sorted(chosen.configs)}")
     values = every_flag(model_args, data_args)
-    for flag in sorted({flag for entry in every.values() for flag in entry.own_flags} - set(chosen.own_flags)):
-        if values.get(flag, FIELD_DEFAULTS.get(flag)) != FIELD_DEFAULTS.get(flag):
-            owners = [name for name, entry in every.items() if flag in entry.own_flags]
-            raise ArgumentError(f"--{flag} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")
+    others = sorted({flag for entry in every.values() for flag in entry.own_flags} - set(chosen.own_flags))
+    if given := flags_set(values, others):
+        owners = [name for name, entry in every.items() if given[0] in entry.own_flags]
+        raise ArgumentError(f"--{given[0]} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")
     if data_args.dataset_name and data_args.train_file:
         raise ArgumentError("--dataset_name and --train_file exclude each other; give one")
     if len(sources := parts().text_source(data_args)) > 1:  # the parts' sources of text (a stream, pre-tokenised shards)
@@ -201,13 +203,9 @@ def split_model(flags: Flags) -> str | None:
 def check_conflicts(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
     """The parts' declared conflicts (`Part.conflicts`): two flags given together that cannot run together."""
     values = every_flag(model_args, data_args, train_args)
-
-    def given(name: str) -> bool:
-        return name in values and values[name] != FIELD_DEFAULTS[name]
-
     for part in installed_parts():
         for conflict in part.conflicts:
-            if given(conflict.flag) and given(conflict.other):
+            if len(flags_set(values, (conflict.flag, conflict.other))) == 2:
                 value = values[conflict.flag]
                 shown = f"--{conflict.flag}" + ("" if value is True else f" {value}")
                 raise ArgumentError(f"{shown} with --{conflict.other} is not supported{conflict.why}")

@@ -48,7 +48,7 @@ class Distillation(Part):
 
         model_args, args = flags.model, flags.train
         if not args.parts.distillation.teacher_model_name_or_path:
-            if given := flags_set(args.parts.distillation, ("distillation_alpha", "distillation_temperature", "distillation_loss")):
+            if given := flags_set(vars(args.parts.distillation), ("distillation_alpha", "distillation_temperature", "distillation_loss")):
                 raise ArgumentError(f"--{given[0]} is for distillation: add --teacher_model_name_or_path, or drop it")
             return
         if not 0 <= args.parts.distillation.distillation_alpha <= 1:

@@ -53,7 +53,7 @@ class Lora(Part):
 
         model_args = flags.model
         if not model_args.parts.lora.use_peft:
-            if given := flags_set(model_args.parts.lora, FLAGS[1:]):  # the adapter's settings
+            if given := flags_set(vars(model_args.parts.lora), FLAGS[1:]):  # the adapter's settings
                 raise ArgumentError(f"--{given[0]} is for adapters: add --use_peft, or drop it")
             return
         if not model_args.model_name_or_path:
