@@ -1,8 +1,9 @@
 """The pages' rows that come from the parts, written from the parts themselves so that a project holds the rows of
-the parts it holds: docs/layout.md's table of code (lines of Python, scripts/count_lines.py, and what each part
+the parts it holds: docs/layout.md's table of code (the core's and each part's lines of Python, and what each part
 does), the README's list of the parts' pages, and docs/train-py.md's flags of each part. Each sits between
 `<!-- parts: NAME -->` and `<!-- /parts -->`; tests/test_module_layout.py checks the pages against this script.
 
+    python scripts/part_tables.py            # the lines of Python: the core (what a fork without parts keeps), each part
     python scripts/part_tables.py --write    # after adding, removing or changing a part
 """
 
@@ -17,11 +18,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scripts.count_lines import counts  # noqa: E402
 from training.parts import Part, installed_parts  # noqa: E402 - imports nothing heavy
 
 BLOCK = re.compile(r"(<!-- parts: (\w+) -->\n).*?(<!-- /parts -->)", re.DOTALL)
 PAGES = ("README.md", "docs/layout.md", "docs/train-py.md")
+CORE = ("train.py", "training", "data", "models")
+
+
+def python_lines(path: Path) -> int:
+    files = [path] if path.is_file() else sorted(path.rglob("*.py"))
+    return sum(len(file.read_text().splitlines()) for file in files)
+
+
+def counts(repo: Path = REPO) -> dict[str, int]:
+    """'core', then 'parts/<name>' for each part, in name order: lines of Python."""
+    parts = sorted(path for path in (repo / "parts").iterdir() if path.is_dir() and not path.name.startswith("_"))
+    return {"core": sum(python_lines(repo / name) for name in CORE),
+            **{f"parts/{part.name}": python_lines(part) for part in parts}}
 
 
 def flag_names(part: Part) -> list[str]:
@@ -68,4 +81,5 @@ if __name__ == "__main__":
     if "--write" in sys.argv[1:]:
         write_pages()
     else:
-        print(__doc__)
+        for name, lines in counts().items():
+            print(f"{name:28} {lines:>6,}")

@@ -146,7 +146,7 @@ def test_a_model_without_a_linear_output_layer_is_refused(tmp_path) -> None:
     task = object.__new__(CausalLM)  # the core's task (its methods are all the check reads)
     with pytest.raises(ArgumentError, match=f"^{FLAG} needs a model whose get_output_embeddings.. is an nn.Linear "
                                             r"\(a transformers causal LM\); Sequential has none: drop the flag$"):
-        PART.label_objective(Training(NO_WRAPPER, args, task, None, torch.nn.Sequential(torch.nn.Embedding(4, 2))))
+        PART.training_objective(None, Training(NO_WRAPPER, args, task, None, torch.nn.Sequential(torch.nn.Embedding(4, 2))))
 
 
 @pytest.mark.parts("recipes")

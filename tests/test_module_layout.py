@@ -79,8 +79,7 @@ def test_no_core_module_names_a_part() -> None:
 def test_the_pages_hold_the_rows_of_the_parts_installed_and_the_measured_lines() -> None:
     """docs/layout.md's lines of Python and what each part does, the README's list of the parts' pages, and
     docs/train-py.md's flags of each part: each as scripts/part_tables.py writes it from the parts themselves."""
-    from scripts.count_lines import counts
-    from scripts.part_tables import BLOCK, PAGES, written
+    from scripts.part_tables import BLOCK, PAGES, counts, written
 
     for name in PAGES:
         page = (REPO / name).read_text()
@@ -94,7 +93,7 @@ def test_the_pages_hold_the_rows_of_the_parts_installed_and_the_measured_lines()
 def test_the_counted_code_keeps_two_blank_lines_before_each_top_level_definition() -> None:
     """The line count is only a fair measure if the code keeps PEP 8's layout (E302): two blank lines before each
     top-level function or class that follows other code, comments directly above it included."""
-    from scripts.count_lines import CORE
+    from scripts.part_tables import CORE
 
     counted = [REPO / "train.py", *(path for name in [*CORE[1:], "parts"] for path in sorted((REPO / name).rglob("*.py")))]
     for path in counted:

@@ -348,11 +348,6 @@ class Part:
 
     # ---------------------------------------------------------------- the training step
 
-    @hook(Combine.ANSWERS)
-    def label_objective(self, training: Training) -> Callable | None:
-        """The task's own objective computed another way (a fused loss): `objective(model, batch)` gives the loss
-        sums, per example or one for the micro-batch. One part's at most."""
-
     @hook(Combine.CHAIN)
     def training_objective(self, objective: Callable, training: Training) -> Callable:
         """The micro-step's loss sums `objective(model, batch)`, kept, wrapped, compiled or replaced (in `after`

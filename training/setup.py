@@ -41,7 +41,6 @@ from training.strategy.adapters import (
     optimizer_offload_device,
     write_effective_deepspeed_config,
 )
-from training.strategy.cpu import keep_freed_memory, use_share_of_cores
 from training.task_registry import build_task
 from training.tasks import Task
 
@@ -235,11 +234,8 @@ def start_accelerator(args: TrainArguments) -> tuple[Accelerator, Strategy, str]
     strategy = verify_strategy(accelerator)
     one_voice(accelerator.is_main_process)  # the other ranks report errors only
     run_description = describe(accelerator, strategy)
-    if accelerator.device.type == "cpu":  # before parts/mfu's peak-FLOP probe, which measures the same threads
-        run_description += f", {use_share_of_cores(int(os.environ.get('LOCAL_WORLD_SIZE', '1')))}"
-        keep_freed_memory()
     logger.info(run_description, main_process_only=True)
-    for line in parts().started(Started(accelerator, args)):  # the parts' (TF32 on GPUs, the preflight's map of ranks)
+    for line in parts().started(Started(accelerator, args)):  # the parts' (threads on CPU, TF32 on GPUs, the ranks' map)
         logger.info(line, main_process_only=True)
     return accelerator, strategy, run_description
 

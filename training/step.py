@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from accelerate import Accelerator
 
-from training.errors import ArgumentError, NonFiniteLossError
+from training.errors import NonFiniteLossError
 from training.parts import Training, parts
 from training.strategy import Strategy, wrapped_strategy
 
@@ -23,12 +23,9 @@ if TYPE_CHECKING:
 
 
 def training_objective(training: Training) -> Callable[[torch.nn.Module, dict], torch.Tensor]:
-    """The micro-step's loss sums `objective(model, batch)`: the task's, or one part's own way of computing it (a fused
-    loss), then wrapped, compiled or replaced by the parts (`Part.training_objective`)."""
-    own = parts().label_objective(training)
-    if len(own) > 1:
-        raise ArgumentError(f"{len(own)} parts' flags each compute the task's loss another way: keep one of them")
-    return parts().training_objective(own[0] if own else partial(objective_sums, training.task), training)
+    """The micro-step's loss sums `objective(model, batch)`: the task's, as the parts replace (a fused loss), wrap or
+    compile it (`Part.training_objective`)."""
+    return parts().training_objective(partial(objective_sums, training.task), training)
 
 
 def objective_sums(task, model: torch.nn.Module, batch: dict) -> torch.Tensor:

@@ -29,7 +29,7 @@ class Bf16Params(Part):
     flags = Bf16ParamFlags
     conflicts = tuple(Conflict("mixed_precision_param", other, ": drop one")
                       for other in ("gradient_checkpointing", "torch_compile", "teacher_model_name_or_path"))
-    after = ("distillation",)  # (refused together: a wrapper of the objective goes after a replacement)
+    after = ("distillation", "fused_loss")  # a wrapper of the objective goes after a replacement
 
     def check_flags(self, flags: Flags) -> None:
         """Refused where the training step would not run the objective this part wraps, or where it is untested: a

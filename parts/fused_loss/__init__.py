@@ -80,10 +80,11 @@ class FusedLoss(Part):
         kernel = loss_kernel(run.args)[1]
         return f"--fused_linear_cross_entropy: the training loss is computed with the output layer ({kernel}); no logits"
 
-    def label_objective(self, training: Training):
-        """The task's loss sums computed by the model's output layer, under --fused_linear_cross_entropy."""
+    def training_objective(self, objective, training: Training):
+        """The task's loss sums computed by the model's output layer, under --fused_linear_cross_entropy, in place of
+        `objective` (the task's: the declared conflicts leave no other)."""
         if not training.args.parts.fused_loss.fused_linear_cross_entropy:
-            return None
+            return objective
         from parts.fused_loss.head import LossHead
         from training.strategy import bare_model
 
