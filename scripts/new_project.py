@@ -5,7 +5,8 @@
     python scripts/new_project.py ../my-project --keep sft,lora   # the core and two parts
 
 A part owns `parts/<name>/`, `tests/test_<name>.py`, `docs/<name>.md` and the files its `Part.files` names
-(training/parts.py); a part left out takes them along, and so do:
+(training/parts.py), and is kept only with the parts it builds on (`Part.needs`); a part left out takes them along, and
+so do:
 - the requirements only it needs (`Part.requirements`), from requirements.txt;
 - in every page kept, the table rows, list items, sentences and command lines that name it (its files, its
   flags, its page), and the Makefile targets that run its files;
@@ -159,6 +160,9 @@ def new_project(destination: Path, keep: list[str], repo: Path = REPO) -> list[s
     parts = {part.name: part for part in installed_parts()}
     if unknown := sorted(set(keep) - parts.keys()):
         raise SystemExit(f"error: no part named {', '.join(unknown)}; `python scripts/new_project.py --list` names them")
+    if missing := sorted({need for name in keep for need in parts[name].needs} - set(keep)):
+        raise SystemExit(f"error: the parts kept build on {', '.join(missing)} (`Part.needs`); keep it too (--keep "
+                         f"{','.join([*keep, *missing])})")
     if destination.exists():
         raise SystemExit(f"error: {destination} exists; give a new directory")
     left_out = [part for name, part in parts.items() if name not in keep]

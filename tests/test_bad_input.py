@@ -92,7 +92,7 @@ ARGUMENT_CASES = {
         ["--merge_adapter", *RESUME], "--merge_adapter is for adapters: add --use_peft", marks=pytest.mark.parts("lora")),
     "--use_peft for the image task": pytest.param(
         ["--task", "image-classification", "--model_config", "resnet-tiny", "--use_peft", *RESUME],
-        "--use_peft is for --task causal-lm or sft, not image-classification", marks=pytest.mark.parts("lora", "images")),
+        "sft, not image-classification; drop it or set --task causal-lm", marks=pytest.mark.parts("lora", "images", "sft")),
     "--use_peft without a pretrained model": pytest.param(
         ["--use_peft", *RESUME], "give --model_name_or_path", marks=pytest.mark.parts("lora")),
     "--use_peft with --device_map": pytest.param(

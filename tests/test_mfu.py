@@ -95,9 +95,9 @@ def test_a_task_without_flops_gets_no_mfu_and_the_log_says_why(caplog) -> None:
         return Training(accelerator, None, SimpleNamespace(flops_per_unit=flops_per_unit), None, None)
 
     with caplog.at_level(logging.INFO):
-        assert PART.speed_figures(training(None)) is None
+        assert PART.logged_figures(training(None)) is None
     assert "no MFU: the task's FLOPs per unit are unknown" in caplog.text
-    figures = PART.speed_figures(training(1e6))
+    figures = PART.logged_figures(training(1e6))
     assert isinstance(figures, Mfu) and 1e8 < figures.peak < 1e14
 
 

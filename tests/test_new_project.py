@@ -96,3 +96,12 @@ def test_two_parts_come_with_their_tests_flags_and_pages(tmp_path) -> None:
     assert collected.returncode == 0, collected.stdout[-3000:]
     checks = pytest_in(fork, "-m", "quick", "tests/test_sft.py", "tests/test_readme.py", "tests/test_arguments.py")
     assert checks.returncode == 0 and " passed" in checks.stdout, checks.stdout[-3000:]
+
+
+@pytest.mark.quick
+def test_a_part_comes_with_the_parts_it_builds_on(tmp_path) -> None:
+    """dpo builds on sft's chat formats (`Part.needs`): kept alone it is refused, naming the --keep that works."""
+    result = subprocess.run([sys.executable, "scripts/new_project.py", str(tmp_path / "dpo"), "--keep", "dpo"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and not (tmp_path / "dpo").exists()
+    assert result.stderr.strip() == "error: the parts kept build on sft (`Part.needs`); keep it too (--keep dpo,sft)"

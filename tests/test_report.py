@@ -31,5 +31,8 @@ def test_the_report_draws_a_panel_for_every_metric_a_task_logs(tmp_path) -> None
     assert [(title, series) for title, series, _ in metric_panels(records)] == [
         ("held out: accuracy", [("eval_accuracy", "eval_accuracy", "o-")]),
         ("held out: top5 accuracy", [("eval_top5_accuracy", "eval_top5_accuracy", "o-")])]
+    trained_too = [*records, {"step": 5, "rewards/accuracies": 0.5}, {"step": 5, "eval_rewards/accuracies": 0.6}]
+    assert ("rewards/accuracies", [("rewards/accuracies", "train", "-"), ("eval_rewards/accuracies", "eval", "o-")],
+            False) in metric_panels(trained_too)  # a figure the training steps log too: both in one panel (DPO's)
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(record) for record in records))
     assert len(CORE_PANELS) == 4 and imread(write_report(tmp_path)).shape == (800, 1800, 4)  # 6 panels, 3 columns

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from training.flags import DataArguments, ModelArguments, TrainArguments
-    from training.performance import SpeedFigures
+    from training.performance import LoggedFigures
     from training.runner import ModelRunner
     from training.strategy import Strategy
     from training.tasks import Task
@@ -252,6 +252,7 @@ class Part:
     files: ClassVar[tuple[str, ...]] = ()  # other files it owns (scripts, figures, tests under other names)
     requirements: ClassVar[tuple[str, ...]] = ()  # packages of requirements.txt only it needs
     after: ClassVar[tuple[str, ...]] = ()  # parts whose hooks run before this one's (a chain's inner wrappers)
+    needs: ClassVar[tuple[str, ...]] = ()  # parts whose modules it builds on: a project keeps them with it
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -364,8 +365,9 @@ class Part:
         """Before the first step, the final model and optimizer prepared (hooks registered, state to checkpoint)."""
 
     @hook(Combine.ANSWERS)
-    def speed_figures(self, training: Training) -> SpeedFigures | None:
-        """Figures beside the throughput (MFU), on every rank (a collective may run): logged each interval."""
+    def logged_figures(self, training: Training) -> LoggedFigures | None:
+        """Figures logged beside the loss and throughput each interval (MFU, DPO's rewards), on every rank (a
+        collective may run)."""
 
     @hook(Combine.ANSWERS)
     def around_training(self, loop: Loop) -> AbstractContextManager | None:
@@ -473,6 +475,9 @@ def installed_parts() -> tuple[Part, ...]:
         ordered.append(part)
 
     for part in found.values():
+        if missing := [name for name in part.needs if name not in found]:
+            raise TypeError(f"parts/{part.name} builds on parts/{missing[0]}, which is missing: restore it, or delete "
+                            f"parts/{part.name} too")
         place(part)
     return tuple(ordered)
 

@@ -57,8 +57,9 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     return total
 
 
-class SpeedFigures(Protocol):
-    """A part's figures beside the throughput (parts/mfu: MFU): each rank's, gathered with the rest, then combined."""
+class LoggedFigures(Protocol):
+    """A part's figures logged beside the loss and throughput (parts/mfu: MFU; parts/dpo: rewards): each rank's
+    since the last interval (`local`), gathered with the rest, then combined (`report`)."""
 
     steady: tuple[str, ...]  # of `report`'s keys, those summary.json also gets as medians after warm-up
 
@@ -69,7 +70,7 @@ class SpeedFigures(Protocol):
 
 class SpeedMeter:
     """Throughput (`unit`s/s), step time and peak memory over the optimizer steps since the last report, and the
-    parts' figures (`SpeedFigures`).
+    parts' figures (`LoggedFigures`).
 
     A step's clock runs from the end of the step before (or `resume`) to its `end_step`, loading included; logging,
     evaluation and saves pause it. The whole-run figures leave out a launch's first step (start-up, torch.compile:
@@ -79,7 +80,7 @@ class SpeedMeter:
 
     def __init__(
         self, device: torch.device, unit: str = "tokens", ranks_per_batch: int = 1,
-        memory_devices: list[torch.device] | None = None, figures: list[SpeedFigures] | None = None,
+        memory_devices: list[torch.device] | None = None, figures: list[LoggedFigures] | None = None,
     ) -> None:
         self.device, self.unit, self.figures = device, unit, figures or []
         # one process holding layers on several GPUs (parts/layer_split): each with its own peak

@@ -19,7 +19,7 @@ every strategy, trains the same student.
 
 The teacher is an input, like the data: loaded once, in eval mode, without gradients, never in
 the optimizer, never in a checkpoint or `final/`. The strategy places it as it places the
-student (`place_frozen_model`). Evaluation reports the student's
+student (training/strategy/frozen.py). Evaluation reports the student's
 own label loss, so `eval_loss` compares with a run trained without a teacher.
 """
 
@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from models.language import loading
@@ -42,11 +41,7 @@ from training.errors import ModelError
 from training.loss import IGNORE_INDEX
 from training.performance import compute_dtype, parameter_count, storage_bytes
 from training.strategy import Strategy
-from training.strategy.adapters import (
-    answer_none_for_missing_embeddings,
-    batch_norm_statistics_in,
-    keep_batch_norm_in_fp32,
-)
+from training.strategy.frozen import frozen, place_frozen_model
 from training.tasks import Batch, CausalLM, Task
 
 logger = get_logger(__name__)
@@ -154,11 +149,6 @@ class Distillation:
         return (1 - self.alpha) * label_sums + self.alpha * teacher_sums
 
 
-def frozen(model: torch.nn.Module) -> torch.nn.Module:
-    """A model that is run, never trained: no gradients, eval mode (no dropout, BatchNorm's running statistics)."""
-    return model.requires_grad_(False).eval()
-
-
 def build_distillation(accelerator: Accelerator, task: Task, strategy: Strategy, path: str, args) -> tuple[Distillation, int]:
     """Load the teacher, warn if it will not fit, place it under the strategy; the objective and the
     bytes of teacher weights this rank holds."""
@@ -208,46 +198,3 @@ def teacher_plan(task: Task, path: str, strategy: Strategy, processes: int, comp
         parameters = parameter_count(task.auto_model.from_config(config))
     planned = teacher_bytes_per_rank(strategy, parameters, processes, compute_bytes)
     return f"{path}, {parameters:,} parameters, frozen: {planned / 2**20:,.1f} MiB of weights per rank"
-
-
-def place_frozen_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
-    """A model that runs beside the trained one and is never trained (a distillation teacher), placed as
-    the strategy places the trained model, and not registered with accelerate: `save_state` saves what
-    `prepare` registered, and a teacher is an input, not state.
-
-    - DDP, one process: a whole replica on each rank's device (autocast gives it the compute dtype).
-    - FSDP2: sharded with the config's own settings (accelerate's `fsdp2_prepare_model`, which `prepare`
-      calls for the trained model).
-    - DeepSpeed: a ZeRO-3 inference engine whatever the student's stage (`deepspeed.initialize` without an
-      optimizer: parameters partitioned, gathered layer by layer in forward, as TRL places its reference
-      model). Not accelerate's second DeepSpeed plugin: `prepare` would register that engine, and every
-      checkpoint would save the teacher.
-    """
-    half = compute_dtype(accelerator.mixed_precision)
-    if accelerator.distributed_type is DistributedType.FSDP:
-        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-
-        answer_none_for_missing_embeddings(model)
-        if half is not torch.float32:
-            keep_batch_norm_in_fp32(model, accelerator)
-        return fsdp2_prepare_model(accelerator, model)
-    if accelerator.state.deepspeed_plugin is not None:
-        if half is not torch.float32:
-            batch_norm_statistics_in(model, half)
-        return _zero3_inference_engine(accelerator, model)
-    return model.to(accelerator.device)
-
-
-def _zero3_inference_engine(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
-    import deepspeed
-
-    trained = accelerator.state.deepspeed_plugin.deepspeed_config  # resolved by `prepare`: no "auto" left
-    zero = {key: value for key, value in trained.get("zero_optimization", {}).items() if key.startswith("stage3_")
-            or key == "offload_param"} if trained.get("zero_optimization", {}).get("stage") == 3 else {}
-    config = {key: trained[key] for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                                             "gradient_accumulation_steps")}
-    config |= {"zero_optimization": zero | {"stage": 3}, "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
-               "fp16": {"enabled": accelerator.mixed_precision == "fp16"}}
-    engine, *_ = deepspeed.initialize(model=model, config=config)
-    engine.eval()
-    return engine

@@ -43,7 +43,7 @@ class Lora(Part):
     name = "lora"
     description = "LoRA and DoRA adapters through peft, exported alone or merged (--use_peft)"
     flags = LoraFlags
-    task_flags = {"causal-lm": FLAGS, "sft": FLAGS}  # the models peft adapts here (CAUSAL_LM)
+    task_flags = {"causal-lm": FLAGS, "sft": FLAGS, "dpo": FLAGS}  # the models peft adapts here (CAUSAL_LM)
     files = ("tests/test_fine_tuning.py",)
     requirements = ("peft",)
 

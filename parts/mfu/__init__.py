@@ -11,7 +11,7 @@ class ModelFlopsUtilisation(Part):
     description = "MFU (model FLOPs utilisation) in the logs and summary, from datasheet peaks or a CPU probe"
     files = ("scripts/mfu_benchmark.py",)
 
-    def speed_figures(self, training: Training):
+    def logged_figures(self, training: Training):
         """MFU for the task's model on this device; None (and a line saying why) when the peak or the FLOPs are
         unknown."""
         import torch

@@ -76,7 +76,7 @@ def agreed_peak(own: float, everyone: torch.Tensor, on_cpu: bool) -> float | Non
 
 
 class Mfu:
-    """MFU as `SpeedFigures` (training/performance.py): each rank's peak, then the rate over the ranks' summed peak."""
+    """MFU as `LoggedFigures` (training/performance.py): each rank's peak, then the rate over the ranks' summed peak."""
 
     steady = ("mfu",)
 

@@ -23,9 +23,14 @@ CORE_PANELS = (  # (title, [(metrics key, label, style)], log scale)
 
 def metric_panels(records: list[dict]) -> tuple:
     """A panel per evaluation metric beyond the loss that the run logged: a task's new metric
-    (`Task.eval_metrics`, named eval_*) is drawn with no edit here."""
-    keys = sorted({key for record in records for key in record if key.startswith("eval_") and key != "eval_loss"})
-    return tuple((f"held out: {key.removeprefix('eval_').replace('_', ' ')}", [(key, key, "o-")], False) for key in keys)
+    (`Task.eval_metrics`, named eval_*) is drawn with no edit here, beside the same figure of the training steps
+    where they log it too (DPO's rewards/accuracies)."""
+    logged = {key for record in records for key in record}
+    keys = sorted(key for key in logged if key.startswith("eval_") and key != "eval_loss")
+    return tuple((f"held out: {key.removeprefix('eval_').replace('_', ' ')}", [(key, key, "o-")], False)
+                 if key.removeprefix("eval_") not in logged else
+                 (key.removeprefix("eval_").replace("_", " "), [(key.removeprefix("eval_"), "train", "-"), (key, "eval", "o-")],
+                  False) for key in keys)
 
 
 def write_report(output_dir: str | Path, title: str = "") -> Path:
