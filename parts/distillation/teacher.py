@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from accelerate.utils import DeepSpeedPlugin
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from models.language import loading
@@ -41,7 +42,7 @@ from training.errors import ModelError
 from training.loss import IGNORE_INDEX
 from training.performance import compute_dtype, parameter_count, storage_bytes
 from training.strategy import Strategy
-from training.strategy.frozen import frozen, place_frozen_model
+from training.strategy.frozen import frozen, place_frozen_model, zero_stage
 from training.tasks import Batch, CausalLM, Task
 
 logger = get_logger(__name__)
@@ -157,7 +158,8 @@ def build_distillation(accelerator: Accelerator, task: Task, strategy: Strategy,
         teacher = frozen(load_teacher(task, path))
     parameters = parameter_count(teacher)  # (loaded partitioned under a ZeRO-3 student: by their full size)
     compute_bytes = compute_dtype(accelerator.mixed_precision).itemsize
-    planned = teacher_bytes_per_rank(strategy, parameters, accelerator.num_processes, compute_bytes)
+    stage = zero_stage(accelerator.state.deepspeed_plugin.deepspeed_config) if strategy is Strategy.DEEPSPEED else 0
+    planned = teacher_bytes_per_rank(strategy, parameters, accelerator.num_processes, compute_bytes, stage)
     if warning := memory_warning(path, planned, free_memory_bytes(accelerator.device), accelerator.device):
         logger.warning(warning, main_process_only=True)
     teacher = place_frozen_model(accelerator, teacher)
@@ -169,11 +171,14 @@ def build_distillation(accelerator: Accelerator, task: Task, strategy: Strategy,
                         args.parts.distillation.distillation_loss), held
 
 
-def teacher_bytes_per_rank(strategy: Strategy, parameters: int, processes: int, compute_bytes: int) -> float:
+def teacher_bytes_per_rank(strategy: Strategy, parameters: int, processes: int, compute_bytes: int,
+                           stage: int = 3) -> float:
     """Weights that are never trained, as `place_frozen_model` lays them out (the memory planner's rule with nothing
-    trained): whole fp32 replicas under DDP, fp32 shards under FSDP2, compute-dtype partitions under a ZeRO-3
-    inference engine."""
-    return parameters * {Strategy.FSDP: 4 / processes, Strategy.DEEPSPEED: compute_bytes / processes}.get(strategy, 4)
+    trained): whole fp32 replicas under DDP, fp32 shards under FSDP2, under DeepSpeed an inference engine's
+    compute-dtype weights, partitioned under ZeRO-3 (`stage`), whole under ZeRO-1/2."""
+    if strategy is Strategy.DEEPSPEED:
+        return parameters * compute_bytes / (processes if stage == 3 else 1)
+    return parameters * (4 / processes if strategy is Strategy.FSDP else 4)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -196,5 +201,6 @@ def teacher_plan(task: Task, path: str, strategy: Strategy, processes: int, comp
     config = check_teacher(task, path)
     with torch.device("meta"):  # no memory: the architecture only
         parameters = parameter_count(task.auto_model.from_config(config))
-    planned = teacher_bytes_per_rank(strategy, parameters, processes, compute_bytes)
+    stage = zero_stage(DeepSpeedPlugin().deepspeed_config) if strategy is Strategy.DEEPSPEED else 0
+    planned = teacher_bytes_per_rank(strategy, parameters, processes, compute_bytes, stage)
     return f"{path}, {parameters:,} parameters, frozen: {planned / 2**20:,.1f} MiB of weights per rank"

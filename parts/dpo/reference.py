@@ -4,7 +4,7 @@
   `disable_adapter()`), through the same prepared model, so every strategy shards it as it shards the policy.
 - Otherwise the policy's starting weights (`--model_name_or_path`), loaded again and placed by the strategy as
   the policy is (training/strategy/frozen.py, shared with distillation's teacher): a whole copy per rank under DDP
-  and ZeRO-1/2's processes, sharded under FSDP2, a ZeRO-3 inference engine under DeepSpeed.
+  and ZeRO-1/2, sharded under FSDP2 and ZeRO-3.
 - `--reference_free`: none.
 """
 

@@ -9,6 +9,8 @@ truncation), an example over --max_length keeps its start; both are counted in t
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -132,6 +134,10 @@ class DirectPreference(SupervisedFineTuning):
         self.pairs = [tokenized[name].remove_columns(["prompt_cut", "truncated"]) for name in ("train", "validation")]
         self.prompts_cut, self.truncated = sum(train["prompt_cut"]), sum(train["truncated"])
         self.dropped = len(raw["train"]) - len(train)
+        if self.prompts_cut and int(os.environ.get("RANK", "0")) == 0:  # TRL cuts them without a word
+            logging.getLogger(__name__).warning(
+                f"{self.prompts_cut} of {len(train)} training prompts are longer than --max_prompt_length "
+                f"{self.dpo.max_prompt_length}: each keeps its last {self.dpo.max_prompt_length} tokens")
         samples = raw["validation"].select(range(min(self.data_args.parts.sft.eval_generation_samples,
                                                      len(raw["validation"]))))
         self.prompts = [generation_prompt({"prompt": e["prompt"], "completion": e["chosen"]}, self.data_format,

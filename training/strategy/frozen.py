@@ -28,9 +28,10 @@ def place_frozen_model(accelerator: Accelerator, model: torch.nn.Module) -> torc
     - DDP, one process: a whole replica on each rank's device (autocast gives it the compute dtype).
     - FSDP2: sharded with the config's own settings (accelerate's `fsdp2_prepare_model`, which `prepare`
       calls for the trained model).
-    - DeepSpeed: a ZeRO-3 inference engine whatever the student's stage (`deepspeed.initialize` without an
-      optimizer: parameters partitioned, gathered layer by layer in forward, as TRL places its reference
-      model). Not accelerate's second DeepSpeed plugin: `prepare` would register that engine, and every
+    - DeepSpeed: an inference engine (`deepspeed.initialize` without an optimizer), as TRL places its reference
+      model: under ZeRO-3 partitioned too, gathered layer by layer in forward (the trained model's `stage3_*` and
+      `offload_param` settings); under ZeRO-1/2, which keep whole weights, a whole copy in the compute dtype
+      (stage 0). Not accelerate's second DeepSpeed plugin: `prepare` would register that engine, and every
       checkpoint would save the frozen model.
     """
     half = compute_dtype(accelerator.mixed_precision)
@@ -44,19 +45,25 @@ def place_frozen_model(accelerator: Accelerator, model: torch.nn.Module) -> torc
     if accelerator.state.deepspeed_plugin is not None:
         if half is not torch.float32:
             batch_norm_statistics_in(model, half)
-        return _zero3_inference_engine(accelerator, model)
+        return _inference_engine(accelerator, model)
     return model.to(accelerator.device)
 
 
-def _zero3_inference_engine(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+def zero_stage(deepspeed_config: dict) -> int:
+    return deepspeed_config.get("zero_optimization", {}).get("stage", 0)
+
+
+def _inference_engine(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
     import deepspeed
 
     trained = accelerator.state.deepspeed_plugin.deepspeed_config  # resolved by `prepare`: no "auto" left
+    sharded = zero_stage(trained) == 3
     zero = {key: value for key, value in trained.get("zero_optimization", {}).items() if key.startswith("stage3_")
-            or key == "offload_param"} if trained.get("zero_optimization", {}).get("stage") == 3 else {}
+            or key == "offload_param"} if sharded else {}
     config = {key: trained[key] for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                              "gradient_accumulation_steps")}
-    config |= {"zero_optimization": zero | {"stage": 3}, "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
+    config |= {"zero_optimization": zero | {"stage": 3 if sharded else 0},
+               "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
                "fp16": {"enabled": accelerator.mixed_precision == "fp16"}}
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
