@@ -30,7 +30,7 @@ from parts.sft.chat import (
     rendered_with_answers,
     tokenize_with_mask,
 )
-from parts.sft.task import SupervisedFineTuning, check_chat_template
+from parts.sft.task import SupervisedFineTuning, check_chat_template, check_fast_tokenizer
 from training.tasks import Batch
 
 COLUMNS = ("prompt", "chosen", "rejected")
@@ -117,6 +117,7 @@ class DirectPreference(SupervisedFineTuning):
         self.plain_text = is_plain_text({"prompt": raw["train"][0]["prompt"]}, self.data_format)
         if not self.plain_text:
             check_chat_template(tokenizer)
+        check_fast_tokenizer(tokenizer)
         settings = {"tokenizer": tokenizer, "max_length": self.block_size, "max_prompt_length": self.dpo.max_prompt_length}
         offsets = {"train": 0, "validation": len(raw["train"])}  # `pair_index`: a pair's row in both splits
         cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "dpo"

@@ -81,9 +81,7 @@ class SupervisedFineTuning(CausalLM):
         self.plain_text = is_plain_text(raw["train"][0], self.data_format)
         if not self.plain_text:
             check_chat_template(tokenizer)
-        if not tokenizer.is_fast:  # the answer mask needs each token's characters
-            raise ModelError(f"{type(tokenizer).__name__} is a slow (Python) tokenizer without character offsets; "
-                             "use the model's fast tokenizer (tokenizer.json), e.g. --tokenizer_name of a fast one")
+        check_fast_tokenizer(tokenizer)
         # On every rank, before the main process tokenizes (so no rank waits on a failed one): every example's
         # messages, and the template's rendering and answer mask of the first ones.
         for name, split in raw.items():
@@ -171,6 +169,13 @@ def read_chat_template(path: str) -> str:
         return Path(path).read_text()
     except OSError as error:
         raise ModelError(f"cannot read --chat_template {path} ({error.strerror}); give the path of a Jinja file") from None
+
+
+def check_fast_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
+    """The answer mask needs each token's characters, which only a fast tokenizer gives."""
+    if not tokenizer.is_fast:
+        raise ModelError(f"{type(tokenizer).__name__} is a slow (Python) tokenizer without character offsets; "
+                         "use the model's fast tokenizer (tokenizer.json), e.g. --tokenizer_name of a fast one")
 
 
 def check_chat_template(tokenizer: PreTrainedTokenizerBase, source: str = "the tokenizer's chat template") -> None:
