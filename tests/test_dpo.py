@@ -19,7 +19,7 @@ from parts.dpo.loss import answer_log_probs, dpo_loss
 from parts.dpo.reference import TABLE_FILE
 from parts.dpo.task import FIGURES, PairCollator, check_pair, pair_sums, tokenize_pairs
 from scripts.compare_metrics import compare, worst_difference
-from tests.harness import REPO, TINY_RUN, assert_continues_exactly, flag_refusal, read_metrics, train
+from tests.harness import REPO, TINY_RUN, assert_continues_exactly, flag_refusal, read_metrics, train, with_processes
 from training.arguments import parse_args
 
 pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
@@ -229,3 +229,15 @@ def test_precomputed_reference_scores_train_what_the_live_reference_trains_and_r
     resumed = train("ddp", tmp_path / "resumed", *precompute, "--resume_from_checkpoint", str(checkpoint))
     assert "DPO reference:" not in resumed.stderr  # the scores came from the checkpoint
     assert_continues_exactly(precomputed, tmp_path / "resumed", RESUME_STEP, STEPS)
+
+
+def test_three_processes_with_precomputed_scores_tune_what_one_process_tunes(cached_run, base_model, shared_dir) -> None:
+    """fsdp.yaml on 3 processes (uneven shards of the reference and the policy; 2,200 pairs scored in three shares,
+    the last padded) against one process accumulating 3 micro-batches of 2, with the live reference."""
+    three = with_processes("fsdp", 3, shared_dir / "configs")
+    run = cached_run(three, *dpo_args("fsdp", base_model, "--precompute_ref_log_probs"))
+    # the global batch of 6 pairs in one process (the last flag given wins)
+    alone = cached_run("single", *dpo_args("single", base_model, "--gradient_accumulation_steps", "3"))
+    differences = compare(alone, run, keys=("loss", "lr", "eval_loss", *FIGURES))
+    assert len(differences) == STEPS * 8 + 2 and worst_difference(differences).absolute <= LOSS_TOLERANCE
+    assert "2,200 pairs scored once, then freed" in (run / "launch.log").read_text()

@@ -163,7 +163,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     )
     speed = SpeedMeter(accelerator.device, task.unit, ranks_per_batch,  # ranks that read each batch
                        memory_devices=devices if len(devices) > 1 else None,
-                       figures=parts().logged_figures(training))  # the parts' (MFU)
+                       figures=parts().logged_figures(training))  # the parts' (MFU, DPO's rewards)
     return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
                steps_per_epoch, max_steps, model_name,
                f"{model_name}: {run_description}", num_parameters, speed, state.completed_steps, model_args,

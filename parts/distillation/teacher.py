@@ -42,7 +42,7 @@ from training.errors import ModelError
 from training.loss import IGNORE_INDEX
 from training.performance import compute_dtype, parameter_count, storage_bytes
 from training.strategy import Strategy
-from training.strategy.frozen import frozen, place_frozen_model, zero_stage
+from training.strategy.frozen import frozen, place_frozen_model
 from training.tasks import Batch, CausalLM, Task
 
 logger = get_logger(__name__)
@@ -158,7 +158,7 @@ def build_distillation(accelerator: Accelerator, task: Task, strategy: Strategy,
         teacher = frozen(load_teacher(task, path))
     parameters = parameter_count(teacher)  # (loaded partitioned under a ZeRO-3 student: by their full size)
     compute_bytes = compute_dtype(accelerator.mixed_precision).itemsize
-    stage = zero_stage(accelerator.state.deepspeed_plugin.deepspeed_config) if strategy is Strategy.DEEPSPEED else 0
+    stage = accelerator.state.deepspeed_plugin.zero_stage if strategy is Strategy.DEEPSPEED else 0
     planned = teacher_bytes_per_rank(strategy, parameters, accelerator.num_processes, compute_bytes, stage)
     if warning := memory_warning(path, planned, free_memory_bytes(accelerator.device), accelerator.device):
         logger.warning(warning, main_process_only=True)
@@ -201,6 +201,6 @@ def teacher_plan(task: Task, path: str, strategy: Strategy, processes: int, comp
     config = check_teacher(task, path)
     with torch.device("meta"):  # no memory: the architecture only
         parameters = parameter_count(task.auto_model.from_config(config))
-    stage = zero_stage(DeepSpeedPlugin().deepspeed_config) if strategy is Strategy.DEEPSPEED else 0
+    stage = DeepSpeedPlugin().zero_stage if strategy is Strategy.DEEPSPEED else 0
     planned = teacher_bytes_per_rank(strategy, parameters, processes, compute_bytes, stage)
     return f"{path}, {parameters:,} parameters, frozen: {planned / 2**20:,.1f} MiB of weights per rank"

@@ -31,6 +31,12 @@ def answer_log_probs(logits: torch.Tensor, labels: torch.Tensor, average: bool =
     return sums / mask.sum(dim=1).clamp(min=1) if average else sums
 
 
+def sequence_log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor], average: bool) -> torch.Tensor:
+    """`answer_log_probs` of `model`'s logits for the batch's sequences."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return answer_log_probs(logits, batch["labels"], average)
+
+
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
              reference_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid",
              label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

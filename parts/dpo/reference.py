@@ -16,7 +16,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from parts.dpo.loss import answer_log_probs
+from parts.dpo.loss import sequence_log_probs
 from training.performance import storage_bytes
 from training.strategy import bare_model
 from training.strategy.frozen import frozen, place_frozen_model
@@ -36,7 +36,7 @@ def reference_log_probs(accelerator: Accelerator, task: Task, policy: torch.nn.M
         @torch.no_grad()
         def adapter_off(model: torch.nn.Module, batch: Batch, average: bool) -> torch.Tensor:
             with bare_model(accelerator, model).disable_adapter():
-                return scored(model, batch, average)
+                return sequence_log_probs(model, batch, average)
 
         return adapter_off
     path = task.model_args.model_name_or_path
@@ -50,14 +50,9 @@ def reference_log_probs(accelerator: Accelerator, task: Task, policy: torch.nn.M
     @torch.no_grad()
     def loaded(model: torch.nn.Module, batch: Batch, average: bool) -> torch.Tensor:
         with accelerator.autocast():  # the policy's compute precision: accelerate wraps only what it prepared
-            return scored(reference, batch, average)
+            return sequence_log_probs(reference, batch, average)
 
     return loaded
-
-
-def scored(model: torch.nn.Module, batch: Batch, average: bool) -> torch.Tensor:
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return answer_log_probs(logits, batch["labels"], average)
 
 
 TABLE_FILE = "dpo_reference_log_probs.safetensors"  # in a checkpoint, under --precompute_ref_log_probs

@@ -21,7 +21,7 @@ from datasets import Dataset, DatasetDict, load_dataset
 
 from data import DataError, cache_key, local_files
 from parts.dpo.default_dpo import DPO_VERSION, default_dpo_splits
-from parts.dpo.loss import answer_log_probs, dpo_loss
+from parts.dpo.loss import dpo_loss, sequence_log_probs
 from parts.sft.chat import (
     IGNORE_INDEX,
     check_example,
@@ -61,9 +61,9 @@ class PairFigures:
         self.sums: dict[str, torch.Tensor | float] = {}
 
     def add(self, sums: dict[str, torch.Tensor]) -> None:
-        for name in ("pairs", *FIGURES.values()):
-            value = sums[name].detach().sum() if name != "pairs" else float(len(sums["loss"]))
-            self.sums[name] = self.sums.get(name, 0.0) + value
+        self.sums["pairs"] = self.sums.get("pairs", 0.0) + len(sums["loss"])
+        for name in FIGURES.values():
+            self.sums[name] = self.sums.get(name, 0.0) + sums[name].detach().sum()
 
     def local(self, units: int, seconds: float) -> dict[str, torch.Tensor | float]:
         local = {f"dpo {name}": self.sums.get(name, 0.0) for name in ("pairs", *FIGURES.values())}
@@ -159,8 +159,7 @@ class DirectPreference(SupervisedFineTuning):
             reference = torch.zeros(batch["input_ids"].shape[0], device=batch["input_ids"].device)
         else:
             reference = self.reference(model, batch, average)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        policy = answer_log_probs(logits, batch["labels"], average)
+        policy = sequence_log_probs(model, batch, average)
         return torch.stack([*policy.chunk(2), *reference.detach().chunk(2)], dim=1)
 
     def objective_sums(self, scores: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -26,11 +26,14 @@ def metric_panels(records: list[dict]) -> tuple:
     (`Task.eval_metrics`, named eval_*) is drawn with no edit here, beside the same figure of the training steps
     where they log it too (DPO's rewards/accuracies)."""
     logged = {key for record in records for key in record}
-    keys = sorted(key for key in logged if key.startswith("eval_") and key != "eval_loss")
-    return tuple((f"held out: {key.removeprefix('eval_').replace('_', ' ')}", [(key, key, "o-")], False)
-                 if key.removeprefix("eval_") not in logged else
-                 (key.removeprefix("eval_").replace("_", " "), [(key.removeprefix("eval_"), "train", "-"), (key, "eval", "o-")],
-                  False) for key in keys)
+    panels = []
+    for key in sorted(key for key in logged if key.startswith("eval_") and key != "eval_loss"):
+        name = key.removeprefix("eval_")
+        if name in logged:
+            panels.append((name.replace("_", " "), [(name, "train", "-"), (key, "eval", "o-")], False))
+        else:
+            panels.append((f"held out: {name.replace('_', ' ')}", [(key, key, "o-")], False))
+    return tuple(panels)
 
 
 def write_report(output_dir: str | Path, title: str = "") -> Path:

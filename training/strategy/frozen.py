@@ -49,15 +49,11 @@ def place_frozen_model(accelerator: Accelerator, model: torch.nn.Module) -> torc
     return model.to(accelerator.device)
 
 
-def zero_stage(deepspeed_config: dict) -> int:
-    return deepspeed_config.get("zero_optimization", {}).get("stage", 0)
-
-
 def _inference_engine(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
     import deepspeed
 
     trained = accelerator.state.deepspeed_plugin.deepspeed_config  # resolved by `prepare`: no "auto" left
-    sharded = zero_stage(trained) == 3
+    sharded = accelerator.state.deepspeed_plugin.zero_stage == 3
     zero = {key: value for key, value in trained.get("zero_optimization", {}).items() if key.startswith("stage3_")
             or key == "offload_param"} if sharded else {}
     config = {key: trained[key] for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
