@@ -13,6 +13,7 @@ from transformers.optimization import Adafactor
 from tests.harness import REPO
 from training.arguments import ArgumentError, parse_args
 from training.optim import build_optimizer, build_scheduler
+from training.task_registry import flag_owners
 
 
 @pytest.mark.quick
@@ -59,7 +60,7 @@ def test_defaults_then_recipe_then_command_line(tmp_path) -> None:
         (None, ["--model_name_or_path", "gpt2", "--config_overrides", "vocab_size=50304"],
          "--config_overrides changes a --model_config trained from scratch"),
         pytest.param(None, ["--task", "image-classification", "--config_overrides", "num_labels=3"],
-                     "--config_overrides is for --task causal-lm or (dpo or )?sft, not image-classification",
+                     f"--config_overrides is for --task {' or '.join(flag_owners('config_overrides'))}, not image-classification",
                      marks=pytest.mark.parts("images", "sft")),
     ],
 )

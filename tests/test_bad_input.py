@@ -44,6 +44,7 @@ from tests.harness import (
 from training.arguments import ArgumentError, parse_args
 from training.errors import StrategyError
 from training.strategy import check_launch_config, requested_strategy
+from training.task_registry import flag_owners
 
 pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
@@ -92,7 +93,8 @@ ARGUMENT_CASES = {
         ["--merge_adapter", *RESUME], "--merge_adapter is for adapters: add --use_peft", marks=pytest.mark.parts("lora")),
     "--use_peft for the image task": pytest.param(
         ["--task", "image-classification", "--model_config", "resnet-tiny", "--use_peft", *RESUME],
-        "sft, not image-classification; drop it or set --task causal-lm", marks=pytest.mark.parts("lora", "images", "sft")),
+        f"--use_peft is for --task {' or '.join(flag_owners('use_peft'))}, not image-classification; drop it or set --task causal-lm",
+        marks=pytest.mark.parts("lora", "images")),
     "--use_peft without a pretrained model": pytest.param(
         ["--use_peft", *RESUME], "give --model_name_or_path", marks=pytest.mark.parts("lora")),
     "--use_peft with --device_map": pytest.param(

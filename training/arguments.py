@@ -23,7 +23,7 @@ from training.flags import (ALL_ARGUMENT_CLASSES, FLAG_CLASSES, KNOWN_KEYS, Argu
 from training.metrics import resolve_trackers
 from training.optim import OPTIMIZERS, check_optimization
 from training.parts import Flags, PartFlags, installed_parts, part_flags, parts, run_inputs
-from training.task_registry import task_entry, tasks
+from training.task_registry import flag_owners, task_entry, tasks
 
 # Flags naming files or directories the run reads: --overwrite_output_dir must not delete them (a part marks its own)
 RUN_INPUTS = ("model_name_or_path", "tokenizer_name", "dataset_name", "train_file", "validation_file", *run_inputs())
@@ -185,7 +185,7 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
     values = every_flag(model_args, data_args)
     others = sorted({flag for entry in every.values() for flag in entry.own_flags} - set(chosen.own_flags))
     if given := flags_set(values, others):
-        owners = [name for name, entry in every.items() if given[0] in entry.own_flags]
+        owners = flag_owners(given[0])
         raise ArgumentError(f"--{given[0]} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")
     if data_args.dataset_name and data_args.train_file:
         raise ArgumentError("--dataset_name and --train_file exclude each other; give one")

@@ -28,6 +28,10 @@ def tasks() -> dict[str, TaskEntry]:
             for name, entry in {**CORE_TASKS, **part_tasks()}.items()}
 
 
+def flag_owners(flag: str) -> list[str]:
+    """The tasks that read `flag` (their own, or a part's for them), in `tasks()` order."""
+    return [name for name, entry in tasks().items() if flag in entry.own_flags]
+
 
 class TaskChoices(list):
     """--task's choices: the registered names, and any `module:Class` (argparse asks `in`; its message lists these)."""
