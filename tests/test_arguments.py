@@ -187,3 +187,58 @@ def test_a_schedule_that_trains_steps_at_learning_rate_zero_is_named(tmp_path, c
     assert said == [] if warning is None else (len(said) == 1 and warning in said[0]), said
     if not flags:
         assert warmup_steps(args, steps) == int(0.1 * steps)
+
+
+GIVEN_AS = {  # the ways a user gives --learning_rate 1e-3, the core's default
+    "command line": lambda recipe: ["--learning_rate", "1e-3"],
+    "command line, with =": lambda recipe: ["--learning_rate=0.001"],
+    "recipe file": lambda recipe: ["--config", str(recipe)],
+}
+
+
+@pytest.mark.quick
+@pytest.mark.parts("dpo")
+@pytest.mark.parametrize("given_as", [*GIVEN_AS, None])
+def test_a_part_default_never_replaces_a_value_given_equal_to_the_core_default(tmp_path, given_as) -> None:
+    """`--task dpo --learning_rate 1e-3` trained at DPO's own 5e-5: "given" was decided by comparing the value with
+    the core's default. Given is named, whatever its value."""
+    from parts.dpo.flags import LEARNING_RATE
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("learning_rate: 0.001\n")
+    flags = GIVEN_AS[given_as](recipe) if given_as else []
+    _, _, args = parse_args(["--task", "dpo", "--reference_free", *flags, "--output_dir", str(tmp_path / "out")])
+    assert args.learning_rate == (1e-3 if given_as else LEARNING_RATE)
+    assert ("learning_rate" in args.given) == bool(given_as)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("given", [(), ("--max_grad_norm", "1.0"), ("--lr_scheduler_kwargs", "{}"),
+                                   ("--max_grad_norm", "1.0", "--lr_scheduler_kwargs", "{}")])
+def test_a_declared_conflict_refuses_only_flags_given(tmp_path, monkeypatch, given) -> None:
+    """--lr_scheduler_kwargs' default None is normalised to {}, which counted as given: a part that declared a
+    conflict with it refused every run. Both flags given at their defaults are a conflict; either alone is not."""
+    from training import arguments
+    from training.parts import Conflict, Part
+
+    class Clashing(Part):
+        name = "clashing"
+        description = "a part that cannot run with a schedule's own arguments and clipping together"
+        conflicts = (Conflict("lr_scheduler_kwargs", "max_grad_norm", ": drop one"),)
+
+    installed = arguments.installed_parts()
+    monkeypatch.setattr(arguments, "installed_parts", lambda: (*installed, Clashing()))
+    argv = [*given, "--output_dir", str(tmp_path)]
+    if len(given) == 4:
+        with pytest.raises(ArgumentError, match="^--lr_scheduler_kwargs {} with --max_grad_norm is not supported: drop one$"):
+            parse_args(argv)
+    else:
+        parse_args(argv)
+
+
+@pytest.mark.quick
+@pytest.mark.parts("dpo", "sft")
+def test_a_flag_of_another_task_is_refused_even_at_its_default(tmp_path) -> None:
+    with pytest.raises(ArgumentError, match="--beta is for --task dpo, not sft"):
+        parse_args(["--task", "sft", "--beta", "0.1", "--output_dir", str(tmp_path)])
+    parse_args(["--task", "sft", "--output_dir", str(tmp_path)])

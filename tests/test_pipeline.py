@@ -144,8 +144,9 @@ def test_a_resnet_pipeline_trains_what_one_process_trains(tmp_path) -> None:
 
 
 def flags(**overrides) -> tuple[ModelArguments, DataArguments, TrainArguments]:
-    """Two stages and `overrides`, every other flag at its default: the core's and the parts' (unchecked)."""
-    return arguments_of(FIELD_DEFAULTS | {"pipeline_parallel_size": 2} | overrides)
+    """Two stages and `overrides` (given), every other flag at its default: the core's and the parts' (unchecked)."""
+    return arguments_of(FIELD_DEFAULTS | {"pipeline_parallel_size": 2} | overrides,
+                        frozenset({"pipeline_parallel_size", *overrides}))
 
 
 REFUSED_FLAGS = {

@@ -20,8 +20,7 @@ from transformers.trainer_utils import SchedulerType
 from models.configs import NAMED_CONFIGS, build_named_config
 from models.language import build_tokenizer
 from tests.harness import REPO, SHOWN_FLAGS, TINY_RUN, launch
-from training.arguments import arguments_of, check_task_flags
-from training.flags import build_parser
+from training.arguments import ArgumentError, check_task_flags, read_flags
 from training.parts import installed
 
 pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
@@ -121,11 +120,12 @@ def parse_launcher(argv: list[str]):
 
 def check_train_args(argv: list[str]) -> None:
     """train.py's flags parse with its own parser (no unknown flag, no bad choice), without training."""
-    namespace, unknown = build_parser().parse_known_args(argv)
-    assert not unknown, f"train.py {shlex.join(argv)}: unknown {unknown}"
-    assert namespace.lr_scheduler_type in {s.value for s in SchedulerType}
-    model_args, data_args, _ = arguments_of(vars(namespace))
-    check_task_flags(model_args, data_args)  # the named config and every flag belong to --task
+    try:
+        model_args, data_args, train_args = read_flags(argv)
+    except ArgumentError as error:
+        pytest.fail(f"train.py {shlex.join(argv)}: {error}")
+    assert train_args.lr_scheduler_type in {s.value for s in SchedulerType}
+    check_task_flags(model_args, data_args)  # the named config and every flag given belong to --task
 
 
 def check_script_args(script: Path, argv: list[str]) -> None:

@@ -64,28 +64,44 @@ def load_recipe(path: str) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, TrainArguments]:
-    """Parse defaults, then `--config recipe.yaml`, then the command line."""
-    argv = sys.argv[1:] if argv is None else argv
+    """Parse defaults, then `--config recipe.yaml`, then the command line, and check them (`validate`)."""
+    model_args, data_args, train_args = read_flags(sys.argv[1:] if argv is None else argv)
+    validate(model_args, data_args, train_args)
+    return model_args, data_args, train_args
+
+
+def read_flags(argv: list[str]) -> tuple[ModelArguments, DataArguments, TrainArguments]:
+    """The flags' values (defaults < recipe < command line), unchecked, and which of them were given."""
     parser = build_parser()
     pre_args, _ = parser.parse_known_args(argv)
-    if pre_args.config:
-        parser.set_defaults(**load_recipe(pre_args.config))
+    recipe = load_recipe(pre_args.config) if pre_args.config else {}
+    parser.set_defaults(**recipe)
     namespace, unknown = parser.parse_known_args(argv)
     if unknown:
         flags = [item.lstrip("-").split("=")[0] for item in unknown if item.startswith("--")]
         _check_known(flags or unknown, "the command line")
         raise ArgumentError(f"unexpected arguments {unknown}; see train.py --help")
-    model_args, data_args, train_args = arguments_of(vars(namespace))
-    validate(model_args, data_args, train_args)
-    return model_args, data_args, train_args
+    return arguments_of(vars(namespace), frozenset(recipe) | named_on_command_line(argv))
 
 
-def arguments_of(values: dict[str, Any]) -> tuple[ModelArguments, DataArguments, TrainArguments]:
-    """The parsed flag values as the three argument objects, each holding the same `parts`: every part's flags."""
+def named_on_command_line(argv: list[str]) -> frozenset[str]:
+    """The flags `argv` names, whatever their values (`--flag value`, `--flag=value`, `--no_flag`): parsed with
+    every default a marker, so that only what the command line sets differs from it."""
+    parser, unset = build_parser(), object()
+    parser.set_defaults(**{action.dest: unset for action in parser._actions})
+    return frozenset(name for name, value in vars(parser.parse_known_args(argv)[0]).items() if value is not unset) - {
+        "config", "help"}
+
+
+def arguments_of(values: dict[str, Any], given: frozenset[str] = frozenset()) -> tuple[
+        ModelArguments, DataArguments, TrainArguments]:
+    """The parsed flag values as the three argument objects, each holding the same `parts` (every part's flags) and
+    `given` (the flags the user named)."""
     model_args, data_args, train_args = (cls(**{f.name: values[f.name] for f in fields(cls) if f.init})
                                          for cls in ALL_ARGUMENT_CLASSES)
     model_args.parts = data_args.parts = train_args.parts = PartFlags(**{
         name: flags(**{f.name: values[f.name] for f in fields(flags)}) for name, flags in part_flags().items()})
+    model_args.given = data_args.given = train_args.given = given
     return model_args, data_args, train_args
 
 
@@ -168,10 +184,10 @@ FIELD_DEFAULTS = {f.name: f.default if f.default_factory is MISSING else f.defau
                   for cls in FLAG_CLASSES for f in fields(cls) if f.init}
 
 
-def flags_set(values: dict[str, Any], names: Iterable[str]) -> list[str]:
-    """Those of `names` that the parsed `values` (flag -> value) hold away from their defaults; a flag of a part this
-    project lacks is never set."""
-    return [name for name in names if name in values and values[name] != FIELD_DEFAULTS[name]]
+def flags_given(args: ModelArguments | DataArguments | TrainArguments, names: Iterable[str]) -> list[str]:
+    """Those of `names` the user gave, on the command line or in the recipe file, whatever the value: every check,
+    conflict and part default decides "given" by this alone."""
+    return [name for name in names if name in args.given]
 
 
 def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> None:
@@ -182,9 +198,8 @@ def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> No
     if not model_args.model_name_or_path and chosen.configs and model_args.model_config not in chosen.configs:
         raise ArgumentError(f"unknown model_config {model_args.model_config!r} for --task {task}; choose one of "
                             f"{sorted(chosen.configs)}")
-    values = every_flag(model_args, data_args)
     others = sorted({flag for entry in every.values() for flag in entry.own_flags} - set(chosen.own_flags))
-    if given := flags_set(values, others):
+    if given := flags_given(model_args, others):
         owners = flag_owners(given[0])
         raise ArgumentError(f"--{given[0]} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")
     if data_args.dataset_name and data_args.train_file:
@@ -205,7 +220,7 @@ def check_conflicts(model_args: ModelArguments, data_args: DataArguments, train_
     values = every_flag(model_args, data_args, train_args)
     for part in installed_parts():
         for conflict in part.conflicts:
-            if len(flags_set(values, (conflict.flag, conflict.other))) == 2:
+            if len(flags_given(model_args, (conflict.flag, conflict.other))) == 2:
                 value = values[conflict.flag]
                 shown = f"--{conflict.flag}" + ("" if value is True else f" {value}")
                 raise ArgumentError(f"{shown} with --{conflict.other} is not supported{conflict.why}")

@@ -130,26 +130,28 @@ def installed_part_flags() -> PartFlags:
     return PartFlags(**{name: flags() for name, flags in part_flags().items()})
 
 
-# `parts` is not a flag (init=False: the parser skips it): the same PartFlags on all three, set by `parse_args`.
 @dataclass
-class ModelArguments(CoreModelArguments):
+class Parsed:
+    """What parsing adds to the three argument objects, the same on all three (init=False: the parser skips them)."""
+
+    parts: PartFlags = field(default_factory=installed_part_flags, init=False, repr=False, compare=False)
+    # the flags named on the command line or in the recipe file, whatever their value (`flags_given`)
+    given: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
+
+
+@dataclass
+class ModelArguments(CoreModelArguments, Parsed):
     """The core's model flags, and each installed part's flags (`parts`)."""
 
-    parts: PartFlags = field(default_factory=installed_part_flags, init=False, repr=False, compare=False)
-
 
 @dataclass
-class DataArguments(CoreDataArguments):
+class DataArguments(CoreDataArguments, Parsed):
     """The core's data flags, and each installed part's flags (`parts`)."""
 
-    parts: PartFlags = field(default_factory=installed_part_flags, init=False, repr=False, compare=False)
-
 
 @dataclass
-class TrainArguments(CoreTrainArguments):
+class TrainArguments(CoreTrainArguments, Parsed):
     """The core's training flags, and each installed part's flags (`parts`)."""
-
-    parts: PartFlags = field(default_factory=installed_part_flags, init=False, repr=False, compare=False)
 
 
 ALL_ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArguments)

@@ -42,14 +42,14 @@ class Compression(Part):
     def check_flags(self, flags: Flags) -> None:
         """--power_sgd_* set PowerSGD, and PowerSGD needs two plain steps first (torch's rule with error feedback);
         a model split over processes (pipeline stages) has no DDP buckets to hook."""
-        from training.arguments import flags_set, split_model
+        from training.arguments import flags_given, split_model
 
         args = flags.train
         if args.parts.compression.ddp_comm_hook and (split := split_model(flags)):
             raise ArgumentError(f"--ddp_comm_hook with {split} is not supported (DDP's gradient buckets are hooked "
                                 "where every process holds the whole model); drop it, or train without the split")
         if "power_sgd" not in (args.parts.compression.ddp_comm_hook or ""):
-            if given := flags_set(vars(args.parts.compression), ("power_sgd_rank", "power_sgd_start_step")):
+            if given := flags_given(args, ("power_sgd_rank", "power_sgd_start_step")):
                 raise ArgumentError(f"--{given[0]} is for --ddp_comm_hook power_sgd or batched_power_sgd: add one, or "
                                     "drop it")
         if args.parts.compression.power_sgd_rank < 1 or args.parts.compression.power_sgd_start_step < 2:

@@ -44,11 +44,11 @@ class Distillation(Part):
     def check_flags(self, flags: Flags) -> None:
         """The distillation settings need a teacher, and the teacher a data-parallel layout, which places it as it
         places the student."""
-        from training.arguments import flags_set, split_model
+        from training.arguments import flags_given, split_model
 
         model_args, args = flags.model, flags.train
         if not args.parts.distillation.teacher_model_name_or_path:
-            if given := flags_set(vars(args.parts.distillation), ("distillation_alpha", "distillation_temperature", "distillation_loss")):
+            if given := flags_given(args, ("distillation_alpha", "distillation_temperature", "distillation_loss")):
                 raise ArgumentError(f"--{given[0]} is for distillation: add --teacher_model_name_or_path, or drop it")
             return
         if not 0 <= args.parts.distillation.distillation_alpha <= 1:

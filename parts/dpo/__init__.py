@@ -32,10 +32,9 @@ class Dpo(Part):
     def check_flags(self, flags: Flags) -> None:
         if flags.model.task != "dpo":
             return
-        from training.arguments import flags_set, split_model
-        from training.flags import every_flag
+        from training.arguments import flags_given, split_model
 
-        if not flags_set(every_flag(flags.train), ["learning_rate"]):
+        if not flags_given(flags.train, ["learning_rate"]):
             flags.train.learning_rate = LEARNING_RATE
         dpo = flags.data.parts.dpo
         if dpo.beta <= 0:

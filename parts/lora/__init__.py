@@ -49,11 +49,11 @@ class Lora(Part):
 
     def check_flags(self, flags: Flags) -> None:
         """LoRA adapts a pretrained language model, in one process per device group; its flags need --use_peft."""
-        from training.arguments import flags_set, split_model  # not at import: training/flags.py imports the parts
+        from training.arguments import flags_given, split_model  # not at import: training/flags.py imports the parts
 
         model_args = flags.model
         if not model_args.parts.lora.use_peft:
-            if given := flags_set(vars(model_args.parts.lora), FLAGS[1:]):  # the adapter's settings
+            if given := flags_given(model_args, FLAGS[1:]):  # the adapter's settings
                 raise ArgumentError(f"--{given[0]} is for adapters: add --use_peft, or drop it")
             return
         if not model_args.model_name_or_path:
