@@ -86,7 +86,8 @@ def tokenizer():
 def test_a_pair_is_two_sequences_scored_on_their_answers_and_a_long_prompt_keeps_its_end(tokenizer) -> None:
     prompt = " ".join(["word"] * 40)
     batch = {"prompt": [prompt, "Say yes:"], "chosen": [" yes", " yes"], "rejected": [" no", " no"]}
-    out = tokenize_pairs(batch, [0, 1], tokenizer, max_length=64, max_prompt_length=10, offset=5)
+    out = tokenize_pairs(batch, [0, 1], tokenizer, max_length=64, max_prompt_length=10, truncation_mode="keep_start",
+                         offset=5)
     assert out["pair_index"] == [5, 6]
     assert out["prompt_cut"] == [True, False] and out["truncated"] == [False, False]
     for answer, text in (("chosen", " yes"), ("rejected", " no")):
@@ -102,13 +103,50 @@ def test_a_pair_is_two_sequences_scored_on_their_answers_and_a_long_prompt_keeps
     assert (collated["labels"][collated["attention_mask"] == 0] == -100).all()
 
 
+SHARED_BOUNDARY = {"prompt": ["Q: 12 + 34 = ", "Q: 20 + 1 = "], "chosen": ["46.", "21."], "rejected": ["146.", "47."]}
+
+
+@pytest.mark.quick
+def test_pairs_that_differ_only_in_a_token_shared_with_the_prompt_are_scored_on_it_and_learned(tokenizer) -> None:
+    """Plain text as users write it: the prompt's last space and the answer's digits are one token (" 46"), which
+    was labelled the prompt's, so chosen and rejected had the same targets and DPO stayed at log 2. The shared token
+    is now the answer's first target (counted); a policy trained on these pairs learns to prefer the chosen ones."""
+    from transformers import AutoModelForCausalLM
+
+    from models.configs import build_named_config
+    from parts.dpo.loss import sequence_log_probs
+
+    out = tokenize_pairs(SHARED_BOUNDARY, [0, 1], tokenizer, max_length=64, max_prompt_length=64,
+                         truncation_mode="keep_start")
+    assert out["shared"] == [True, True]
+    for row, (chosen, rejected) in enumerate(zip(SHARED_BOUNDARY["chosen"], SHARED_BOUNDARY["rejected"])):
+        for answer, text in (("chosen", chosen), ("rejected", rejected)):
+            scored = [label for label in out[f"{answer}_labels"][row] if label != -100]
+            assert tokenizer.decode(scored) == f" {text}<|endoftext|>"
+    batch = PairCollator(tokenizer.pad_token_id)([{key: values[row] for key, values in out.items()} for row in (0, 1)])
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(build_named_config("llama-tiny", tokenizer))
+    with torch.no_grad():
+        reference = sequence_log_probs(policy, batch, average=False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    for _ in range(15):
+        scores = torch.stack([*sequence_log_probs(policy, batch, average=False).chunk(2), *reference.chunk(2)], dim=1)
+        sums = pair_sums(scores, beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
+        optimizer.zero_grad()
+        sums["loss"].mean().backward()
+        optimizer.step()
+    assert sums["accuracies"].tolist() == [1.0, 1.0] and sums["loss"].max() < 0.6 < math.log(2), sums
+
+
 @pytest.mark.quick
 @pytest.mark.parametrize(("example", "message"), [
     ({"prompt": "q", "chosen": None, "rejected": "b"}, "train row 7: no 'chosen' answer; every pair needs both"),
     ({"prompt": "q", "chosen": "a", "rejected": ""}, "train row 7: no 'rejected' answer; every pair needs both"),
     ({"prompt": "q", "chosen": "same", "rejected": "same"}, "train row 7: the chosen answer is the rejected one"),
     ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "bot", "content": "a"}], "rejected": "b"},
-     "train row 7: message 0 of 'completion' has role 'bot'"),
+     "train row 7: message 0 of 'chosen' has role 'bot'"),
+    ({"prompt": "q", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"},
+     "train row 7: a plain-text prompt needs a plain-text 'chosen'"),
 ])
 def test_a_bad_pair_is_named_with_its_row(example, message) -> None:
     with pytest.raises(DataError, match=message):
@@ -159,6 +197,36 @@ def test_a_damaged_preference_file_stops_in_one_line_with_its_row(tmp_path) -> N
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: {data} row 6: no 'rejected' answer; every pair needs both"], result.stderr[-3000:]
     assert not (tmp_path / "run" / "final").exists()
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("missing", ["rejected", "prompt"])
+def test_a_validation_file_without_a_column_is_named_before_the_files_are_joined(tmp_path, missing) -> None:
+    """It was a `datasets` cast error (the two files' columns are cast to one schema before any check)."""
+    from parts.dpo.task import DirectPreference
+
+    pair = {"prompt": "Say yes:", "chosen": " yes", "rejected": " no"}
+    train_file, validation_file = tmp_path / "train.jsonl", tmp_path / "validation.jsonl"
+    train_file.write_text(json.dumps(pair) + "\n")
+    validation_file.write_text(json.dumps({key: value for key, value in pair.items() if key != missing}) + "\n")
+    model_args, data_args, _ = parse_args(["--task", "dpo", "--reference_free", "--train_file", str(train_file),
+                                           "--validation_file", str(validation_file), "--output_dir", str(tmp_path)])
+    with pytest.raises(DataError) as refused:
+        DirectPreference(model_args, data_args).load_raw_datasets(seed=0)
+    assert str(refused.value) == (f"{validation_file} has no {missing!r} column (columns: "
+                                  f"{[key for key in pair if key != missing]}); DPO reads TRL's prompt, chosen and rejected")
+
+
+@pytest.mark.quick
+def test_truncation_mode_keeps_the_start_or_the_end_of_a_long_pair_or_drops_it(tokenizer) -> None:
+    """TRL's --truncation_mode: keep_start (TRL 1.x's default), keep_end (TRL 0.24's), and SFT's drop."""
+    answer = " yes" * 20
+    batch = {"prompt": ["Say it:"], "chosen": [answer], "rejected": [" no" * 20]}
+    whole = tokenize_pairs(batch, [0], tokenizer, 1000, 64, "keep_start")["chosen_input_ids"][0]
+    for mode, expected in (("keep_start", whole[:16]), ("keep_end", whole[-16:]), ("drop", None)):
+        out = tokenize_pairs(batch, [0], tokenizer, 16, 64, mode)
+        assert (out["chosen_input_ids"] or [None])[0] == expected, mode
+        assert out["truncated"] == ([] if mode == "drop" else [True])
 
 
 def dpo_args(config: str, base_model, *extra: str) -> tuple[str, ...]:

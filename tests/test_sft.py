@@ -52,7 +52,8 @@ def ids(tokenizer, text: str) -> list[int]:
 
 def test_the_loss_falls_on_each_answer_and_its_end_of_turn_token_by_token(tokenizer) -> None:
     text, spans = rendered_with_answers({"messages": CONVERSATION}, "messages", tokenizer, answers_only=True)
-    input_ids, labels = tokenize_with_mask(text, spans, tokenizer)
+    input_ids, labels, shared = tokenize_with_mask(text, spans, tokenizer)
+    assert not shared  # the template's markers end every prompt
     # The shipped ChatML template; its turn markers are single tokens, so the pieces tokenize apart.
     pieces = [("<|im_start|>system\nAnswer with the words only.<|im_end|>\n", False),
               ("<|im_start|>user\nReverse: fox owl<|im_end|>\n<|im_start|>assistant\n", False),
@@ -64,7 +65,7 @@ def test_the_loss_falls_on_each_answer_and_its_end_of_turn_token_by_token(tokeni
     expected_labels = [token if learned else IGNORE_INDEX for piece, learned in pieces for token in ids(tokenizer, piece)]
     assert input_ids == expected_ids
     assert labels == expected_labels
-    _, every_token = tokenize_with_mask(*rendered_with_answers({"messages": CONVERSATION}, "messages", tokenizer, False),
+    _, every_token, _ = tokenize_with_mask(*rendered_with_answers({"messages": CONVERSATION}, "messages", tokenizer, False),
                                         tokenizer)
     assert every_token == input_ids
 
@@ -78,10 +79,36 @@ def test_prompt_completion_learns_the_completion_only(tokenizer, conversational)
     else:  # plain text, as TRL joins it: no template, EOS at the end
         example = {"prompt": "Repeat: cat =", "completion": " cat"}
         prompt, answer = "Repeat: cat =", " cat<|endoftext|>"
-    input_ids, labels = tokenize_with_mask(*rendered_with_answers(example, "prompt-completion", tokenizer, True), tokenizer)
+    input_ids, labels, _ = tokenize_with_mask(*rendered_with_answers(example, "prompt-completion", tokenizer, True), tokenizer)
     assert input_ids == ids(tokenizer, prompt) + ids(tokenizer, answer)
     assert labels == [IGNORE_INDEX] * len(ids(tokenizer, prompt)) + ids(tokenizer, answer)
     assert end_of_answer(tokenizer, plain_text=not conversational) == ("<|endoftext|>" if not conversational else "<|im_end|>")
+
+
+WRITTEN_AS_USERS_WRITE = ["Q: 12 + 34 = 46.", "Translate: chat -> cat", "Say yes: yes", "x=1;y=22"]
+
+
+@pytest.mark.parametrize("text", WRITTEN_AS_USERS_WRITE)
+def test_every_character_of_the_answer_is_scored_wherever_the_prompt_ends(tokenizer, text) -> None:
+    """Each split of `text` into a plain-text prompt and its completion, at every character: a token that joins the
+    prompt's end and the answer's start (" 46" after "= ") was labelled the prompt's, so the answer's first token was
+    never scored. Now every character of the answer lies in a scored token, no scored token lies in the prompt
+    alone, and an example with a shared token is counted."""
+    for cut in range(1, len(text)):
+        example = {"prompt": text[:cut], "completion": text[cut:]}
+        out = tokenize_conversations({key: [value] for key, value in example.items()}, tokenizer, "prompt-completion",
+                                     True, max_length=1000, truncation_mode="keep_start")
+        labels = out["labels"][0]
+        offsets = tokenizer(text + tokenizer.eos_token, return_offsets_mapping=True)["offset_mapping"]
+        assert out["input_ids"][0] == tokenizer(text + tokenizer.eos_token)["input_ids"]  # as at inference
+        scored = [(begin, end) for (begin, end), label in zip(offsets, labels) if label != IGNORE_INDEX]
+        assert all(any(begin <= char < end for begin, end in scored) for char in range(cut, len(text))), example
+        assert all(end > cut for _, end in scored), example
+        assert out["shared"] == [any(begin < cut < end for begin, end in offsets)], example
+    pieces = tokenize_conversations({"prompt": ["Q: 12 + 34 = "], "completion": ["46."]}, tokenizer, "prompt-completion",
+                                    True, max_length=1000, truncation_mode="keep_start")
+    assert tokenizer.decode([label for label in pieces["labels"][0] if label != IGNORE_INDEX]) == " 46.<|endoftext|>"
+    assert pieces["shared"] == [True]
 
 
 # Hub-style templates without {% generation %} markers: a BOS and a default system prompt written by the
@@ -100,7 +127,7 @@ def test_hub_style_templates_mask_exactly_the_answers_and_their_end_of_turn(toke
     templated = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     templated.chat_template = HUB_TEMPLATES[name]
     text, spans = rendered_with_answers({"messages": CONVERSATION[1:]}, "messages", templated, answers_only=True)
-    input_ids, labels = tokenize_with_mask(text, spans, templated)
+    input_ids, labels, _ = tokenize_with_mask(text, spans, templated)
     learned = [token for token, label in zip(input_ids, labels) if label != IGNORE_INDEX]
     # the conversation's closing EOS is learned with the last answer (where to stop), not after the first
     closing = [tokenizer.eos_token_id] if name == "phi-3 style" else []
@@ -111,7 +138,7 @@ def test_hub_style_templates_mask_exactly_the_answers_and_their_end_of_turn(toke
 def test_a_plain_completion_after_a_messages_prompt_is_the_assistants_answer(tokenizer) -> None:
     example = {"prompt": [{"role": "user", "content": "Repeat: cat"}], "completion": "cat"}
     check_example(example, "prompt-completion", "train example 0")
-    input_ids, labels = tokenize_with_mask(*rendered_with_answers(example, "prompt-completion", tokenizer, True), tokenizer)
+    input_ids, labels, _ = tokenize_with_mask(*rendered_with_answers(example, "prompt-completion", tokenizer, True), tokenizer)
     assert [t for t, l in zip(input_ids, labels) if l != IGNORE_INDEX] == ids(tokenizer, "cat<|im_end|>\n")
 
 

@@ -24,7 +24,7 @@ class Dpo(Part):
     resume = None  # the checkpoint this run resumes (`resuming`)
     task = None  # the DPO task of this run, once prepared
     tasks = {"dpo": TaskEntry("parts.dpo.task:DirectPreference", NAMED_CONFIGS, "llama-small",
-                              (*TEXT_FLAGS, "chat_template", "max_length", "eval_generation_samples", "beta",
+                              (*TEXT_FLAGS, "chat_template", "max_length", "truncation_mode", "eval_generation_samples", "beta",
                                "loss_type", "label_smoothing", "reference_free", "max_prompt_length",
                                "precompute_ref_log_probs"),
                               data_columns=(frozenset({"prompt", "chosen", "rejected"}),))}

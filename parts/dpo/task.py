@@ -3,8 +3,9 @@
 Each example holds a `prompt`, a `chosen` and a `rejected` answer (TRL's columns), as plain text or as messages;
 each answer is rendered after its prompt as SFT renders a prompt-completion example (parts/sft/chat.py), and its
 log-probability is the sum over the answer's tokens. A batch holds the chosen sequences, then the rejected ones,
-so that one forward of each model scores both. A prompt over --max_prompt_length keeps its end (TRL's
-truncation), an example over --max_length keeps its start; both are counted in the log.
+so that one forward of each model scores both. A prompt over --max_prompt_length keeps its end (TRL 0.24's
+truncation), an example over --max_length keeps its start or end (--truncation_mode, SFT's flag and TRL's name;
+keep_start by default, as TRL 1.x); both are counted in the log.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import NamedTuple
 
 import datasets
 import torch
@@ -24,17 +26,20 @@ from parts.dpo.default_dpo import DPO_VERSION, default_dpo_splits
 from parts.dpo.loss import dpo_loss, sequence_log_probs
 from parts.sft.chat import (
     IGNORE_INDEX,
+    LABELS_VERSION,
     check_example,
     generation_prompt,
     is_plain_text,
     rendered_with_answers,
+    shared_tokens,
     tokenize_with_mask,
+    truncate,
 )
 from parts.sft.task import SupervisedFineTuning, check_chat_template, check_fast_tokenizer
 from training.tasks import Batch
 
 COLUMNS = ("prompt", "chosen", "rejected")
-PAIRS_FORMAT = 2  # bump when tokenize_pairs' columns change, so cached tokenizations are rebuilt
+PAIRS_FORMAT = 3  # bump when tokenize_pairs' columns change, so cached tokenizations are rebuilt
 PAD_TO_MULTIPLE_OF = 8
 # what the pairs' figures are named in metrics.jsonl (TRL's), and the per-pair sums they come from
 FIGURES = {"rewards/chosen": "rewards_chosen", "rewards/rejected": "rewards_rejected",
@@ -97,19 +102,18 @@ class DirectPreference(SupervisedFineTuning):
         d = self.data_args
         if not (d.dataset_name or d.train_file):
             return DatasetDict({split: Dataset.from_list(pairs) for split, pairs in default_dpo_splits().items()})
-        raw = super(SupervisedFineTuning, self).load_raw_datasets(seed)  # the core's: read, then split
         if d.dataset_name:
             given = {f"{d.dataset_name} {name}": split for name, split in load_dataset(d.dataset_name, d.dataset_config_name).items()}
-        else:  # (read again from datasets' cache)
+        else:  # each file apart: a file without a column is named before `datasets` casts one to the other
             builder, files = local_files(d.train_file, d.validation_file)
-            given = {files[name]: split for name, split in load_dataset(builder, data_files=files).items()}
+            given = {path: load_dataset(builder, data_files={name: path})[name] for name, path in files.items()}
         for source, split in given.items():
             if missing := [column for column in COLUMNS if column not in split.column_names]:
                 raise DataError(f"{source} has no {' or '.join(repr(c) for c in missing)} column (columns: "
                                 f"{split.column_names}); DPO reads TRL's prompt, chosen and rejected")
             for index, example in enumerate(split):
                 check_pair(example, f"{source} row {index + 1}")
-        return raw
+        return super(SupervisedFineTuning, self).load_raw_datasets(seed)  # the core's: read (from the cache), split
 
     def build_datasets(self, raw: DatasetDict, main_process_first: AbstractContextManager) -> tuple[Dataset, Dataset]:
         tokenizer = self.processor  # (every row was checked as it was read, on every rank)
@@ -118,7 +122,9 @@ class DirectPreference(SupervisedFineTuning):
         if not self.plain_text:
             check_chat_template(tokenizer)
         check_fast_tokenizer(tokenizer)
-        settings = {"tokenizer": tokenizer, "max_length": self.block_size, "max_prompt_length": self.dpo.max_prompt_length}
+        truncation = self.data_args.parts.sft.truncation_mode
+        settings = {"tokenizer": tokenizer, "max_length": self.block_size, "max_prompt_length": self.dpo.max_prompt_length,
+                    "truncation_mode": truncation}
         offsets = {"train": 0, "validation": len(raw["train"])}  # `pair_index`: a pair's row in both splits
         cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "dpo"
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -126,14 +132,15 @@ class DirectPreference(SupervisedFineTuning):
         with main_process_first:
             for name, split in raw.items():
                 key = cache_key(split, f"default-dpo-{DPO_VERSION}", tokenizer, self.block_size,
-                                self.dpo.max_prompt_length, offsets[name], PAIRS_FORMAT)
+                                self.dpo.max_prompt_length, truncation, offsets[name], PAIRS_FORMAT, LABELS_VERSION)
                 tokenized[name] = split.map(tokenize_pairs, batched=True, batch_size=500, with_indices=True,
                                             fn_kwargs=settings | {"offset": offsets[name]},
                                             remove_columns=split.column_names, new_fingerprint=key,
                                             cache_file_name=str(cache_dir / f"{key}.arrow"), desc=f"Formatting {name}")
         train = tokenized["train"]
-        self.pairs = [tokenized[name].remove_columns(["prompt_cut", "truncated"]) for name in ("train", "validation")]
-        self.prompts_cut, self.truncated = sum(train["prompt_cut"]), sum(train["truncated"])
+        self.pairs = [tokenized[name].remove_columns(["prompt_cut", "truncated", "shared"])
+                      for name in ("train", "validation")]
+        self.prompts_cut, self.truncated, self.shared = (sum(train[flag]) for flag in ("prompt_cut", "truncated", "shared"))
         self.dropped = len(raw["train"]) - len(train)
         if self.prompts_cut and int(os.environ.get("RANK", "0")) == 0:  # TRL cuts them without a word
             logging.getLogger(__name__).warning(
@@ -146,9 +153,12 @@ class DirectPreference(SupervisedFineTuning):
         return self.pairs[0], self.pairs[1]
 
     def describe_data(self, train_set: Dataset) -> str:
+        truncation = self.data_args.parts.sft.truncation_mode
+        dropped = "longer than --max_length" if truncation == "drop" else "with no answer left"
         return (f"{len(train_set)} preference pairs ({self.prompts_cut} prompts cut to --max_prompt_length "
-                f"{self.dpo.max_prompt_length}, {self.truncated} cut to --max_length {self.block_size}, "
-                f"{self.dropped} dropped with no answer left); {self.dpo.loss_type} loss, beta {self.dpo.beta}")
+                f"{self.dpo.max_prompt_length}, {self.truncated} cut to --max_length {self.block_size} ({truncation}), "
+                f"{self.dropped} dropped {dropped}{shared_tokens(self.shared)}); {self.dpo.loss_type} loss, "
+                f"beta {self.dpo.beta}")
 
     def forward(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """(pairs, 4): the answers' log-probabilities under the policy (chosen, rejected) and the reference."""
@@ -188,42 +198,51 @@ def check_pair(example: dict, where: str) -> None:
     for answer in ("chosen", "rejected"):
         if example[answer] is None or (isinstance(example[answer], str | list) and not example[answer]):
             raise DataError(f"{where}: no {answer!r} answer; every pair needs both")
-        check_example({"prompt": example["prompt"], "completion": example[answer]}, "prompt-completion", where)
+        check_example(example, "prompt-completion", where, answer)
     if example["chosen"] == example["rejected"]:
         raise DataError(f"{where}: the chosen answer is the rejected one, so there is no preference; fix or drop the row")
 
 
-def tokenize_pair_answer(prompt, answer, tokenizer, max_length: int, max_prompt_length: int) -> tuple[list, list, bool, bool]:
-    """One answer after its prompt: ids, labels (the answer's), whether the prompt was cut (its end kept) and
-    whether the whole was cut (its start kept)."""
+def tokenize_pair_answer(prompt, answer, tokenizer, max_length: int, max_prompt_length: int,
+                         truncation_mode: str) -> PairAnswer | None:
+    """One answer after its prompt, its labels the answer's; a prompt over `max_prompt_length` keeps its end, then
+    the whole over `max_length` its start or end (`truncation_mode`, SFT's; None: dropped)."""
     example = {"prompt": prompt, "completion": answer}
     text, spans = rendered_with_answers(example, "prompt-completion", tokenizer, answers_only=True)
-    ids, labels = tokenize_with_mask(text, spans, tokenizer, is_plain_text(example, "prompt-completion"))
+    ids, labels, shared = tokenize_with_mask(text, spans, tokenizer, is_plain_text(example, "prompt-completion"))
     prompt_tokens = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
     prompt_cut = prompt_tokens > max_prompt_length
     if prompt_cut:
         ids, labels = ids[prompt_tokens - max_prompt_length:], labels[prompt_tokens - max_prompt_length:]
-    truncated = len(ids) > max_length
-    return ids[:max_length], labels[:max_length], prompt_cut, truncated
+    cut = truncate(ids, labels, max_length, truncation_mode)
+    return cut and PairAnswer(*cut, prompt_cut, len(cut[0]) < len(ids), shared)
+
+
+class PairAnswer(NamedTuple):
+    input_ids: list[int]
+    labels: list[int]
+    prompt_cut: bool  # to --max_prompt_length
+    truncated: bool  # to --max_length
+    shared: bool  # a token shared by the prompt's end and the answer's start (scored as the answer's)
 
 
 def tokenize_pairs(batch: dict[str, list], indices: list[int], tokenizer, max_length: int, max_prompt_length: int,
-                   offset: int = 0) -> dict[str, list]:
+                   truncation_mode: str, offset: int = 0) -> dict[str, list]:
     """`datasets.map` function: pairs in, each answer's ids and labels out, and the pair's row (+ `offset`); a pair
-    left with an answer of no target (cut away) is dropped."""
+    left with an answer of no target (cut away, or dropped by --truncation_mode drop) is dropped."""
     out = {f"{answer}_{key}": [] for answer in ("chosen", "rejected") for key in ("input_ids", "labels")}
-    out |= {"pair_index": [], "prompt_cut": [], "truncated": []}
+    out |= {"pair_index": [], "prompt_cut": [], "truncated": [], "shared": []}
     for index, prompt, chosen, rejected in zip(indices, batch["prompt"], batch["chosen"], batch["rejected"]):
-        scored = [tokenize_pair_answer(prompt, answer, tokenizer, max_length, max_prompt_length)
+        scored = [tokenize_pair_answer(prompt, answer, tokenizer, max_length, max_prompt_length, truncation_mode)
                   for answer in (chosen, rejected)]
-        if any(all(label == IGNORE_INDEX for label in labels[1:]) for _, labels, _, _ in scored):
+        if any(answer is None or all(label == IGNORE_INDEX for label in answer.labels[1:]) for answer in scored):
             continue
-        for answer, (ids, labels, _, _) in zip(("chosen", "rejected"), scored):
-            out[f"{answer}_input_ids"].append(ids)
-            out[f"{answer}_labels"].append(labels)
+        for name, answer in zip(("chosen", "rejected"), scored):
+            out[f"{name}_input_ids"].append(answer.input_ids)
+            out[f"{name}_labels"].append(answer.labels)
         out["pair_index"].append(index + offset)
-        out["prompt_cut"].append(any(cut for *_, cut, _ in scored))
-        out["truncated"].append(any(truncated for *_, truncated in scored))
+        for flag in ("prompt_cut", "truncated", "shared"):
+            out[flag].append(any(getattr(answer, flag) for answer in scored))
     return out
 
 

@@ -28,7 +28,8 @@ class SftFlags:
         "help": "SFT: tokens per example at most. Default: the model's maximum, at most 1024."})
     truncation_mode: str = field(
         default="keep_start",
-        metadata={"help": "SFT: an example over --max_length keeps its start, its end, or is dropped.",
+        metadata={"help": "SFT and DPO (TRL's name): an example over --max_length keeps its start (TRL 1.x's default), "
+                          "its end (TRL 0.24's for DPO), or is dropped.",
                   "choices": ["keep_start", "keep_end", "drop"]},
     )
     eval_generation_samples: int = field(

@@ -28,6 +28,7 @@ from training.errors import DataError
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
 Span = tuple[int, int]  # [start, end) characters of the rendered text that are learned
+LABELS_VERSION = 2  # in every tokenized cache's key (SFT's, DPO's): 2, a token shared by prompt and answer is scored
 
 
 def recognise_format(columns: Sequence[str]) -> str:
@@ -43,9 +44,10 @@ def recognise_format(columns: Sequence[str]) -> str:
                     f"{list(columns)}); rename yours to TRL's names, or see docs/sft.md")
 
 
-def check_example(example: dict[str, Any], data_format: str, where: str) -> None:
-    """Every message has a known role and text content; a plain-text prompt has a plain-text completion."""
-    fields = ["messages"] if data_format == "messages" else ["prompt", "completion"]
+def check_example(example: dict[str, Any], data_format: str, where: str, answer: str = "completion") -> None:
+    """Every message has a known role and text content; a plain-text prompt has a plain-text completion (`answer`:
+    its column, DPO's `chosen` or `rejected`)."""
+    fields = ["messages"] if data_format == "messages" else ["prompt", answer]
     for field in fields:
         value = example[field]
         if isinstance(value, str):
@@ -58,8 +60,8 @@ def check_example(example: dict[str, Any], data_format: str, where: str) -> None
                 raise DataError(f"{where}: message {number} of {field!r} has role {role!r}; use one of {list(ROLES)}")
             if not isinstance(message.get("content"), str) or not message["content"]:
                 raise DataError(f"{where}: message {number} of {field!r} ({role}) has no text content")
-    if data_format == "prompt-completion" and isinstance(example["prompt"], str) and not isinstance(example["completion"], str):
-        raise DataError(f"{where}: a plain-text prompt needs a plain-text completion (or give both as messages)")
+    if data_format == "prompt-completion" and isinstance(example["prompt"], str) and not isinstance(example[answer], str):
+        raise DataError(f"{where}: a plain-text prompt needs a plain-text {answer!r} (or give both as messages)")
     if data_format == "messages" and not any(m["role"] == "assistant" for m in example["messages"]):
         raise DataError(f"{where}: the conversation has no assistant message, so nothing to learn")
 
@@ -125,13 +127,23 @@ def answer_span(tokenizer: PreTrainedTokenizerBase, messages: list[dict], turn: 
 
 def tokenize_with_mask(
     text: str, spans: list[Span], tokenizer: PreTrainedTokenizerBase, plain_text: bool = False
-) -> tuple[list[int], list[int]]:
-    """Token ids of `text`, and labels: the id where the token starts inside a span, -100 elsewhere.
-    A template writes its own special tokens (BOS); plain text gets the tokenizer's."""
+) -> tuple[list[int], list[int], bool]:
+    """Token ids of `text`; labels: the id where the token starts inside a span, or starts before one and ends in it
+    (a prompt's last space merged with the answer's first digits, " 46" after "= ": the answer's, as TRL 1.x scores
+    it), -100 elsewhere; and whether such a shared token was found. A template writes its own special tokens (BOS);
+    plain text gets the tokenizer's."""
     encoded = tokenizer(text, add_special_tokens=plain_text, return_offsets_mapping=True)
-    labels = [token if any(start <= begin < end for start, end in spans) else IGNORE_INDEX
-              for token, (begin, _) in zip(encoded["input_ids"], encoded["offset_mapping"])]
-    return encoded["input_ids"], labels
+    labels, shared = [], False
+    for token, (begin, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+        straddles = any(begin < start < end for start, _ in spans)
+        shared |= straddles
+        labels.append(token if straddles or any(start <= begin < stop for start, stop in spans) else IGNORE_INDEX)
+    return encoded["input_ids"], labels, shared
+
+
+def shared_tokens(examples: int) -> str:
+    """The start-up line's count of examples whose answer begins inside the prompt's last token ("" for none)."""
+    return f"; {examples} with a token shared by prompt and answer, scored as the answer's" if examples else ""
 
 
 def truncate(input_ids: list[int], labels: list[int], max_length: int, mode: str) -> tuple[list[int], list[int]] | None:
@@ -149,19 +161,20 @@ def tokenize_conversations(
     max_length: int, truncation_mode: str,
 ) -> dict[str, list]:
     """`datasets.map` function: examples in, `input_ids`/`labels` out (one sequence per example, never
-    packed), with `truncated` marking cut examples. Dropped examples, and examples with no target left
-    after cutting, are left out."""
-    out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": []}
+    packed), with `truncated` marking cut examples and `shared` those whose answer starts inside a prompt's token.
+    Dropped examples, and examples with no target left after cutting, are left out."""
+    out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "shared": []}
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
     for example in rows:
         text, spans = rendered_with_answers(example, data_format, tokenizer, answers_only)
-        input_ids, labels = tokenize_with_mask(text, spans, tokenizer, is_plain_text(example, data_format))
+        input_ids, labels, shared = tokenize_with_mask(text, spans, tokenizer, is_plain_text(example, data_format))
         cut = truncate(input_ids, labels, max_length, truncation_mode)
         if cut is None or all(label == IGNORE_INDEX for label in cut[1][1:]):  # the first label predicts nothing
             continue
         out["input_ids"].append(cut[0])
         out["labels"].append(cut[1])
         out["truncated"].append(len(cut[0]) < len(input_ids))
+        out["shared"].append(shared)
     return out
 
 

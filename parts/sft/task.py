@@ -26,12 +26,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from data import DataError, cache_key, make_collator
 from models.language import ModelError, resolve_block_size
 from parts.sft.chat import (
+    LABELS_VERSION,
     check_example,
     end_of_answer,
     generation_prompt,
     is_plain_text,
     recognise_format,
     rendered_with_answers,
+    shared_tokens,
     tokenize_conversations,
 )
 from parts.sft.default_sft import SFT_VERSION, default_sft_splits
@@ -55,6 +57,7 @@ class SupervisedFineTuning(CausalLM):
         self.data_format = ""  # "messages" or "prompt-completion"; set by build_datasets
         self.plain_text = False  # prompt-completion as plain text: joined as it is, no template
         self.truncated = self.dropped = 0  # examples cut to, or dropped for, --max_length; set by build_datasets
+        self.shared = 0  # examples whose answer starts inside a token of the prompt's end, scored as the answer's
         self.prompts: list[tuple[str, str]] = []  # held-out (prompt, answer) pairs for eval_exact_match
 
     def load_raw_datasets(self, seed: int) -> DatasetDict:
@@ -98,16 +101,18 @@ class SupervisedFineTuning(CausalLM):
         tokenized = {}
         with main_process_first:
             for name, split in raw.items():
-                key = cache_key(split, f"default-sft-{SFT_VERSION}", tokenizer,
+                key = cache_key(split, f"default-sft-{SFT_VERSION}", tokenizer, LABELS_VERSION,
                                 *(value for setting, value in settings.items() if setting != "tokenizer"))
                 tokenized[name] = split.map(tokenize_conversations, batched=True, batch_size=500, fn_kwargs=settings,
                                             remove_columns=split.column_names, new_fingerprint=key,
                                             cache_file_name=str(cache_dir / f"{key}.arrow"), desc=f"Formatting {name}")
         train = tokenized["train"]
         self.truncated, self.dropped = sum(train["truncated"]), len(raw["train"]) - len(train)
+        self.shared = sum(train["shared"])
         self.prompts = [generation_prompt(example, self.data_format, tokenizer)
                         for example in raw["validation"].select(range(min(d.parts.sft.eval_generation_samples, len(raw["validation"]))))]
-        return train.remove_columns("truncated"), tokenized["validation"].remove_columns("truncated")
+        return (train.remove_columns(["truncated", "shared"]),
+                tokenized["validation"].remove_columns(["truncated", "shared"]))
 
     def describe_data(self, train_set: Dataset) -> str:
         mask = "answers only" if self.answers_only else "every token"
@@ -116,7 +121,7 @@ class SupervisedFineTuning(CausalLM):
             cut = f"{self.dropped} longer than --max_length {self.block_size} dropped"
         elif self.dropped:
             cut += f", {self.dropped} dropped with no answer left"
-        return f"{len(train_set)} {self.data_format} examples (loss on {mask}; {cut})"
+        return f"{len(train_set)} {self.data_format} examples (loss on {mask}; {cut}{shared_tokens(self.shared)})"
 
     def generation_metrics(self, model: torch.nn.Module, accelerator: Accelerator) -> dict[str, float]:
         if not self.prompts:
