@@ -1,7 +1,8 @@
 """A plain `nn.Module` task whose tensors no strategy divides evenly: what a user brings, not the template's model.
 
-Tensors with odd and prime sizes (a 7 x 13 weight, a 5-element bias, a 1-element gate), an output layer tied to the
-input embedding, a frozen layer and BatchNorm statistics, trained as a causal LM on the default corpus:
+Tensors with odd and prime sizes (a 7 x 13 weight, a 5-element bias, a 1-element gate), a 0-dim parameter, a float64
+parameter, an int64 and a float64 buffer that float32 would round, an output layer tied to the input embedding, a
+frozen layer and BatchNorm statistics, trained as a causal LM on the default corpus:
 `--task tests.odd_shapes:OddShapesTask`.
 """
 
@@ -25,6 +26,10 @@ class OddShapes(nn.Module):
         self.odd = nn.Linear(7, 5)  # a 5-element bias
         self.wide = nn.Linear(5, WIDTH, bias=False)
         self.gate = nn.Parameter(torch.full((1,), 0.5))  # one element
+        self.temperature = nn.Parameter(torch.tensor(1.0))  # 0-dim: a learned temperature, as CLIP's logit_scale
+        self.scale64 = nn.Parameter(torch.ones(5, dtype=torch.float64))  # float64
+        self.register_buffer("tokens_seen", torch.tensor(2**24 + 1))  # int64, past what float32 holds exactly
+        self.register_buffer("offset64", torch.full((3,), 1 + 1e-12, dtype=torch.float64))  # float64, below float32's step
         self.head = nn.Linear(WIDTH, vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied
         nn.init.normal_(self.embed.weight, std=0.1)  # logits of a sensible size through the tied head
@@ -35,8 +40,8 @@ class OddShapes(nn.Module):
         x = x + self.frozen(x)
         h = self.narrow(x)
         h = self.norm(h.transpose(1, 2)).transpose(1, 2)
-        x = x + self.gate * self.wide(torch.tanh(self.odd(h)))
-        return self.head(x)
+        x = x + self.gate * self.wide(torch.tanh(self.odd(h)) * self.scale64.to(h.dtype))
+        return self.head(x) * self.temperature
 
 
 class OddShapesTask(CausalLM):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,12 +14,14 @@ import torch
 from training.arguments import ArgumentError, parse_args
 from training.checkpoints.files import (
     TRAINER_STATE,
+    checkpoint_files,
     complete_checkpoints,
+    file_sha256,
     require_complete_checkpoint,
     rotate_checkpoints,
     write_manifest,
 )
-from training.checkpoints.resume import load_checkpoint, resolve_resume_path
+from training.checkpoints.resume import load_checkpoint, resolve_resume_path, verify_checkpoint
 from training.checkpoints.tensors import ModelState, load_model_state, save_model_state
 from training.errors import ResumeError
 from training.optim import OPTIMIZERS
@@ -108,8 +112,9 @@ def test_a_missing_or_truncated_file_is_named_in_one_line(tmp_path) -> None:
     for rank in (0, 1):
         (checkpoint / "model_state" / f"rank{rank}.safetensors").write_bytes(b"x" * 100)
     (checkpoint / "scheduler.bin").write_bytes(b"y" * 10)
-    write_manifest(checkpoint)
-    (checkpoint / TRAINER_STATE).write_text(json.dumps({"completed_steps": 4}))
+    (checkpoint / TRAINER_STATE).write_text(json.dumps({"completed_steps": 4, "run_id": "run"}))
+    write_manifest(checkpoint, "run", 4, {name: file_sha256(checkpoint / name) for name in checkpoint_files(checkpoint)},
+                   {})
     assert require_complete_checkpoint(checkpoint) == checkpoint
     (checkpoint / "model_state" / "rank1.safetensors").write_bytes(b"x" * 60)
     with pytest.raises(ResumeError, match=r"step_4/model_state/rank1.safetensors is damaged \(60 bytes, saved as "
@@ -121,11 +126,34 @@ def test_a_missing_or_truncated_file_is_named_in_one_line(tmp_path) -> None:
         parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", str(checkpoint)])
 
 
+class WhatUsersKeep(torch.nn.Module):
+    """Odd sizes and every dtype a user's model holds: a float64, a bf16 and a 0-dim parameter, an int64 counter
+    past 2**24, a float64 buffer below float32's step, a bool mask and complex values (float32 rounds or drops
+    each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Linear(7, 5), torch.nn.Linear(5, 1, bias=False))
+        self.scale64 = torch.nn.Parameter(1 + torch.rand(5, dtype=torch.float64) * 1e-9)
+        self.bias16 = torch.nn.Parameter(torch.randn(5).bfloat16())
+        self.temperature = torch.nn.Parameter(torch.tensor(0.75))
+        self.register_buffer("tokens_seen", torch.tensor(2**24 + 1))
+        self.register_buffer("offset64", torch.full((3,), 1 + 1e-12, dtype=torch.float64))
+        self.register_buffer("mask", torch.tensor([True, False, True]))
+        self.register_buffer("phase", torch.tensor([1 + 2j, 3 - 1e-9j], dtype=torch.complex128))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.layers[1](self.layers[0](x)) * self.scale64.float() + self.bias16.float()
+        return self.layers[2](hidden) * self.temperature
+
+
 def small_model_and_optimizer(tmp_path, optim: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Linear(7, 5), torch.nn.Linear(5, 1, bias=False))
+    model = WhatUsersKeep()
     args = parse_args(["--output_dir", str(tmp_path / "out"), "--optim", optim])[2]
-    return model, OPTIMIZERS[optim].build([{"params": list(model.parameters())}], args)
+    groups = [{"params": [p for p in model.parameters() if p.dtype == dtype]} for dtype in
+              (torch.float32, torch.float64, torch.bfloat16)]  # (one dtype a group, as training/optim.py groups them)
+    return model, OPTIMIZERS[optim].build(groups, args)
 
 
 def saved_model_state(tmp_path, optim: str, processes_recorded: int = 1):
@@ -151,9 +179,12 @@ def test_any_optimizers_state_round_trips_exactly(optim, tmp_path) -> None:
 
     checkpoint, model, optimizer = saved_model_state(tmp_path, optim)
     fresh, restored = small_model_and_optimizer(tmp_path, optim, seed=1)
+    fresh.tokens_seen.zero_()
     load_model_state(Accelerator(cpu=True), fresh, restored, checkpoint)
+    for (name, before), after in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert before.dtype == after.dtype and before.shape == after.shape and torch.equal(before, after), name
+    assert fresh.tokens_seen.item() == 2**24 + 1 and fresh.offset64[0].item() == 1 + 1e-12
     for (name, before), after in zip(model.named_parameters(), fresh.parameters()):
-        assert torch.equal(before, after), name
         saved, loaded = optimizer.state[before], restored.state[after]
         assert saved.keys() == loaded.keys(), name
         for key in saved:
@@ -189,3 +220,121 @@ def test_a_checkpoint_this_run_cannot_continue_is_refused_in_one_line(this_run, 
     (tmp_path / TRAINER_STATE).write_text(json.dumps({"completed_steps": 2, "global_batch": 8, "optim": "sgd"}))
     with pytest.raises(ResumeError, match=message):
         load_checkpoint(None, tmp_path, max_steps=4, **this_run)
+
+
+def stamped_checkpoint(root, run_id: str, step: int, seed: int):
+    """A checkpoint as train.py writes one (its model state stamped with its run and step, an accelerate file, the
+    manifest), of `WhatUsersKeep` trained from `seed`."""
+    from accelerate import Accelerator
+
+    model, optimizer = small_model_and_optimizer(root, "adamw_torch", seed)
+    model(torch.randn(3, 13)).square().sum().backward()
+    optimizer.step()
+    checkpoint = root / run_id / f"step_{step}"
+    save_model_state(Accelerator(cpu=True), model, optimizer, checkpoint / "model_state",
+                     {"run_id": run_id, "step": str(step)})
+    torch.save({"seed": seed, "python": list(range(seed, seed + 50))}, checkpoint / "random_states_0.pkl")
+    (checkpoint / TRAINER_STATE).write_text(json.dumps({"completed_steps": step, "run_id": run_id, "num_processes": 1}))
+    write_manifest(checkpoint, run_id, step, {name: file_sha256(checkpoint / name) for name in checkpoint_files(checkpoint)},
+                   {})
+    return checkpoint
+
+
+def zeroed_in_place(file, twins) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
+    file.write_bytes(bytes(data))
+
+
+# each damage of one file, and what the refusal says of it (model_state's files say which run and step they are)
+TAMPERING = {
+    "missing": (lambda file, twins: file.unlink(), {"*": r"is missing"}, True),
+    "cut short": (lambda file, twins: file.write_bytes(file.read_bytes()[:-7]), {"*": r"is damaged \([\d,]+ bytes, saved as [\d,]+\)"}, True),
+    "zeroed in place": (zeroed_in_place, {"*": r"is damaged \(its bytes differ from the SHA-256 saved with it\)"}, False),
+    "another run's": (lambda file, twins: file.write_bytes(twins["other run"]),
+                      {"model_state/rank0.safetensors": r"belongs to run run-b, this checkpoint to run run-a",
+                       "*": r"is damaged \(its bytes differ from the SHA-256 saved with it\)"}, False),
+    "another step's": (lambda file, twins: file.write_bytes(twins["other step"]),
+                       {"model_state/rank0.safetensors": r"was saved at step 6, this checkpoint at step 2",
+                        "*": r"is damaged \(its bytes differ from the SHA-256 saved with it\)"}, False),
+}
+
+
+@pytest.mark.parametrize("name", ["model_state/rank0.safetensors", "random_states_0.pkl"])
+@pytest.mark.parametrize("damage", TAMPERING)
+def test_a_file_missing_damaged_or_of_another_run_or_step_is_refused_naming_it(tmp_path, damage, name) -> None:
+    """Every damage of every kind of file: one line naming the file and what differs, before anything loads (the
+    manifest held sizes only: another run's rank file of the same size, or bytes zeroed in place, resumed with
+    exit 0 on the wrong weights). A damage the size shows is refused before the process group starts too."""
+    checkpoint = stamped_checkpoint(tmp_path, "run-a", 2, seed=0)
+    twins = {"other run": (stamped_checkpoint(tmp_path, "run-b", 2, seed=1) / name).read_bytes(),
+             "other step": (stamped_checkpoint(tmp_path, "run-a", 6, seed=2) / name).read_bytes()}
+    verify_checkpoint(None, checkpoint)  # whole
+    mutate, messages, shown_by_size = TAMPERING[damage]
+    mutate(checkpoint / name, twins)
+    expected = rf"^{checkpoint / name} {messages.get(name, messages['*'])}; resume an earlier checkpoint"
+    with pytest.raises(ResumeError, match=expected):
+        verify_checkpoint(None, checkpoint)
+    if shown_by_size:
+        with pytest.raises(ResumeError, match=expected):
+            require_complete_checkpoint(checkpoint)
+    else:
+        require_complete_checkpoint(checkpoint)  # (same size: the bytes tell)
+
+
+def test_a_trainer_state_of_another_checkpoint_is_refused(tmp_path) -> None:
+    checkpoint = stamped_checkpoint(tmp_path, "run-a", 2, seed=0)
+    (checkpoint / TRAINER_STATE).write_bytes((stamped_checkpoint(tmp_path, "run-a", 6, seed=1) / TRAINER_STATE).read_bytes())
+    with pytest.raises(ResumeError, match=r"trainer_state.json belongs to run run-a at step 6, its manifest.json to run "
+                                          r"run-a at step 2: the checkpoint mixes two; resume an earlier checkpoint"):
+        verify_checkpoint(None, checkpoint)
+
+
+def described(overrides: str | None = None, **model_kwargs) -> dict:
+    """What a checkpoint records of llama-tiny (with `overrides`, as --config_overrides gives them), or of a plain
+    module built with `model_kwargs`."""
+    from types import SimpleNamespace
+
+    from models.configs import build_named_config
+    from models.language import build_tokenizer
+    from training.checkpoints.resume import model_description
+
+    if model_kwargs:
+        return model_description(SimpleNamespace(model_kwargs=model_kwargs, settings={"block_size": 32}), torch.nn.Linear(1, 1))
+    config = build_named_config("llama-tiny", build_tokenizer(None, None), overrides)
+    return model_description(SimpleNamespace(model_kwargs=None, settings={"block_size": 64}), SimpleNamespace(config=config))
+
+
+@pytest.mark.parametrize(("resumed_with", "allowed", "refused"), [
+    ("hidden_act=gelu,rms_norm_eps=0.1", None, "hidden_act ('silu' -> 'gelu'), rms_norm_eps (1e-06 -> 0.1); resume with "
+     "the flags it was trained with, or name the fields you change on purpose: --allow_config_changes hidden_act,rms_norm_eps"),
+    ("hidden_act=gelu,rms_norm_eps=0.1", "rms_norm_eps", "hidden_act ('silu' -> 'gelu'); resume with"),
+    ("hidden_act=gelu,rms_norm_eps=0.1", "hidden_act, rms_norm_eps", None),
+    ("max_position_embeddings=4096", "max_position_embeddings", None),  # extending the context on purpose
+    (None, None, None),
+], ids=["two fields", "one named", "both named", "context extended", "the same model"])
+def test_a_resume_into_a_model_configured_otherwise_is_refused_unless_named(resumed_with, allowed, refused, caplog) -> None:
+    """Same shapes, other model: another activation or norm epsilon resumed with exit 0 (loss 0.46-0.73 off). A
+    difference the user names in --allow_config_changes is logged instead."""
+    from accelerate import PartialState
+
+    from training.checkpoints.resume import check_same_model
+
+    PartialState(cpu=True)  # accelerate's logger: the main process of one
+    saved, this_run = described(), described(resumed_with)
+    with caplog.at_level("WARNING"):
+        if refused:
+            with pytest.raises(ResumeError, match=f"^step_4 holds a model configured otherwise: {re.escape(refused)}"):
+                check_same_model(Path("step_4"), saved, this_run, allowed)
+        else:
+            check_same_model(Path("step_4"), saved, this_run, allowed)
+    changed = [record.getMessage() for record in caplog.records if "--allow_config_changes" in record.getMessage()]
+    assert len(changed) == (1 if allowed and not refused else 0), changed
+
+
+def test_a_plain_modules_constructor_arguments_are_part_of_its_model() -> None:
+    from training.checkpoints.resume import check_same_model
+
+    with pytest.raises(ResumeError, match=r"configured otherwise: width \(13 -> 17\)"):
+        check_same_model(Path("step_4"), described(width=13, vocab_size=919), described(width=17, vocab_size=919), None)
+    check_same_model(Path("step_4"), {}, described(width=17), None)  # (checkpoints before 2026-12-04 record none)

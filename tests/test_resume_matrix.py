@@ -4,8 +4,9 @@ A case saves a checkpoint under one key (config, processes, precision) and resum
 same --optim and model shape, and compares the step it takes with the step the saving run took itself: its loss and
 then its whole state, value by value and with the optimizer's, through the checkpoint reader (1e-5 in fp32; bf16
 against the bf16 tolerance; frozen weights and step counts exactly). The model shapes are what users bring: a plain
-`nn.Module` of odd and prime sizes (tests/odd_shapes.py: a 5-element bias, a 7 x 13 weight, one element, tied
-weights, a frozen layer, BatchNorm statistics) and the template's Llama at odd sizes (which fsdp_tp can slice).
+`nn.Module` of odd and prime sizes (tests/odd_shapes.py: a 5-element bias, a 7 x 13 weight, one element, a 0-dim
+parameter, a float64 parameter, an int64 counter past 2**24 and a float64 buffer, tied weights, a frozen layer,
+BatchNorm statistics) and the template's Llama at odd sizes (which fsdp_tp can slice).
 
 The suite runs a generated pairwise matrix: every pair of values of any two of the eight dimensions appears in some
 case. The full product is marked `nightly` (`python -m pytest -m nightly tests/test_resume_matrix.py`). Each key is
@@ -224,8 +225,9 @@ def half_precision_buffers(key: Key) -> bool:
 
 def assert_same_state(expected: Path, actual: Path, atol: float, names: set[str] | None = None,
                       buffers_in_bf16: bool = False) -> None:
-    """The two checkpoints hold the same tensors (or `names` of them), values and optimizer state, to within `atol`
-    (0: exactly), read by train.py's own reader; step counts exactly."""
+    """The two checkpoints hold the same tensors (or `names` of them), values and optimizer state, each in its own
+    dtype, to within `atol` (0: exactly), read by train.py's own reader; step counts exactly. A float64 parameter
+    that one strategy holds in float32 (`held_alike`) is compared at float32."""
     with ExitStack() as files:
         want, got = ModelState(expected, files), ModelState(actual, files)
         assert got.shapes == want.shapes
@@ -233,15 +235,26 @@ def assert_same_state(expected: Path, actual: Path, atol: float, names: set[str]
             w, g = want.whole(name), got.whole(name)
             statistics = name.endswith(RUNNING_STATISTICS)  # averaged over the ranks at every save: to the last bit
             value = w.value.bfloat16().float() if buffers_in_bf16 and statistics else w.value
-            torch.testing.assert_close(g.value, value, atol=atol, rtol=1e-6 if statistics else 0, msg=named(name))
+            torch.testing.assert_close(*held_alike(g.value, value), atol=atol, rtol=1e-6 if statistics else 0,
+                                       msg=named(name))
             assert g.elementwise.keys() == w.elementwise.keys() and g.other.keys() == w.other.keys(), name
             for key in w.elementwise:
-                torch.testing.assert_close(g.elementwise[key], w.elementwise[key], atol=atol, rtol=0,
+                torch.testing.assert_close(*held_alike(g.elementwise[key], w.elementwise[key]), atol=atol, rtol=0,
                                            msg=named(f"{name} {key}"))
             for key in w.other:
                 wanted, found = (torch.as_tensor(state[key], dtype=torch.float64) for state in (w.other, g.other))
                 torch.testing.assert_close(found, wanted, atol=0 if key == "step" else atol, rtol=0,
                                            msg=named(f"{name} {key}"))
+
+
+def held_alike(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two floating-point values at the narrower of their dtypes: DeepSpeed's masters, and FSDP2's parameters under
+    bf16, are float32 where the model declared float64 (training/strategy/whole.py). Any other pair as it is: an
+    integer is never compared as a float."""
+    if got.dtype != want.dtype and got.is_floating_point() and want.is_floating_point():
+        narrower = min(got.dtype, want.dtype, key=lambda dtype: dtype.itemsize)
+        return got.to(narrower), want.to(narrower)
+    return got, want
 
 
 def named(name: str):

@@ -110,6 +110,10 @@ class CoreTrainArguments:
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
     resume_from_checkpoint: str | None = field(default=None, metadata={
         "help": "A checkpoint directory, or 'latest' for the newest in output_dir."})
+    allow_config_changes: str | None = field(default=None, metadata={
+        "help": "Fields of the model's configuration a resume changes on purpose, comma-separated (e.g. "
+                "rope_scaling,max_position_embeddings to extend the context); any other difference from the "
+                "checkpoint's model is refused."})
     ddp_timeout: int = field(default=1800, metadata={
         "help": "Seconds a collective may wait before every rank aborts (a stalled rank)."})
     dataloader_num_workers: int | None = field(default=None, metadata={

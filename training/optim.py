@@ -63,8 +63,11 @@ def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> to
 
     decay = set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY_PATTERNS))
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for name, p in named if name in decay], "weight_decay": args.weight_decay},
-              {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0}]
+    # one group per dtype as well: ZeRO flattens a group into one buffer, of one dtype (a float64 parameter among
+    # float32 ones made them all float64)
+    dtypes = sorted({p.dtype for _, p in named}, key=str)
+    groups = [{"params": [p for name, p in named if (name in decay) == decays and p.dtype == dtype],
+               "weight_decay": args.weight_decay if decays else 0.0} for decays in (True, False) for dtype in dtypes]
     # An adapter has no trainable biases/norms: DeepSpeed drops an empty group, then the scheduler steps one too many
     groups = [group for group in groups if group["params"]]
     choice = optimizer_for(args.optim, offloaded)

@@ -13,6 +13,7 @@ from training.checkpoints.save import export_whole_model
 from training.checkpoints.tensors import MODEL_STATE, base_optimizer, load_model_state, save_model_state, set_next_rate
 from training.evaluation import evaluate
 from training.step import clip_gradients, forward_backward
+from training.strategy.whole import kept_whole
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -33,8 +34,10 @@ class ModelRunner:
 
     def prepare(self, model: torch.nn.Module, task: Task, seed: int, optimizer, train_loader, eval_loader,
                 scheduler) -> tuple:
-        """What `accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)` returns."""
-        return self.accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)
+        """What `accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)` returns (the parameters
+        a strategy cannot shard kept whole: training/strategy/whole.py)."""
+        with kept_whole(self.accelerator, model):
+            return self.accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler)
 
     def forward_backward(self, model: torch.nn.Module, objective: Callable, batch: dict,
                          window_targets: torch.Tensor) -> torch.Tensor:
@@ -51,9 +54,12 @@ class ModelRunner:
         """The task's metrics over the whole validation set (training/evaluation.py)."""
         return evaluate(model, dataloader, self.accelerator, task, ranks_per_batch)
 
-    def save(self, model: torch.nn.Module, optimizer, directory: Path) -> None:
-        """Every rank: the weights and optimizer state into the checkpoint being written (`model_state/`)."""
-        save_model_state(self.accelerator, model, optimizer, directory / MODEL_STATE)
+    def save(self, model: torch.nn.Module, optimizer, directory: Path, stamp: dict[str, str]) -> dict[str, str] | None:
+        """Every rank: the weights and optimizer state into the checkpoint being written (`model_state/`), the files
+        saying which run and step they belong to (`stamp`, in their metadata); the SHA-256 of each file written and
+        hashed meanwhile, by path within the checkpoint (the rest are hashed after: None)."""
+        sha256 = save_model_state(self.accelerator, model, optimizer, directory / MODEL_STATE, stamp)
+        return {f"{MODEL_STATE}/rank{self.accelerator.process_index}.safetensors": sha256}
 
     def load(self, model: torch.nn.Module, optimizer, scheduler, directory: Path) -> None:
         """Every rank: the weights and optimizer state from the checkpoint a run resumes, however it was laid out

@@ -18,12 +18,13 @@ from accelerate.utils import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
     ProjectConfiguration,
+    broadcast_object_list,
     set_seed,
 )
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from training.checkpoints.files import TrainerState, clear_previous_run
-from training.checkpoints.resume import resolve_resume_path, resume, tracker_purge_step
+from training.checkpoints.resume import model_description, resolve_resume_path, resume, tracker_purge_step
 from training.console import one_voice
 from training.errors import ModelError
 from training.flags import DataArguments, ModelArguments, TrainArguments, every_flag
@@ -87,6 +88,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     with accelerator.main_process_first():  # the main process downloads; the others then read its cache
         raw = task.load_raw_datasets(args.seed)
     model = build_model(started, flags, task, raw)
+    described = model_description(task, model)  # what checkpoints record of the model, and a resume checks
     model_name = task.model_name or type(model).__name__  # a pretrained model or named config, else the class
     check_rebuildable(task)
     num_parameters = parameter_count(model)
@@ -134,10 +136,11 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     layout = parts().checkpoint_layout(args)  # how the parts cut the model: recorded, and a resume must match it
     launched = config_name(accelerator, strategy)
     state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes, strategy=launched,
-                         layout=layout, optim=args.optim, run_id=uuid.uuid4().hex)  # (the main process's is saved)
+                         layout=layout, optim=args.optim, run_id=broadcast_object_list([uuid.uuid4().hex])[0],
+                         model=described)  # (one run id on every rank: each rank's files carry it)
     if resume_path:
         state = resume(accelerator, resume_path, state, max_steps, args.seed, runner, model, optimizer, scheduler,
-                       args.output_dir)
+                       args.output_dir, args.allow_config_changes)
     state.per_device_train_batch_size, state.gradient_accumulation_steps = (args.per_device_train_batch_size,
                                                                             args.gradient_accumulation_steps)
     if args.overwrite_output_dir:  # only now: every check before has passed

@@ -227,12 +227,13 @@ class StageModules(nn.ModuleList, ModelRunner):
 
     # ------------------------------------------------------------ checkpoints and export
 
-    def save(self, model: nn.Module, optimizer, directory: Path) -> None:
-        """One replica saves each stage's weights and this process's optimizer state."""
+    def save(self, model: nn.Module, optimizer, directory: Path, stamp: dict[str, str]) -> None:
+        """One replica saves each stage's weights (saying which run and step they belong to: `stamp`) and this
+        process's optimizer state; the core hashes them after."""
         if self.replica != 0:
             return
         for stage, index in zip(self, self.indices):
-            save_file(self.full_state_dict([stage]), directory / STAGE_WEIGHTS.format(index=index))
+            save_file(self.full_state_dict([stage]), directory / STAGE_WEIGHTS.format(index=index), metadata=stamp)
         torch.save(self.optimizer.state_dict(), directory / STAGE_OPTIMIZER.format(rank=self.stage_rank))
 
     def load(self, model: nn.Module, optimizer, scheduler, directory: Path) -> None:

@@ -1,19 +1,23 @@
-"""A checkpoint's files on disk: `trainer_state.json` (`TrainerState`), `manifest.json` (every file and its size,
-checked before a resume), where checkpoints live, which is the latest, rotation, and the output directory's checks."""
+"""A checkpoint's files on disk: `trainer_state.json` (`TrainerState`), `manifest.json` (every file's size and
+SHA-256 and the run and step it belongs to, every tensor's shape and dtype: checked before a resume), where
+checkpoints live, which is the latest, rotation, and the output directory's checks."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 from training.errors import ArgumentError, ResumeError
 
 TRAINER_STATE = "trainer_state.json"
-MANIFEST = "manifest.json"  # every other file of the checkpoint and its size in bytes
+MANIFEST = "manifest.json"  # the run and step; every other file's size and SHA-256; every tensor's shape and dtype
 PLAIN_MODEL = "model.json"  # in final/: how to rebuild a plain nn.Module (its class and constructor arguments)
 DEEPSPEED_DIR = "pytorch_model"  # what accelerate's save_state wrote for a DeepSpeed engine (before model_state/)
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -32,6 +36,7 @@ class TrainerState:
     gradient_accumulation_steps: int = 0
     optim: str = ""  # the --optim whose state it holds ("": not recorded, before 2026-11-28)
     run_id: str = ""  # the run it belongs to, made at a fresh start and kept by every resume
+    model: dict[str, Any] = field(default_factory=dict)  # the model's configuration (`model_description`)
 
 
 def checkpoints_root(output_dir: str) -> Path:
@@ -125,28 +130,110 @@ def run_of(checkpoint: Path) -> str:
 
 
 def require_complete_checkpoint(path: Path) -> Path:
-    """`path`, once it holds a complete checkpoint whose files are all there at the size they were saved."""
+    """`path`, once it holds a complete checkpoint whose files are all there at the size they were saved (their
+    bytes are checked by `verify_checkpoint`, with the process group)."""
     if not (path / TRAINER_STATE).is_file():
         raise FileNotFoundError(f"no complete checkpoint at {path} (missing {TRAINER_STATE}); check --resume_from_checkpoint")
-    if not (path / MANIFEST).is_file():  # (checkpoints before 2026-11-28 have none)
-        return path
-    try:
-        sizes = json.loads((path / MANIFEST).read_text())
-    except ValueError:
-        raise ResumeError(f"{path / MANIFEST} is damaged; resume an earlier checkpoint") from None
-    for name, size in sizes.items():
-        file = path / name
-        found = file.stat().st_size if file.is_file() else None
-        if found != size:
-            what = "is missing" if found is None else f"is damaged ({found:,} bytes, saved as {size:,})"
-            raise ResumeError(f"{file} {what}; resume an earlier checkpoint (--resume_from_checkpoint <its path>)")
+    for name, entry in manifest_files(path).items():
+        if problem := file_problem(path, name, entry, read_bytes=False):
+            raise ResumeError(f"{problem}; resume an earlier checkpoint (--resume_from_checkpoint <its path>)")
     return path
 
 
-def write_manifest(checkpoint: Path) -> None:
-    sizes = {str(file.relative_to(checkpoint)): file.stat().st_size for file in sorted(checkpoint.rglob("*"))
-             if file.is_file() and file.name not in (MANIFEST, TRAINER_STATE)}
-    (checkpoint / MANIFEST).write_text(json.dumps(sizes, indent=1))
+def manifest_files(path: Path) -> dict[str, dict[str, Any]]:
+    """The checkpoint's files by relative path, each {"bytes", and since 2026-12-04 "sha256", "run_id", "step"}
+    (checkpoints before 2026-11-28 have no manifest; before 2026-12-04 it held the sizes alone)."""
+    if not (path / MANIFEST).is_file():
+        return {}
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        if "files" not in manifest:
+            return {name: {"bytes": int(size)} for name, size in manifest.items()}
+        return {name: dict(entry) for name, entry in manifest["files"].items()}
+    except (ValueError, TypeError, AttributeError):
+        raise ResumeError(f"{path / MANIFEST} is damaged; resume an earlier checkpoint") from None
+
+
+def write_hashed(path: Path, data: bytes) -> str:
+    """Write `data` to `path`; its SHA-256, hashed on another thread while the bytes are written (hashlib releases
+    the GIL), so that the checksum adds next to no time to a save."""
+    digest = hashlib.sha256()
+    hashing = threading.Thread(target=digest.update, args=(memoryview(data),))
+    hashing.start()
+    path.write_bytes(data)
+    hashing.join()
+    return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def checkpoint_files(checkpoint: Path) -> list[str]:
+    """Every file of a checkpoint the manifest lists: all but the manifest and trainer_state.json."""
+    return [str(file.relative_to(checkpoint)) for file in sorted(checkpoint.rglob("*"))
+            if file.is_file() and file.name not in (MANIFEST, TRAINER_STATE)]
+
+
+def write_manifest(checkpoint: Path, run_id: str, step: int, sha256: dict[str, str], tensors: dict[str, dict]) -> None:
+    """Every file's size and SHA-256 (`sha256`: by relative path) and the run and step it belongs to, and every
+    tensor's shape and dtype."""
+    files = {name: {"bytes": (checkpoint / name).stat().st_size, "sha256": sha256[name], "run_id": run_id, "step": step}
+             for name in checkpoint_files(checkpoint)}
+    manifest = {"run_id": run_id, "step": step, "files": files, "tensors": tensors}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def file_problem(checkpoint: Path, name: str, entry: dict[str, Any], read_bytes: bool = True) -> str | None:
+    """What is wrong with one file of a checkpoint against its manifest entry (None: nothing): missing, another
+    run's or another step's (as a model_state file says of itself), or damaged in place (`read_bytes` False: its
+    size only, before the process group; the SHA-256 needs the bytes)."""
+    file, expected = checkpoint / name, recorded_identity(checkpoint)
+    if not file.is_file():
+        return f"{file} is missing"
+    size = file.stat().st_size
+    if size == entry["bytes"] and (not read_bytes or "sha256" not in entry or file_sha256(file) == entry["sha256"]):
+        return None
+    own = stamp_of(file)
+    if own.get("run_id", expected["run_id"]) != expected["run_id"]:
+        return f"{file} belongs to run {own['run_id']}, this checkpoint to run {expected['run_id']}"
+    if int(own.get("step", expected["step"])) != expected["step"]:
+        return f"{file} was saved at step {own['step']}, this checkpoint at step {expected['step']}"
+    if size != entry["bytes"]:
+        return f"{file} is damaged ({size:,} bytes, saved as {entry['bytes']:,})"
+    return f"{file} is damaged (its bytes differ from the SHA-256 saved with it)"
+
+
+def recorded_identity(checkpoint: Path) -> dict[str, Any]:
+    """The run and step a checkpoint belongs to, as its trainer_state.json records them."""
+    state = recorded(checkpoint)
+    return {"run_id": state.get("run_id", ""), "step": state.get("completed_steps", 0)}
+
+
+def identity_problem(checkpoint: Path) -> str | None:
+    """trainer_state.json and the manifest of one checkpoint name another run or step (None: they agree)."""
+    try:
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None  # (none before 2026-11-28; a damaged one is named by `manifest_files`)
+    saved, expected = (manifest.get("run_id"), manifest.get("step")), recorded_identity(checkpoint)
+    if "files" in manifest and saved != (expected["run_id"], expected["step"]):
+        return (f"{checkpoint / TRAINER_STATE} belongs to run {expected['run_id']} at step {expected['step']}, its "
+                f"{MANIFEST} to run {saved[0]} at step {saved[1]}: the checkpoint mixes two")
+    return None
+
+
+def stamp_of(file: Path) -> dict[str, str]:
+    """The run and step a safetensors file of the template says it belongs to (nothing for other files)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, "pt") as handle:
+            metadata = handle.metadata() or {}
+    except (SafetensorError, OSError, ValueError):
+        return {}
+    return {key: metadata[key] for key in ("run_id", "step") if key in metadata}
 
 
 def rotate_checkpoints(output_dir: str, newest: Path, limit: int) -> None:

@@ -9,18 +9,23 @@ import json
 import pickle
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from torch.utils.data import DataLoader
 
 from training.checkpoints.files import (
     DEEPSPEED_DIR,
     TRAINER_STATE,
     TrainerState,
+    file_problem,
+    identity_problem,
     latest_checkpoint,
+    manifest_files,
     require_complete_checkpoint,
 )
 from training.checkpoints.save import without_model_and_optimizer
@@ -50,12 +55,76 @@ def resolve_resume_path(resume_from_checkpoint: str | None, output_dir: str,
     return require_complete_checkpoint(Path(resume_from_checkpoint))
 
 
+# a transformers config's fields that say how a run uses the model, not what the model is
+RUNTIME_CONFIG_FIELDS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache",
+                         "output_attentions", "output_hidden_states", "return_dict", "torchscript", "_attn_implementation",
+                         "attn_implementation", "_attn_implementation_autoset", "_commit_hash"}
+
+
+def model_description(task, model: torch.nn.Module) -> dict[str, Any]:
+    """What a checkpoint records of the model it holds, as JSON keeps it: a transformers config's fields (less how a
+    run uses it: `RUNTIME_CONFIG_FIELDS`), a plain module's constructor arguments, the task's settings."""
+    config = getattr(model, "config", None)
+    fields = {key: value for key, value in config.to_dict().items() if key not in RUNTIME_CONFIG_FIELDS} if hasattr(
+        config, "to_dict") else {}
+    described = {"config": fields, "model_kwargs": task.model_kwargs or {}, "settings": task.settings}
+    return json.loads(json.dumps(described, default=str, sort_keys=True))
+
+
+def config_differences(saved: dict[str, Any], this_run: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The fields whose values differ, by name (`config.hidden_act`...): (the checkpoint's, this run's)."""
+    def flat(described: dict[str, Any]) -> dict[str, Any]:
+        return {f"{section}.{key}": value for section, values in described.items() for key, value in values.items()}
+
+    before, after = flat(saved), flat(this_run)
+    missing = object()
+    return {name: (before.get(name, missing), after.get(name, missing)) for name in sorted(before.keys() | after.keys())
+            if before.get(name, missing) != after.get(name, missing)}
+
+
+def check_same_model(path: Path, saved: dict[str, Any], this_run: dict[str, Any], allowed: str | None) -> None:
+    """Refuse a checkpoint of another model (another activation, norm epsilon, RoPE theta...: the same shapes load
+    and train silently otherwise), unless `allowed` (--allow_config_changes) names each differing field."""
+    if not saved:  # (checkpoints before 2026-12-04 record none)
+        return
+    allowed_fields = {field.strip() for field in (allowed or "").split(",") if field.strip()}
+    differences = config_differences(saved, this_run)
+    named = {name: values for name, values in differences.items() if name.split(".", 1)[1] in allowed_fields}
+
+    def shown(values: dict[str, tuple[Any, Any]]) -> str:
+        return ", ".join(f"{name.split('.', 1)[1]} ({'none' if type(old) is object else old!r} -> "
+                         f"{'none' if type(new) is object else new!r})" for name, (old, new) in values.items())
+
+    if refused := {name: values for name, values in differences.items() if name not in named}:
+        raise ResumeError(f"{path} holds a model configured otherwise: {shown(refused)}; resume with the flags it was "
+                          f"trained with, or name the fields you change on purpose: --allow_config_changes "
+                          f"{','.join(name.split('.', 1)[1] for name in refused)}")
+    if named:
+        logger.warning(f"resuming {path} with changed {shown(named)} (--allow_config_changes)", main_process_only=True)
+
+
+def verify_checkpoint(accelerator: Accelerator | None, path: Path) -> None:
+    """Every file of `path` against its manifest (size, SHA-256, run and step) before anything is loaded: each rank
+    checks its share of the files, in parallel, and every rank stops on the first problem any rank found."""
+    if problem := identity_problem(path):
+        raise ResumeError(f"{problem}; resume an earlier checkpoint")
+    files = sorted(manifest_files(path).items())
+    rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    problems = [problem for name, entry in files[rank::processes] if (problem := file_problem(path, name, entry))]
+    if processes > 1:
+        problems = gather_object(problems)
+    if problems:
+        raise ResumeError(f"{problems[0]}; resume an earlier checkpoint (--resume_from_checkpoint <its path>)")
+
+
 def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max_steps: int,
                     layout: dict[str, int] | None = None, runner: ModelRunner | None = None, model=None, optimizer=None,
-                    scheduler=None, optim: str | None = None) -> TrainerState:
-    """Check on every rank that `path` continues this run exactly (`optim`: this run's --optim), then restore it:
-    accelerate's `load_state` of the schedule, generators and data position, the runner's model and optimizer state,
-    the parts' own files."""
+                    scheduler=None, optim: str | None = None, description: dict[str, Any] | None = None,
+                    allowed_changes: str | None = None) -> TrainerState:
+    """Check on every rank that `path` continues this run exactly (`optim`: this run's --optim; `description`: its
+    model's, `model_description`), that its files are whole and its own (`verify_checkpoint`), then restore it:
+    accelerate's `load_state` of the schedule, generators and data position, the runner's model and optimizer
+    state, the parts' own files."""
     try:
         saved = json.loads((path / TRAINER_STATE).read_text())
         if (stages := saved.pop("pipeline_stages", 1)) > 1:  # how checkpoints before 2026-11-27 recorded a pipeline
@@ -83,6 +152,8 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
         raise ResumeError(f"{path} holds a model laid out as {shown(state.layout)} and this run lays it out as "
                           f"{shown(layout or {})}; resume with the flags that laid it out so, or start a new run from "
                           "that run's final/ with --model_name_or_path (the optimizer state is not carried over)")
+    if description is not None:
+        check_same_model(path, state.model, description, allowed_changes)
     if (path / DEEPSPEED_DIR).is_dir() and state.num_processes != accelerator.num_processes:
         raise ResumeError(
             f"{path} is a DeepSpeed checkpoint of {state.num_processes} processes; DeepSpeed cannot resume it on "
@@ -90,6 +161,7 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
             f"`python {path}/zero_to_fp32.py {path} <out_dir> --safe_serialization`, copy config.json and the "
             "tokenizer files from final/ into <out_dir>, and start a new run from --model_name_or_path <out_dir> "
             "(the optimizer state is not carried over)")
+    verify_checkpoint(accelerator, path)
     try:
         with contextlib.ExitStack() as loading:
             # the parts' (parts/safe_loading: unpickling on an allow-list)
@@ -110,12 +182,13 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
 
 
 def resume(accelerator: Accelerator, path: Path, this_run: TrainerState, max_steps: int, seed: int,
-           runner: ModelRunner, model, optimizer, scheduler, output_dir: str) -> TrainerState:
+           runner: ModelRunner, model, optimizer, scheduler, output_dir: str,
+           allowed_changes: str | None = None) -> TrainerState:
     """Restore `path` into this run (`this_run`: its fresh state), on every rank; the state to continue from. The
     generators are reseeded where the process count changed, and metrics.jsonl keeps only what was logged up to the
     checkpoint's step (the trackers' own purge: `tracker_purge_step`)."""
     state = load_checkpoint(accelerator, path, this_run.global_batch, max_steps, this_run.layout, runner, model,
-                            optimizer, scheduler, this_run.optim)
+                            optimizer, scheduler, this_run.optim, this_run.model, allowed_changes)
     reseeded = ""
     if state.num_processes != this_run.num_processes:  # a rank's saved generators have no counterpart now
         set_seed(seed + state.completed_steps)  # alike on every rank, as a fresh start seeds them
@@ -124,7 +197,8 @@ def resume(accelerator: Accelerator, path: Path, this_run: TrainerState, max_ste
         saved_on = f"{state.num_processes} process{'es' if state.num_processes > 1 else ''}"
         logger.info(f"resuming a {state.strategy or 'older'} checkpoint of {saved_on} under {this_run.strategy} with "
                     f"{this_run.num_processes}{reseeded}", main_process_only=True)
-    state.num_processes, state.strategy, state.optim = this_run.num_processes, this_run.strategy, this_run.optim
+    state.num_processes, state.strategy, state.optim, state.model = (this_run.num_processes, this_run.strategy,
+                                                                     this_run.optim, this_run.model)
     if accelerator.is_main_process:
         keep_metrics_until(output_dir, state.completed_steps)
     logger.info(f"resumed from {path} at step {state.completed_steps}", main_process_only=True)

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
+from huggingface_hub import save_torch_state_dict
 from transformers import PreTrainedModel
 
 from training.batchnorm import average_running_statistics
@@ -19,12 +21,16 @@ from training.checkpoints.files import (
     PLAIN_MODEL,
     TRAINER_STATE,
     TrainerState,
+    checkpoint_files,
     checkpoints_root,
+    file_sha256,
     rotate_checkpoints,
     write_manifest,
 )
+from training.checkpoints.tensors import MODEL_STATE, model_tensors, tensor_records, whole_shape
 from training.parts import CheckpointFiles, parts
 from training.strategy.adapters import own_class_while_saving
+from training.strategy.whole import scalars_gathered_1d
 
 if TYPE_CHECKING:
     from training.runner import ModelRunner
@@ -43,11 +49,13 @@ def save_checkpoint(accelerator: Accelerator, runner: ModelRunner, model: torch.
     accelerator.wait_for_everyone()
     with without_model_and_optimizer(accelerator):
         accelerator.save_state(str(staging))
-    runner.save(model, optimizer, staging)
+    stamp = {"run_id": state.run_id, "step": str(state.completed_steps)}  # what the runner's files say they are
+    hashed = runner.save(model, optimizer, staging, stamp) or {}
     parts().save_state(CheckpointFiles(accelerator, staging))  # the parts' own (a stream's position, PowerSGD's)
     accelerator.wait_for_everyone()
+    sha256 = hash_checkpoint(accelerator, staging, hashed)
     if accelerator.is_main_process:
-        write_manifest(staging)
+        write_manifest(staging, state.run_id, state.completed_steps, sha256, tensor_records(staging / MODEL_STATE))
         (staging / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
         if path.exists():  # the same step saved before, e.g. by the run this one resumed
             shutil.rmtree(path)
@@ -56,6 +64,15 @@ def save_checkpoint(accelerator: Accelerator, runner: ModelRunner, model: torch.
             rotate_checkpoints(output_dir, path, save_total_limit)
     accelerator.wait_for_everyone()
     return path
+
+
+def hash_checkpoint(accelerator: Accelerator, checkpoint: Path, hashed: dict[str, str]) -> dict[str, str]:
+    """Every file's SHA-256, by relative path, on every rank: what the ranks hashed as they wrote (`hashed`: the
+    runner's files), and the rest (accelerate's, the parts') shared out, each rank hashing its share in parallel."""
+    hashed = {name: sha for share in gather_object([hashed]) for name, sha in share.items()}
+    rest = [name for name in checkpoint_files(checkpoint) if name not in hashed]
+    mine = {name: file_sha256(checkpoint / name) for name in rest[accelerator.process_index::accelerator.num_processes]}
+    return hashed | {name: sha for share in gather_object([mine]) for name, sha in share.items()}
 
 
 @contextlib.contextmanager
@@ -79,26 +96,44 @@ def export_final(accelerator: Accelerator, runner: ModelRunner, model, task, out
 
 
 def export_whole_model(accelerator: Accelerator, model, task, final_dir: Path) -> Path:
-    """Whole model as safetensors, processor and config (plain modules: `model.json`); every rank, to gather shards."""
+    """Whole model as safetensors, processor and config (plain modules: `model.json`); every rank, to gather shards.
+    The same tensors under every strategy (`whole_state_dict`)."""
     # unwrap_model keeps --torch_compile's wrapper: weights saved as `_orig_mod.*` load as a random model.
     model = getattr(model, "_orig_mod", model)
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
+    state_dict = whole_state_dict(accelerator, model, unwrapped)
     with own_class_while_saving(unwrapped):
         if not (isinstance(unwrapped, PreTrainedModel) or hasattr(unwrapped, "peft_config")):  # a plain nn.Module
-            accelerator.save_model(model, final_dir)  # model.safetensors (or shards of 10 GB and their index)
-            if accelerator.is_main_process:
+            if accelerator.is_main_process:  # model.safetensors (or shards of 10 GB and their index)
+                final_dir.mkdir(parents=True, exist_ok=True)
+                save_torch_state_dict(state_dict, final_dir, max_shard_size="10GB")
                 rebuild = {"class": f"{type(unwrapped).__module__}:{type(unwrapped).__qualname__}",
                            "kwargs": task.model_kwargs or {}}
                 (final_dir / PLAIN_MODEL).write_text(json.dumps(rebuild, indent=2) + "\n")
         else:  # a peft model saves its adapter alone (peft's format), taken from the gathered state dict
-            state_dict = accelerator.get_state_dict(model)
             unwrapped.save_pretrained(final_dir, is_main_process=accelerator.is_main_process,
                                       save_function=accelerator.save, state_dict=state_dict)
     if accelerator.is_main_process and task.processor is not None:
         task.processor.save_pretrained(final_dir)
     accelerator.wait_for_everyone()
     return final_dir
+
+
+def whole_state_dict(accelerator: Accelerator, model, unwrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's whole tensors on the main process (every rank gathers), named and shaped as the model declares
+    them whatever the strategy: a tied weight once, by its first name (FSDP2 and ZeRO-1/2 gathered a copy of
+    `lm_head.weight` that ZeRO-3 left out), a 0-dim parameter 0-dim."""
+    declared = {name: whole_shape(tensor) for name, tensor in model_tensors(unwrapped).items()}
+    with scalars_gathered_1d(unwrapped.parameters()):
+        gathered = accelerator.get_state_dict(model) or {}
+    return {name: own_storage(gathered[name].reshape(shape)) for name, shape in declared.items() if name in gathered}
+
+
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied where it is a view into a larger buffer (ZeRO-3 gathers layers into flat buffers), which a
+    safetensors file refuses."""
+    return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() else tensor
 
 
 def load_plain_model(final_dir: str | Path) -> torch.nn.Module:

@@ -1,5 +1,7 @@
-"""The tensor format of `model_state/`: every tensor's fp32 value and optimizer state, written by each rank as the
-pieces it holds under any strategy, and read back whole into any other layout (another strategy or process count)."""
+"""The tensor format of `model_state/`: every tensor's value and optimizer state, each in the dtype the run holds it
+in (a ZeRO master's for what ZeRO trains: fp32; int64, float64, bool, complex as they are), written by each rank as
+the pieces it holds under any strategy, and read back whole into any other layout (another strategy or process
+count)."""
 
 from __future__ import annotations
 
@@ -12,25 +14,26 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
-from training.checkpoints.files import TRAINER_STATE
+from training.checkpoints.files import TRAINER_STATE, write_hashed
 from training.errors import ResumeError
 from training.strategy import bare_model
+from training.strategy.whole import scalars_gathered_1d
 
 # The checkpoint's model state, one tensor at a time in the same terms under every strategy (training/checkpoints/):
-# the pieces of its fp32 value and optimizer state that this rank holds, or the whole of them set into its layout. A
-# piece is (its offset in the flattened whole, fp32 values). Optimizer state not shaped like its tensor (a step count,
-# Adafactor's factored moments) is kept as the optimizer holds it, a tensor or a number, under offset None.
+# the pieces of its value and optimizer state that this rank holds, or the whole of them set into its layout. A piece
+# is (its offset in the flattened whole, values in their own dtype). Optimizer state not shaped like its tensor (a
+# step count, Adafactor's factored moments) is kept as the optimizer holds it, a tensor or a number, under offset None.
 
-MODEL_STATE = "model_state"  # rank<N>.safetensors: each rank's pieces of every tensor's fp32 value and optimizer state
+MODEL_STATE = "model_state"  # rank<N>.safetensors: each rank's pieces of every tensor's value and optimizer state
 
 Piece = tuple[int | None, torch.Tensor | float | int]
 
 
 @dataclass
 class TensorState:
-    """One tensor of the checkpoint, whole: its fp32 value, the optimizer state shaped like it, and the rest."""
+    """One tensor of the checkpoint, whole: its value, the optimizer state shaped like it, and the rest."""
 
     value: torch.Tensor
     elementwise: dict[str, torch.Tensor] = field(default_factory=dict)  # AdamW's moments
@@ -59,13 +62,13 @@ def whole_shape(tensor: torch.Tensor) -> list[int]:
     return list(getattr(tensor, "ds_shape", tensor.shape))
 
 
-FROZEN_SHARE = "frozen_share"  # (offset, fp32 values): a frozen parameter's share kept by `keep_frozen_values`
+FROZEN_SHARE = "frozen_share"  # (offset, values as built): a frozen parameter's share kept by `keep_frozen_values`
 
 
 def keep_frozen_values(model: torch.nn.Module, rank: int, processes: int) -> None:
     """DeepSpeed's half-precision engines cast the whole model and keep fp32 copies of the trained parameters only:
-    before `prepare`, each rank keeps its share of every frozen parameter as built (`FROZEN_SHARE`), which is what
-    checkpoints hold. (A model built partitioned by zero.Init never had other values.)"""
+    before `prepare`, each rank keeps its share of every frozen parameter as built, in its own dtype (`FROZEN_SHARE`),
+    which is what checkpoints hold. (A model built partitioned by zero.Init never had other values.)"""
     for parameter in model.parameters():
         kept = hasattr(parameter, FROZEN_SHARE) or hasattr(parameter, "ds_id")  # (prepared again: already cast)
         if not parameter.requires_grad and parameter.is_floating_point() and not kept:
@@ -158,7 +161,8 @@ def _kept(value: torch.Tensor | float | int) -> torch.Tensor | float | int:
 
 
 def _flat(tensor: torch.Tensor | float) -> torch.Tensor:
-    return torch.as_tensor(_local(tensor)).detach().float().cpu().reshape(-1)
+    """The local values, flattened, in their own dtype (never rounded: an int64 counter past 2**24 stays exact)."""
+    return torch.as_tensor(_local(tensor)).detach().cpu().reshape(-1)
 
 
 def _zero3_range(tensor: torch.Tensor) -> tuple[int, int, int]:
@@ -210,8 +214,8 @@ def set_full_state(tensor: torch.Tensor, saved: TensorState, optimizer: torch.op
     if hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"):
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-        with GatheredParameters([tensor], modifier_rank=0, enabled=hasattr(tensor, "ds_id")):
-            tensor.data.copy_(value)  # the weights forward uses (ZeRO-3: rank 0's, partitioned again on leaving)
+        with scalars_gathered_1d([tensor]), GatheredParameters([tensor], modifier_rank=0, enabled=hasattr(tensor, "ds_id")):
+            tensor.data.copy_(value.reshape(tensor.data.shape))  # the weights forward uses (ZeRO-3: rank 0's, partitioned again on leaving)
         if tensor.requires_grad:
             _set_zero_state(tensor, saved)
         for stepped in optimizer.state.values():  # ZeRO steps flat partitions: one count for all
@@ -239,14 +243,14 @@ def _set_zero_state(tensor: torch.Tensor, saved: TensorState) -> None:
     )
 
     if not hasattr(tensor, "ds_id"):
-        safe_set_full_fp32_param(tensor, saved.value.to(tensor.device))
+        safe_set_full_fp32_param(tensor, saved.value.reshape(tensor.shape).to(tensor.device))
         for key, state in saved.elementwise.items():
-            safe_set_full_optimizer_state(tensor, state.to(tensor.device), key)
+            safe_set_full_optimizer_state(tensor, state.reshape(tensor.shape).to(tensor.device), key)
         return
     start, size, held = _zero3_range(tensor)
 
-    def partition(whole: torch.Tensor) -> torch.Tensor:
-        padded = torch.zeros(size)
+    def partition(whole: torch.Tensor) -> torch.Tensor:  # (DeepSpeed casts it to the master's dtype)
+        padded = torch.zeros(size, dtype=whole.dtype)
         padded[:held] = whole.reshape(-1)[start:start + held]
         return padded.to(tensor.ds_tensor.device)
 
@@ -272,22 +276,32 @@ def _shard_like(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def load_optimizer_states(optimizer: torch.optim.Optimizer, torch_states: dict[int, dict]) -> None:
-    """A torch optimizer's state from `set_full_state`'s, through its `load_state_dict` (dtypes, devices, steps)."""
+    """A torch optimizer's state from `set_full_state`'s, through its `load_state_dict` (devices, steps), each tensor
+    in the dtype the optimizer kept it in (`load_state_dict` casts state to its parameter's: Adafactor's float32
+    moments of a bf16 parameter would come back rounded)."""
     if not torch_states:
         return
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     saved = optimizer.state_dict()
     saved["state"] = {index: torch_states[id(p)] for index, p in enumerate(parameters) if id(p) in torch_states}
     optimizer.load_state_dict(saved)
+    for parameter in parameters:
+        for key, value in torch_states.get(id(parameter), {}).items():
+            loaded = optimizer.state[parameter].get(key)
+            if torch.is_tensor(value) and torch.is_tensor(loaded) and loaded.dtype != value.dtype:
+                optimizer.state[parameter][key] = value.to(loaded.device)
 
 
 WHOLE = "whole"  # the offset of optimizer state kept as the optimizer holds it (`held_pieces`' offset None)
+AS_BYTES = (torch.complex128, torch.complex32)  # dtypes safetensors 0.8 cannot hold: written as their bytes (uint8)
 
 
-def save_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, directory: Path) -> None:
+def save_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, directory: Path,
+                     stamp: dict[str, str] | None = None) -> str:
     """Every rank writes the pieces it holds of every tensor and its optimizer state (`held_pieces`: no gathering, so
-    as fast as the strategies' own saves) to one file, with the tensors' whole shapes; state that is a number (a step
-    count) goes into the file's metadata, as JSON keeps it."""
+    as fast as the strategies' own saves) to one file, with the tensors' whole shapes and the dtypes of its pieces;
+    state that is a number (a step count) goes into the file's metadata, as JSON keeps it, and so does `stamp` (the
+    run and step the file belongs to). Returns the file's SHA-256, hashed while it is written (`write_hashed`)."""
     directory.mkdir(parents=True, exist_ok=True)
     base, rank, pieces, numbers, shapes = base_optimizer(optimizer), accelerator.process_index, {}, {}, {}
     for name, tensor in model_tensors(bare_model(accelerator, model)).items():
@@ -297,13 +311,31 @@ def save_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer
                 pieces[f"{name}|{key}|{WHOLE if start is None else start}"] = piece
             else:
                 numbers[f"{name}|{key}"] = piece
-    save_file(pieces, directory / f"rank{rank}.safetensors",
-              metadata={"shapes": json.dumps(shapes), "numbers": json.dumps(numbers)})
+    metadata = {"shapes": json.dumps(shapes), "numbers": json.dumps(numbers), **(stamp or {}),
+                "dtypes": json.dumps({key.rsplit("|", 1)[0]: str(piece.dtype).removeprefix("torch.")
+                                      for key, piece in pieces.items()})}
+    pieces = {key: piece.view(torch.uint8) if piece.dtype in AS_BYTES else piece for key, piece in pieces.items()}
+    return write_hashed(directory / f"rank{rank}.safetensors", save(pieces, metadata=metadata))
+
+
+def tensor_records(directory: Path) -> dict[str, dict]:
+    """Every tensor's whole shape and the dtype of its value, from the headers of `save_model_state`'s files (the
+    manifest's record; nothing where a part's runner saved otherwise)."""
+    records = {}
+    for path in sorted(directory.glob("rank*.safetensors")):
+        with safe_open(path, "pt") as handle:
+            metadata = handle.metadata()
+        dtypes = json.loads(metadata.get("dtypes", "{}"))
+        for name, shape in json.loads(metadata["shapes"]).items():
+            records.setdefault(name, {"shape": shape})
+            if dtype := dtypes.get(f"{name}|value"):
+                records[name]["dtype"] = dtype
+    return records
 
 
 class ModelState:
     """A checkpoint's `save_model_state` files, one per rank that saved it, read lazily: one whole tensor (and its
-    optimizer state) assembled at a time."""
+    optimizer state) assembled at a time, in the dtype its pieces were saved in."""
 
     def __init__(self, checkpoint: Path, files: contextlib.ExitStack) -> None:
         self.directory, self.shapes, self.pieces, self.numbers = checkpoint / MODEL_STATE, {}, {}, {}
@@ -324,21 +356,28 @@ class ModelState:
             for key, number in numbers.items():
                 name, kind = key.rsplit("|", 1)
                 self.numbers.setdefault(name, {})[kind] = number
+            dtypes = json.loads(metadata.get("dtypes", "{}"))  # (checkpoints before 2026-12-04: as stored)
             for key in handle.keys():
                 name, kind, start = key.rsplit("|", 2)
-                self.pieces.setdefault(name, {}).setdefault(kind, []).append((start, path, handle, key))
+                dtype = getattr(torch, dtypes.get(f"{name}|{kind}", ""), None)
+                self.pieces.setdefault(name, {}).setdefault(kind, []).append((start, path, handle, key, dtype))
 
     def whole(self, name: str) -> TensorState:
-        """`name`'s fp32 value and optimizer state, each assembled whole from the ranks' pieces."""
+        """`name`'s value and optimizer state, each assembled whole from the ranks' pieces, in their saved dtype."""
         state = TensorState(value=None, other=dict(self.numbers.get(name, {})))
         for kind, pieces in self.pieces.get(name, {}).items():
             if pieces[0][0] == WHOLE or kind == "step":  # the same on every rank that wrote it
                 kept = self._read(*pieces[0][1:])  # (before 2026-11-28 a step count was a piece of one value)
                 state.other[kind] = kept if pieces[0][0] == WHOLE else kept[0]
                 continue
-            flat, covered = torch.empty(math.prod(self.shapes[name])), 0
+            flat, covered = None, 0
             for start, *where in pieces:
                 piece = self._read(*where)
+                if flat is None:
+                    flat = torch.empty(math.prod(self.shapes[name]), dtype=piece.dtype)
+                if piece.dtype != flat.dtype:
+                    raise ResumeError(f"{where[0]} holds {name} ({kind}) in {piece.dtype}, another rank's file in "
+                                      f"{flat.dtype}: the files are of different checkpoints; resume an earlier one")
                 flat[int(start):int(start) + piece.numel()], covered = piece, covered + piece.numel()
             if covered != flat.numel():
                 raise ResumeError(f"{self.directory} holds {covered} of {name}'s {flat.numel()} values ({kind}): a rank's "
@@ -353,11 +392,13 @@ class ModelState:
         return state
 
     @staticmethod
-    def _read(path: Path, handle, key: str) -> torch.Tensor:
+    def _read(path: Path, handle, key: str, dtype: torch.dtype | None) -> torch.Tensor:
+        """One piece, in the dtype its file records (`AS_BYTES` ones were written as their bytes)."""
         try:
-            return handle.get_tensor(key)
+            piece = handle.get_tensor(key)
         except (SafetensorError, OSError) as error:
             raise ResumeError(f"{path} is damaged ({str(error).splitlines()[0]}); resume an earlier checkpoint") from None
+        return piece.view(dtype) if dtype in AS_BYTES and piece.dtype == torch.uint8 else piece
 
 
 def load_model_state(accelerator: Accelerator, model: torch.nn.Module, base: torch.optim.Optimizer,

@@ -129,10 +129,11 @@ def master_weight_dtypes(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 def verify_prepared(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                     per_device_batch: int, max_grad_norm: float) -> None:
-    """After `prepare`: what runs is what train.py asked for; master weights stay fp32 (bf16 ones learn worse)."""
+    """After `prepare`: what runs is what train.py asked for; master weights stay fp32 or wider (bf16 ones learn
+    worse; a model's own float64 parameters are kept)."""
     verify_strategy(accelerator, model)
-    if master_weight_dtypes(model, optimizer) != {torch.float32}:
-        raise StrategyError(f"optimizer master weights are {master_weight_dtypes(model, optimizer)}, not float32")
+    if narrow := {dtype for dtype in master_weight_dtypes(model, optimizer) if dtype.itemsize < 4}:
+        raise StrategyError(f"optimizer master weights are {narrow}, not float32")
     if wrapped_strategy(model) is not Strategy.DEEPSPEED:
         return
     leftover = _auto_keys(accelerator.state.deepspeed_plugin.deepspeed_config)
