@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.harness import CONFIGS, REPO, SUITE_FLAGS, launch, made_once
 from training.checkpoints.tensors import ModelState
@@ -234,7 +235,8 @@ def assert_same_state(expected: Path, actual: Path, atol: float, names: set[str]
         for name in sorted(names if names is not None else want.shapes):
             w, g = want.whole(name), got.whole(name)
             statistics = name.endswith(RUNNING_STATISTICS)  # averaged over the ranks at every save: to the last bit
-            value = w.value.bfloat16().float() if buffers_in_bf16 and statistics else w.value
+            floating = buffers_in_bf16 and statistics and w.value.is_floating_point()  # (not the step counter)
+            value = w.value.bfloat16().float() if floating else w.value
             torch.testing.assert_close(*held_alike(g.value, value), atol=atol, rtol=1e-6 if statistics else 0,
                                        msg=named(name))
             assert g.elementwise.keys() == w.elementwise.keys() and g.other.keys() == w.other.keys(), name
@@ -329,6 +331,23 @@ def test_what_an_outside_probe_broke_resumes_as_the_run_went_on(case, pairwise_r
     bf16-rounded by DeepSpeed's bf16 engine (now exact: its fp32 values as built)."""
     assert case in PAIRWISE
     assert_case_continues(pairwise_run, case)
+
+
+def test_every_config_exports_the_same_tensors_of_a_tied_model(pairwise_run) -> None:
+    """final/ of the plain module with an output layer tied to its embedding, under every config, process count and
+    precision: one set of names and shapes (FSDP2 and ZeRO-1/2 exported a copy of the tied weight that ZeRO-3 left
+    out; ZeRO-1/2 gave a 0-dim parameter back 1-dim; ZeRO-3 could not export it), integers and float64 buffers in
+    their own dtype, to the last bit."""
+    keys = sorted({case.saved for case in PAIRWISE if case.saved.shape == "odd"})
+    assert {key.config for key in keys} == set(CONFIG_FILES) - set(TENSOR_PARALLEL)  # every config that runs it
+    exports = {key: load_file(pairwise_run / "runs" / key.name / "final" / "model.safetensors") for key in keys}
+    first = exports[keys[0]]
+    assert "head.weight" not in first and first["temperature"].shape == () and first["scale64"].shape == (5,)
+    for key, tensors in exports.items():
+        assert {name: tensor.shape for name, tensor in tensors.items()} == {
+            name: tensor.shape for name, tensor in first.items()}, key.name
+        assert tensors["tokens_seen"].dtype == torch.int64 and tensors["tokens_seen"].item() == 2**24 + 1, key.name
+        assert tensors["offset64"].dtype == torch.float64 and (tensors["offset64"] == 1 + 1e-12).all(), key.name
 
 
 @pytest.mark.nightly

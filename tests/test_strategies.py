@@ -99,3 +99,28 @@ def test_one_gpu_ddp_process_runs_the_plain_model(monkeypatch, processes, accept
     else:
         with pytest.raises(StrategyError, match="wrapped for single"):
             verify_strategy(one_gpu, torch.nn.Linear(2, 2))
+
+
+@pytest.mark.quick
+def test_the_parameters_a_library_cannot_shard_are_named_and_a_layout_that_cannot_keep_them_whole_refused() -> None:
+    """FSDP2 refuses a 0-dim parameter and cannot put float64 beside float32 in one unit: both are kept whole
+    (training/strategy/whole.py; trained under every config by tests/test_resume_matrix.py). Where they cannot be
+    kept whole (rank 0 alone builds the model; several data-parallel dimensions), one line before `prepare`."""
+    from training.strategy.whole import _ignored_by_fsdp, unshardable
+    from tests.odd_shapes import OddShapes
+
+    model = OddShapes(vocab_size=11)
+    assert sorted(unshardable(model, one_dtype=True)) == ["scale64", "temperature"]
+    assert sorted(unshardable(model, one_dtype=False)) == ["temperature"]  # (bf16: accelerate makes them all float32)
+    whole = unshardable(model, one_dtype=True)
+    plugin = SimpleNamespace(cpu_ram_efficient_loading=True, ignored_modules=None)
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None)
+    with pytest.raises(StrategyError, match=r"^fsdp_cpu_ram_efficient_loading broadcasts sharded parameters only, and "
+                                            r"FSDP2 cannot shard temperature, scale64 .*set `fsdp_cpu_ram_efficient_loading: false`"):
+        _ignored_by_fsdp(accelerator, model, whole)
+    plugin.cpu_ram_efficient_loading = False
+    accelerator.torch_device_mesh = object()
+    accelerator.parallelism_config = SimpleNamespace(fsdp_dim_names=("dp_replicate", "dp_shard"))
+    with pytest.raises(StrategyError, match=r"^FSDP2 cannot shard temperature, scale64 .*give each shape \(1,\) and one "
+                                            r"dtype, or train with fsdp.yaml"):
+        _ignored_by_fsdp(accelerator, model, whole)

@@ -4,8 +4,8 @@
 
 key.json: `flags` (train.py's), `origin` (an output_dir, or null), `resume` ({case name: a checkpoint another key
 saved}), `cases` and `scratch` (directories). With train.py's own functions, in one process group:
-1. with an `origin`: train from scratch into it as train.py does (`set_up`, `train`), saving every step: the run
-   that goes on, which other keys resume;
+1. with an `origin`: train from scratch into it as train.py does (`set_up`, `train`), saving every step, and export
+   `final/` (`export_final`): the run that goes on, which other keys resume;
 2. for each checkpoint of `resume`: restore it as a resume does (`resume`) and save it again at once
    (`save_checkpoint`, in `cases/<name>`), then take the next optimizer step (`optimizer_step`) and save that too, with
    the step's loss in `cases/<name>/loss.json`.
@@ -19,7 +19,7 @@ from pathlib import Path
 from train import train
 from training.arguments import parse_args
 from training.checkpoints.resume import epoch_batches, resume
-from training.checkpoints.save import save_checkpoint
+from training.checkpoints.save import export_final, save_checkpoint
 from training.collectives import end_collectives
 from training.prelude import after_imports
 from training.process_exit import exit_process
@@ -31,9 +31,10 @@ key = json.loads(Path(sys.argv[1]).read_text())
 model_args, data_args, args = parse_args([*key["flags"], "--output_dir", key["origin"] or key["scratch"]])
 run = set_up(model_args, data_args, args)
 fresh = copy.copy(run.state)  # this run's settings, which a resumed state takes on
+accelerator = run.accelerator
 if key["origin"]:
     train(run)
-accelerator = run.accelerator
+    export_final(accelerator, run.runner, run.model, run.task, key["origin"])
 for name, checkpoint in key["resume"].items():
     output_dir = str(Path(key["cases"]) / name)
     run.state = state = resume(accelerator, Path(checkpoint), fresh, run.max_steps, args.seed, run.runner, run.model,

@@ -276,9 +276,10 @@ def _shard_like(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def load_optimizer_states(optimizer: torch.optim.Optimizer, torch_states: dict[int, dict]) -> None:
-    """A torch optimizer's state from `set_full_state`'s, through its `load_state_dict` (devices, steps), each tensor
-    in the dtype the optimizer kept it in (`load_state_dict` casts state to its parameter's: Adafactor's float32
-    moments of a bf16 parameter would come back rounded)."""
+    """A torch optimizer's state from `set_full_state`'s, through its `load_state_dict` (devices, steps, and each
+    state cast to its parameter's dtype), never narrower than it was saved: Adafactor's float32 moments of a bf16
+    parameter would come back rounded. (A float64 parameter's moments, saved by DeepSpeed's float32 master, become
+    float64, as the optimizer steps them.)"""
     if not torch_states:
         return
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
@@ -288,7 +289,7 @@ def load_optimizer_states(optimizer: torch.optim.Optimizer, torch_states: dict[i
     for parameter in parameters:
         for key, value in torch_states.get(id(parameter), {}).items():
             loaded = optimizer.state[parameter].get(key)
-            if torch.is_tensor(value) and torch.is_tensor(loaded) and loaded.dtype != value.dtype:
+            if torch.is_tensor(value) and torch.is_tensor(loaded) and value.dtype.itemsize > loaded.dtype.itemsize:
                 optimizer.state[parameter][key] = value.to(loaded.device)
 
 

@@ -69,15 +69,20 @@ def kept_whole(accelerator: Accelerator, model: torch.nn.Module) -> Iterator[Non
 @contextmanager
 def scalars_gathered_1d(tensors) -> Iterator[None]:
     """ZeRO-3 gathers that write a parameter back (`GatheredParameters(modifier_rank=...)`, accelerate's whole state
-    dict) broadcast it viewed as bytes: a 0-dim one is gathered 1-dim meanwhile."""
+    dict) broadcast it viewed as bytes: a 0-dim one is gathered 1-dim meanwhile (and held 1-dim where it is held
+    whole already: a parameter under the persistence threshold)."""
     scalars = [tensor for tensor in tensors if getattr(tensor, "ds_shape", None) == torch.Size([])]
     for tensor in scalars:
         tensor.ds_shape = torch.Size([1])
+        if tensor.data.numel() == 1:
+            tensor.data = tensor.data.reshape(1)
     try:
         yield
     finally:
         for tensor in scalars:
             tensor.ds_shape = torch.Size([])
+            if tensor.data.numel() == 1:
+                tensor.data = tensor.data.reshape(())
 
 
 def _one_dtype_for_zero3(model: torch.nn.Module) -> None:
@@ -123,8 +128,9 @@ def _ignored_by_fsdp(accelerator: Accelerator, model: torch.nn.Module, whole: di
             "then builds the whole model)")
     mesh = getattr(accelerator, "torch_device_mesh", None)
     if mesh is not None and len(accelerator.parallelism_config.fsdp_dim_names) > 1:
-        raise StrategyError(f"FSDP2 cannot shard {names} (0-dim, or a dtype of its own), and with tensor parallelism "
-                            "there is no one group to average it over; give it shape (1,), or train with fsdp.yaml")
+        raise StrategyError(f"FSDP2 cannot shard {names} (0-dim, or a dtype of its own), and with several data-parallel "
+                            "dimensions there is no one group to average them over; give each shape (1,) and one dtype, "
+                            "or train with fsdp.yaml")
     holder = torch.nn.Module()
     for index, parameter in enumerate(whole.values()):
         holder.register_parameter(f"kept_whole_{index}", parameter)
