@@ -3,6 +3,7 @@ hold (an enum pickled through getattr) still loads."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -13,7 +14,7 @@ import torch
 
 from parts.safe_loading.unpickling import check_dcp_metadata, safe_unpickling
 from tests.harness import SPLIT_OF, TINY_RUN, bad_input_errors, launch, split_run_args
-from training.checkpoints.files import write_manifest
+from training.checkpoints.files import MANIFEST, checkpoint_files, file_sha256, write_manifest
 
 pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
@@ -42,7 +43,10 @@ def test_a_checkpoint_that_would_run_code_on_load_is_refused(config, split_run, 
     marker = tmp_path / "code-ran"
     file, write = TAMPERED[config]
     write({"state": CodeOnLoad(marker)}, checkpoint / file)
-    write_manifest(checkpoint)  # as one who tampers can: the sizes then hold, and unpickling is what is left to refuse
+    # as one who tampers can: the manifest written again, its sizes and SHA-256s then hold, and unpickling is left
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    write_manifest(checkpoint, manifest["run_id"], manifest["step"],
+                   {name: file_sha256(checkpoint / name) for name in checkpoint_files(checkpoint)}, manifest["tensors"])
 
     result = launch(config, "train.py", *TINY_RUN, "--output_dir", str(tmp_path), *args,
                     "--resume_from_checkpoint", "latest", timeout=180)
