@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -61,25 +62,32 @@ def test_resume_latest_in_a_fresh_launch_continues_exactly(config, split_run, un
     assert_continues_exactly(full, tmp_path, RESUME_STEP)
 
 
-def cut_short(file: Path, run: Path) -> None:
+def cut_short(file: Path, runs: Callable[[str], Path]) -> None:
     file.write_bytes(file.read_bytes()[:1000])
 
 
-def of_step_4(file: Path, run: Path) -> None:
-    shutil.copy(run / "checkpoints" / "step_4" / file.relative_to(file.parents[1]), file)
+def of_step_4(file: Path, runs: Callable[[str], Path]) -> None:
+    shutil.copy(runs("this") / "checkpoints" / "step_4" / MODEL_STATE / file.name, file)
+
+
+def of_another_run(file: Path, runs: Callable[[str], Path]) -> None:
+    shutil.copy(runs("another") / "checkpoints" / "step_6" / MODEL_STATE / file.name, file)
 
 
 # What a resume refuses in one line on every rank, nothing trained: damage the size shows (before the process group),
-# a rank file of another step that only its bytes show (FSDP2's shards are the same size at every step: each rank
-# checks its share of the files after `prepare`), another model of the same shapes (an activation, a norm epsilon).
-# name -> (split run, the file changed and how, train.py's flags added, the line's start after the checkpoint's path)
+# a rank file of another run or step that only its bytes show (FSDP2's shards of one model are the same size in every
+# checkpoint: each rank checks its share of the files after `prepare`), another model of the same shapes (an
+# activation, a norm epsilon). name -> (split run, the file changed and how, train.py's flags added, the line's
+# start after the checkpoint's path)
 REFUSED = {
-    "rank0.safetensors missing": ("2x4x1", "rank0.safetensors", lambda file, run: file.unlink(), (),
+    "rank0.safetensors missing": ("2x4x1", "rank0.safetensors", lambda file, runs: file.unlink(), (),
                                   "/model_state/rank0.safetensors is missing"),
     "rank1.safetensors cut short": ("2x4x1", "rank1.safetensors", cut_short, (),
                                     "/model_state/rank1.safetensors is damaged (1,000 bytes, saved as "),
     "fsdp, rank1.safetensors of step 4": ("fsdp-2x2x2", "rank1.safetensors", of_step_4, (),
                                           "/model_state/rank1.safetensors was saved at step 4, this checkpoint at step 8"),
+    "fsdp, rank1.safetensors of another run": ("fsdp-2x2x2", "rank1.safetensors", of_another_run, (),
+                                               "/model_state/rank1.safetensors belongs to run "),
     "fsdp, another activation and norm epsilon": (
         "fsdp-2x2x2", None, None, ("--config_overrides", "hidden_act=gelu,rms_norm_eps=0.1"),
         " holds a model configured otherwise: hidden_act ('silu' -> 'gelu'), rms_norm_eps (1e-06 -> 0.1); resume with "
@@ -90,15 +98,15 @@ REFUSED = {
 
 @pytest.mark.parametrize("refused", REFUSED)
 def test_a_checkpoint_damaged_of_another_step_or_model_stops_every_rank_in_one_line(
-        refused, split_run, uneven_data, tmp_path) -> None:
+        refused, split_run, strategy_run, uneven_data, tmp_path) -> None:
     """Before, a missing rank file was a KeyError and a truncated one safetensors' traceback (issue 54); a rank file
-    of another run or step the size of this one's, and a model of other settings but the same shapes, resumed with
-    exit 0 and trained on the wrong state (issue 62)."""
+    of another run (the same model under fsdp.yaml, the suite's parity run) or step the size of this one's, and a
+    model of other settings but the same shapes, resumed with exit 0 and trained on the wrong state (issue 62)."""
     name, file, damage, flags, message = REFUSED[refused]
     run, copy = split_run(name), tmp_path / "checkpoints" / f"step_{RESUME_STEP}"
     shutil.copytree(run / "checkpoints" / f"step_{RESUME_STEP}", copy)
     if damage:
-        damage(copy / MODEL_STATE / file, run)
+        damage(copy / MODEL_STATE / file, lambda which: run if which == "this" else strategy_run("fsdp"))
     result = launch(SPLITS[name][0], "train.py", *TINY_RUN, "--output_dir", str(tmp_path), *split_run_args(uneven_data, name),
                     *flags, "--resume_from_checkpoint", "latest")
     errors = bad_input_errors(result)

@@ -9,7 +9,6 @@ import json
 import re
 import shutil
 import tempfile
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
@@ -152,17 +151,6 @@ def manifest_files(path: Path) -> dict[str, dict[str, Any]]:
         return {name: dict(entry) for name, entry in manifest["files"].items()}
     except (ValueError, TypeError, AttributeError):
         raise ResumeError(f"{path / MANIFEST} is damaged; resume an earlier checkpoint") from None
-
-
-def write_hashed(path: Path, data: bytes) -> str:
-    """Write `data` to `path`; its SHA-256, hashed on another thread while the bytes are written (hashlib releases
-    the GIL), so that the checksum adds next to no time to a save."""
-    digest = hashlib.sha256()
-    hashing = threading.Thread(target=digest.update, args=(memoryview(data),))
-    hashing.start()
-    path.write_bytes(data)
-    hashing.join()
-    return digest.hexdigest()
 
 
 def file_sha256(path: Path) -> str:

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save
+from safetensors.torch import save_file
 
-from training.checkpoints.files import TRAINER_STATE, write_hashed
+from training.checkpoints.files import TRAINER_STATE, file_sha256
 from training.errors import ResumeError
 from training.strategy import bare_model
 from training.strategy.whole import scalars_gathered_1d
@@ -302,7 +302,7 @@ def save_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer
     """Every rank writes the pieces it holds of every tensor and its optimizer state (`held_pieces`: no gathering, so
     as fast as the strategies' own saves) to one file, with the tensors' whole shapes and the dtypes of its pieces;
     state that is a number (a step count) goes into the file's metadata, as JSON keeps it, and so does `stamp` (the
-    run and step the file belongs to). Returns the file's SHA-256, hashed while it is written (`write_hashed`)."""
+    run and step the file belongs to). Returns the file's SHA-256."""
     directory.mkdir(parents=True, exist_ok=True)
     base, rank, pieces, numbers, shapes = base_optimizer(optimizer), accelerator.process_index, {}, {}, {}
     for name, tensor in model_tensors(bare_model(accelerator, model)).items():
@@ -316,7 +316,8 @@ def save_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer
                 "dtypes": json.dumps({key.rsplit("|", 1)[0]: str(piece.dtype).removeprefix("torch.")
                                       for key, piece in pieces.items()})}
     pieces = {key: piece.view(torch.uint8) if piece.dtype in AS_BYTES else piece for key, piece in pieces.items()}
-    return write_hashed(directory / f"rank{rank}.safetensors", save(pieces, metadata=metadata))
+    save_file(pieces, path := directory / f"rank{rank}.safetensors", metadata=metadata)
+    return file_sha256(path)  # (read back from the page cache: each rank its own file, in parallel)
 
 
 def tensor_records(directory: Path) -> dict[str, dict]:
