@@ -22,7 +22,7 @@ from training.checkpoints.tensors import MODEL_STATE
 
 
 def checkpoint_weights(checkpoint: Path) -> dict:
-    """Every tensor's fp32 value, by the model's own names, assembled from the ranks' pieces."""
+    """Every tensor's value in its own dtype, by the model's own names, assembled from the ranks' pieces."""
     if not list((checkpoint / MODEL_STATE).glob("rank*.safetensors")):
         raise SystemExit(f"error: {checkpoint / MODEL_STATE} holds no tensors: give a checkpoints/step_N directory "
                          "written by this template")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -213,9 +214,13 @@ def test_a_part_default_never_replaces_a_value_given_equal_to_the_core_default(t
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("given", [(), ("--max_grad_norm", "1.0"), ("--lr_scheduler_kwargs", "{}"),
-                                   ("--max_grad_norm", "1.0", "--lr_scheduler_kwargs", "{}")])
-def test_a_declared_conflict_refuses_only_flags_given(tmp_path, monkeypatch, given) -> None:
+@pytest.mark.parametrize(("given", "refused"), [
+    ((), None), (("--max_grad_norm", "1.0"), None), (("--lr_scheduler_kwargs", "{}"), None),
+    (("--max_grad_norm", "1.0", "--lr_scheduler_kwargs", "{}"), "--lr_scheduler_kwargs {} with --max_grad_norm"),
+    (("--logging_first_step", "--lr_scheduler_kwargs", "{}"), "--lr_scheduler_kwargs {} with --logging_first_step"),
+    (("--logging_first_step", "false", "--lr_scheduler_kwargs", "{}"), None),  # a switch given as false is off
+])
+def test_a_declared_conflict_refuses_only_flags_given(tmp_path, monkeypatch, given, refused) -> None:
     """--lr_scheduler_kwargs' default None is normalised to {}, which counted as given: a part that declared a
     conflict with it refused every run. Both flags given at their defaults are a conflict; either alone is not."""
     from training import arguments
@@ -223,14 +228,15 @@ def test_a_declared_conflict_refuses_only_flags_given(tmp_path, monkeypatch, giv
 
     class Clashing(Part):
         name = "clashing"
-        description = "a part that cannot run with a schedule's own arguments and clipping together"
-        conflicts = (Conflict("lr_scheduler_kwargs", "max_grad_norm", ": drop one"),)
+        description = "a part that cannot run with a schedule's own arguments and clipping or a first-step log"
+        conflicts = (Conflict("lr_scheduler_kwargs", "max_grad_norm", ": drop one"),
+                     Conflict("lr_scheduler_kwargs", "logging_first_step", ": drop one"))
 
     installed = arguments.installed_parts()
     monkeypatch.setattr(arguments, "installed_parts", lambda: (*installed, Clashing()))
     argv = [*given, "--output_dir", str(tmp_path)]
-    if len(given) == 4:
-        with pytest.raises(ArgumentError, match="^--lr_scheduler_kwargs {} with --max_grad_norm is not supported: drop one$"):
+    if refused:
+        with pytest.raises(ArgumentError, match=f"^{re.escape(refused)} is not supported: drop one$"):
             parse_args(argv)
     else:
         parse_args(argv)

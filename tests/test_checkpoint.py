@@ -307,7 +307,8 @@ def described(overrides: str | None = None, **model_kwargs) -> dict:
 
 @pytest.mark.parametrize(("resumed_with", "allowed", "refused"), [
     ("hidden_act=gelu,rms_norm_eps=0.1", None, "hidden_act ('silu' -> 'gelu'), rms_norm_eps (1e-06 -> 0.1); resume with "
-     "the flags it was trained with, or name the fields you change on purpose: --allow_config_changes hidden_act,rms_norm_eps"),
+     "the flags it was trained with, or name the fields you change on purpose (shapes must still match): "
+     "--allow_config_changes hidden_act,rms_norm_eps"),
     ("hidden_act=gelu,rms_norm_eps=0.1", "rms_norm_eps", "hidden_act ('silu' -> 'gelu'); resume with"),
     ("hidden_act=gelu,rms_norm_eps=0.1", "hidden_act, rms_norm_eps", None),
     ("max_position_embeddings=4096", "max_position_embeddings", None),  # extending the context on purpose
@@ -338,3 +339,23 @@ def test_a_plain_modules_constructor_arguments_are_part_of_its_model() -> None:
     with pytest.raises(ResumeError, match=r"configured otherwise: width \(13 -> 17\)"):
         check_same_model(Path("step_4"), described(width=13, vocab_size=919), described(width=17, vocab_size=919), None)
     check_same_model(Path("step_4"), {}, described(width=17), None)  # (checkpoints before 2026-12-04 record none)
+
+
+@pytest.mark.parts("lora")
+def test_an_adapters_settings_are_part_of_its_model() -> None:
+    """A LoRA run resumed with another alpha or dropout trained another model silently; its targets (a set) compare
+    alike in every process."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig
+
+    from training.checkpoints.resume import check_same_model, model_description
+
+    def adapted(alpha: int) -> dict:
+        adapter = LoraConfig(r=8, lora_alpha=alpha, target_modules={"q_proj", "v_proj", "o_proj"}, base_model_name_or_path="/a")
+        return model_description(SimpleNamespace(model_kwargs=None, settings={}), SimpleNamespace(peft_config={"default": adapter}))
+
+    check_same_model(Path("step_4"), adapted(16), adapted(16), None)
+    assert adapted(16)["adapter"]["target_modules"] == ["o_proj", "q_proj", "v_proj"]
+    with pytest.raises(ResumeError, match=r"configured otherwise: lora_alpha \(16 -> 32\)"):
+        check_same_model(Path("step_4"), adapted(16), adapted(32), None)

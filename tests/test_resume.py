@@ -91,8 +91,8 @@ REFUSED = {
     "fsdp, another activation and norm epsilon": (
         "fsdp-2x2x2", None, None, ("--config_overrides", "hidden_act=gelu,rms_norm_eps=0.1"),
         " holds a model configured otherwise: hidden_act ('silu' -> 'gelu'), rms_norm_eps (1e-06 -> 0.1); resume with "
-        "the flags it was trained with, or name the fields you change on purpose: --allow_config_changes "
-        "hidden_act,rms_norm_eps"),
+        "the flags it was trained with, or name the fields you change on purpose (shapes must still match): "
+        "--allow_config_changes hidden_act,rms_norm_eps"),
 }
 
 

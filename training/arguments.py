@@ -216,11 +216,13 @@ def split_model(flags: Flags) -> str | None:
 
 
 def check_conflicts(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
-    """The parts' declared conflicts (`Part.conflicts`): two flags given together that cannot run together."""
+    """The parts' declared conflicts (`Part.conflicts`): two flags given together that cannot run together (a switch
+    given as false, `--use_peft false`, is off: no conflict)."""
     values = every_flag(model_args, data_args, train_args)
     for part in installed_parts():
         for conflict in part.conflicts:
-            if len(flags_given(model_args, (conflict.flag, conflict.other))) == 2:
+            given = flags_given(model_args, (conflict.flag, conflict.other))
+            if len([name for name in given if values[name] is not False]) == 2:
                 value = values[conflict.flag]
                 shown = f"--{conflict.flag}" + ("" if value is True else f" {value}")
                 raise ArgumentError(f"{shown} with --{conflict.other} is not supported{conflict.why}")

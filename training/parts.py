@@ -77,8 +77,9 @@ class TextSource(ABC):
 
 @dataclass(frozen=True)
 class Conflict:
-    """Two flags that cannot run together, both given (away from their defaults): refused with
-    "--<other> with --<flag> is not supported<why>". `other` may be a flag of a part a project left out: never given."""
+    """Two flags that cannot run together, both given (`flags_given`; a switch given as false is off): refused with
+    "--<flag> <value> with --<other> is not supported<why>". `other` may be a flag of a part a project left out:
+    never given."""
 
     flag: str
     other: str

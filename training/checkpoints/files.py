@@ -159,9 +159,9 @@ def file_sha256(path: Path) -> str:
 
 
 def checkpoint_files(checkpoint: Path) -> list[str]:
-    """Every file of a checkpoint the manifest lists: all but the manifest and trainer_state.json."""
+    """Every file of a checkpoint the manifest lists: all but the manifest."""
     return [str(file.relative_to(checkpoint)) for file in sorted(checkpoint.rglob("*"))
-            if file.is_file() and file.name not in (MANIFEST, TRAINER_STATE)]
+            if file.is_file() and file.name != MANIFEST]
 
 
 def write_manifest(checkpoint: Path, run_id: str, step: int, sha256: dict[str, str], tensors: dict[str, dict]) -> None:
@@ -176,20 +176,28 @@ def write_manifest(checkpoint: Path, run_id: str, step: int, sha256: dict[str, s
 def file_problem(checkpoint: Path, name: str, entry: dict[str, Any], read_bytes: bool = True) -> str | None:
     """What is wrong with one file of a checkpoint against its manifest entry (None: nothing): missing, another
     run's or another step's (as a model_state file says of itself), or damaged in place (`read_bytes` False: its
-    size only, before the process group; the SHA-256 needs the bytes)."""
-    file, expected = checkpoint / name, recorded_identity(checkpoint)
-    if not file.is_file():
-        return f"{file} is missing"
-    size = file.stat().st_size
-    if size == entry["bytes"] and (not read_bytes or "sha256" not in entry or file_sha256(file) == entry["sha256"]):
-        return None
+    size only, before the process group; the SHA-256 needs the bytes). Never raises: every rank gets to say."""
+    file = checkpoint / name
+    try:
+        if not file.is_file():
+            return f"{file} is missing"
+        size = file.stat().st_size
+        if size == int(entry["bytes"]) and (not read_bytes or "sha256" not in entry or
+                                            file_sha256(file) == entry["sha256"]):
+            return None
+        return _what_differs(file, size, int(entry["bytes"]), recorded_identity(checkpoint))
+    except (OSError, KeyError, TypeError, ValueError) as error:
+        return f"{file} cannot be checked ({error}; the manifest entry {entry!r})"
+
+
+def _what_differs(file: Path, size: int, saved_size: int, expected: dict[str, Any]) -> str:
     own = stamp_of(file)
     if own.get("run_id", expected["run_id"]) != expected["run_id"]:
         return f"{file} belongs to run {own['run_id']}, this checkpoint to run {expected['run_id']}"
-    if int(own.get("step", expected["step"])) != expected["step"]:
+    if str(own.get("step", expected["step"])) != str(expected["step"]):
         return f"{file} was saved at step {own['step']}, this checkpoint at step {expected['step']}"
-    if size != entry["bytes"]:
-        return f"{file} is damaged ({size:,} bytes, saved as {entry['bytes']:,})"
+    if size != saved_size:
+        return f"{file} is damaged ({size:,} bytes, saved as {saved_size:,})"
     return f"{file} is damaged (its bytes differ from the SHA-256 saved with it)"
 
 

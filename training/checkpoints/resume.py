@@ -55,20 +55,36 @@ def resolve_resume_path(resume_from_checkpoint: str | None, output_dir: str,
     return require_complete_checkpoint(Path(resume_from_checkpoint))
 
 
-# a transformers config's fields that say how a run uses the model, not what the model is
+# a transformers config's fields (at any depth) that say how a run uses the model, not what the model is; and a peft
+# adapter's that name where its base came from
 RUNTIME_CONFIG_FIELDS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache",
                          "output_attentions", "output_hidden_states", "return_dict", "torchscript", "_attn_implementation",
-                         "attn_implementation", "_attn_implementation_autoset", "_commit_hash"}
+                         "attn_implementation", "_attn_implementation_autoset", "_commit_hash", "base_model_name_or_path",
+                         "revision", "inference_mode"}
 
 
 def model_description(task, model: torch.nn.Module) -> dict[str, Any]:
     """What a checkpoint records of the model it holds, as JSON keeps it: a transformers config's fields (less how a
-    run uses it: `RUNTIME_CONFIG_FIELDS`), a plain module's constructor arguments, the task's settings."""
+    run uses it: `RUNTIME_CONFIG_FIELDS`), a peft adapter's settings (its rank, alpha, dropout, targets), a plain
+    module's constructor arguments, the task's settings."""
     config = getattr(model, "config", None)
-    fields = {key: value for key, value in config.to_dict().items() if key not in RUNTIME_CONFIG_FIELDS} if hasattr(
-        config, "to_dict") else {}
-    described = {"config": fields, "model_kwargs": task.model_kwargs or {}, "settings": task.settings}
-    return json.loads(json.dumps(described, default=str, sort_keys=True))
+    adapters = getattr(model, "peft_config", {})
+    return _plain({"config": config.to_dict() if hasattr(config, "to_dict") else {},
+                   "adapter": {key if name == "default" else f"{name}.{key}": value
+                               for name, adapter in adapters.items() for key, value in adapter.to_dict().items()},
+                   "model_kwargs": task.model_kwargs or {}, "settings": task.settings})
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON holds it, the same in every process: runtime fields dropped, sets sorted, anything else not
+    JSON as its text."""
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items() if key not in RUNTIME_CONFIG_FIELDS}
+    if isinstance(value, set | frozenset):
+        return sorted(_plain(item) for item in value)
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value if isinstance(value, str | int | float | bool | type(None)) else str(value)
 
 
 def config_differences(saved: dict[str, Any], this_run: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -97,8 +113,8 @@ def check_same_model(path: Path, saved: dict[str, Any], this_run: dict[str, Any]
 
     if refused := {name: values for name, values in differences.items() if name not in named}:
         raise ResumeError(f"{path} holds a model configured otherwise: {shown(refused)}; resume with the flags it was "
-                          f"trained with, or name the fields you change on purpose: --allow_config_changes "
-                          f"{','.join(name.split('.', 1)[1] for name in refused)}")
+                          f"trained with, or name the fields you change on purpose (shapes must still match): "
+                          f"--allow_config_changes {','.join(name.split('.', 1)[1] for name in refused)}")
     if named:
         logger.warning(f"resuming {path} with changed {shown(named)} (--allow_config_changes)", main_process_only=True)
 

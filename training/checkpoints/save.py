@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from huggingface_hub import save_torch_state_dict
 from transformers import PreTrainedModel
 
@@ -28,6 +28,7 @@ from training.checkpoints.files import (
     write_manifest,
 )
 from training.checkpoints.tensors import MODEL_STATE, model_tensors, tensor_records, whole_shape
+from training.errors import ModelError
 from training.parts import CheckpointFiles, parts
 from training.strategy.adapters import own_class_while_saving
 from training.strategy.whole import scalars_gathered_1d
@@ -40,7 +41,8 @@ def save_checkpoint(accelerator: Accelerator, runner: ModelRunner, model: torch.
                     state: TrainerState, save_total_limit: int | None) -> Path:
     """On every rank (sharded saves need all); BatchNorm stats averaged first so a resume matches an unbroken run.
     accelerate saves the schedule, generators and data position; the runner the model and optimizer state; the parts
-    their own files; then the main process writes the manifest and trainer_state.json and renames the directory."""
+    their own files, the main process trainer_state.json; every file is hashed, the main process writes the manifest and
+    renames the directory."""
     average_running_statistics(model, accelerator)
     path = checkpoints_root(output_dir) / f"step_{state.completed_steps}"
     staging = path.with_name(path.name + ".tmp")
@@ -52,11 +54,12 @@ def save_checkpoint(accelerator: Accelerator, runner: ModelRunner, model: torch.
     stamp = {"run_id": state.run_id, "step": str(state.completed_steps)}  # what the runner's files say they are
     hashed = runner.save(model, optimizer, staging, stamp) or {}
     parts().save_state(CheckpointFiles(accelerator, staging))  # the parts' own (a stream's position, PowerSGD's)
+    if accelerator.is_main_process:
+        (staging / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
     accelerator.wait_for_everyone()
     sha256 = hash_checkpoint(accelerator, staging, hashed)
     if accelerator.is_main_process:
         write_manifest(staging, state.run_id, state.completed_steps, sha256, tensor_records(staging / MODEL_STATE))
-        (staging / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
         if path.exists():  # the same step saved before, e.g. by the run this one resumed
             shutil.rmtree(path)
         staging.rename(path)
@@ -68,9 +71,11 @@ def save_checkpoint(accelerator: Accelerator, runner: ModelRunner, model: torch.
 
 def hash_checkpoint(accelerator: Accelerator, checkpoint: Path, hashed: dict[str, str]) -> dict[str, str]:
     """Every file's SHA-256, by relative path, on every rank: what the ranks hashed as they wrote (`hashed`: the
-    runner's files), and the rest (accelerate's, the parts') shared out, each rank hashing its share in parallel."""
+    runner's files), and the rest (accelerate's, the parts', trainer_state.json) shared out, each rank hashing its
+    share in parallel (of the main process's list: a shared filesystem may show the others a late one)."""
     hashed = {name: sha for share in gather_object([hashed]) for name, sha in share.items()}
-    rest = [name for name in checkpoint_files(checkpoint) if name not in hashed]
+    listed = broadcast_object_list([checkpoint_files(checkpoint) if accelerator.is_main_process else None])[0]
+    rest = [name for name in listed if name not in hashed]
     mine = {name: file_sha256(checkpoint / name) for name in rest[accelerator.process_index::accelerator.num_processes]}
     return hashed | {name: sha for share in gather_object([mine]) for name, sha in share.items()}
 
@@ -127,6 +132,9 @@ def whole_state_dict(accelerator: Accelerator, model, unwrapped: torch.nn.Module
     declared = {name: whole_shape(tensor) for name, tensor in model_tensors(unwrapped).items()}
     with scalars_gathered_1d(unwrapped.parameters()):
         gathered = accelerator.get_state_dict(model) or {}
+    if accelerator.is_main_process and (missing := [name for name in declared if name not in gathered]):
+        raise ModelError(f"the gathered model lacks {', '.join(missing[:3])} ({len(missing)} of its {len(declared)} "
+                         "tensors): final/ would be incomplete, and was not written")
     return {name: own_storage(gathered[name].reshape(shape)) for name, shape in declared.items() if name in gathered}
 
 

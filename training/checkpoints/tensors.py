@@ -277,9 +277,8 @@ def _shard_like(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 def load_optimizer_states(optimizer: torch.optim.Optimizer, torch_states: dict[int, dict]) -> None:
     """A torch optimizer's state from `set_full_state`'s, through its `load_state_dict` (devices, steps, and each
-    state cast to its parameter's dtype), never narrower than it was saved: Adafactor's float32 moments of a bf16
-    parameter would come back rounded. (A float64 parameter's moments, saved by DeepSpeed's float32 master, become
-    float64, as the optimizer steps them.)"""
+    state cast to its parameter's dtype), but a half-precision parameter's state saved wider comes back float32 (as
+    Adafactor keeps a bf16 parameter's moments: cast to bf16 they would be rounded)."""
     if not torch_states:
         return
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
@@ -289,8 +288,9 @@ def load_optimizer_states(optimizer: torch.optim.Optimizer, torch_states: dict[i
     for parameter in parameters:
         for key, value in torch_states.get(id(parameter), {}).items():
             loaded = optimizer.state[parameter].get(key)
-            if torch.is_tensor(value) and torch.is_tensor(loaded) and value.dtype.itemsize > loaded.dtype.itemsize:
-                optimizer.state[parameter][key] = value.to(loaded.device)
+            if torch.is_tensor(value) and torch.is_tensor(loaded) and loaded.is_floating_point() and \
+                    loaded.dtype.itemsize < 4 <= value.dtype.itemsize:
+                optimizer.state[parameter][key] = value.to(loaded.device, torch.float32)
 
 
 WHOLE = "whole"  # the offset of optimizer state kept as the optimizer holds it (`held_pieces`' offset None)

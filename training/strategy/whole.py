@@ -25,8 +25,11 @@ logger = get_logger(__name__)
 
 
 def trained_dtype(model: torch.nn.Module) -> torch.dtype | None:
-    """The commonest dtype of the trained floating-point parameters."""
-    dtypes = Counter(p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point())
+    """The dtype of most of the trained floating-point values."""
+    dtypes = Counter()
+    for p in model.parameters():
+        if p.requires_grad and p.is_floating_point():
+            dtypes[p.dtype] += p.numel()
     return dtypes.most_common(1)[0][0] if dtypes else None
 
 
@@ -92,6 +95,10 @@ def _one_dtype_for_zero3(model: torch.nn.Module) -> None:
     common = trained_dtype(model)
     others = {name: p for name, p in unshardable(model, one_dtype=True).items() if p.dtype != common and
               p.requires_grad and p.is_floating_point()}
+    if built_partitioned := [name for name, p in others.items() if hasattr(p, "ds_id")]:
+        raise StrategyError(f"DeepSpeed ZeRO-3 built this model partitioned (zero.Init) and holds every trained "
+                            f"parameter in one dtype, but {built_partitioned[0]} is {others[built_partitioned[0]].dtype}, "
+                            f"the others {common}; build it in one dtype, or use deepspeed_zero2.yaml or fsdp.yaml")
     for parameter in others.values():
         parameter.data = parameter.data.to(common)
     if others:
@@ -133,6 +140,7 @@ def _ignored_by_fsdp(accelerator: Accelerator, model: torch.nn.Module, whole: di
                             "or train with fsdp.yaml")
     holder = torch.nn.Module()
     for index, parameter in enumerate(whole.values()):
+        parameter.data = parameter.data.to(accelerator.device)  # (`fully_shard` moves only what it shards)
         holder.register_parameter(f"kept_whole_{index}", parameter)
     given = plugin.ignored_modules
     if isinstance(given, str):  # the config's pattern of module names
