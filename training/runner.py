@@ -57,7 +57,7 @@ class ModelRunner:
     def save(self, model: torch.nn.Module, optimizer, directory: Path, stamp: dict[str, str]) -> dict[str, str] | None:
         """Every rank: the weights and optimizer state into the checkpoint being written (`model_state/`), the files
         saying which run and step they belong to (`stamp`, in their metadata); the SHA-256 of each file written and
-        hashed meanwhile, by path within the checkpoint (the rest are hashed after: None)."""
+        hashed meanwhile, by path within the checkpoint (a runner that returns None has its files hashed after)."""
         sha256 = save_model_state(self.accelerator, model, optimizer, directory / MODEL_STATE, stamp)
         return {f"{MODEL_STATE}/rank{self.accelerator.process_index}.safetensors": sha256}
 
