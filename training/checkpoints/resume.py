@@ -87,15 +87,25 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, str | int | float | bool | type(None)) else str(value)
 
 
-def config_differences(saved: dict[str, Any], this_run: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """The fields whose values differ, by name (`config.hidden_act`...): (the checkpoint's, this run's)."""
-    def flat(described: dict[str, Any]) -> dict[str, Any]:
-        return {f"{section}.{key}": value for section, values in described.items() for key, value in values.items()}
+class Absent:
+    """The value of a field one side of `config_differences` lacks."""
+
+    def __repr__(self) -> str:
+        return "none"
+
+
+ABSENT = Absent()
+
+
+def config_differences(saved: dict[str, Any], this_run: dict[str, Any]) -> dict[tuple[str, str], tuple[Any, Any]]:
+    """The fields whose values differ, by (section, field): (the checkpoint's, this run's; `ABSENT` where one lacks
+    it)."""
+    def flat(described: dict[str, Any]) -> dict[tuple[str, str], Any]:
+        return {(section, key): value for section, values in described.items() for key, value in values.items()}
 
     before, after = flat(saved), flat(this_run)
-    missing = object()
-    return {name: (before.get(name, missing), after.get(name, missing)) for name in sorted(before.keys() | after.keys())
-            if before.get(name, missing) != after.get(name, missing)}
+    return {key: (before.get(key, ABSENT), after.get(key, ABSENT)) for key in sorted(before.keys() | after.keys())
+            if before.get(key, ABSENT) != after.get(key, ABSENT)}
 
 
 def check_same_model(path: Path, saved: dict[str, Any], this_run: dict[str, Any], allowed: str | None) -> None:
@@ -105,16 +115,15 @@ def check_same_model(path: Path, saved: dict[str, Any], this_run: dict[str, Any]
         return
     allowed_fields = {field.strip() for field in (allowed or "").split(",") if field.strip()}
     differences = config_differences(saved, this_run)
-    named = {name: values for name, values in differences.items() if name.split(".", 1)[1] in allowed_fields}
+    named = {key: values for key, values in differences.items() if key[1] in allowed_fields}
 
-    def shown(values: dict[str, tuple[Any, Any]]) -> str:
-        return ", ".join(f"{name.split('.', 1)[1]} ({'none' if type(old) is object else old!r} -> "
-                         f"{'none' if type(new) is object else new!r})" for name, (old, new) in values.items())
+    def shown(values: dict[tuple[str, str], tuple[Any, Any]]) -> str:
+        return ", ".join(f"{field} ({old!r} -> {new!r})" for (_, field), (old, new) in values.items())
 
-    if refused := {name: values for name, values in differences.items() if name not in named}:
+    if refused := {key: values for key, values in differences.items() if key not in named}:
         raise ResumeError(f"{path} holds a model configured otherwise: {shown(refused)}; resume with the flags it was "
                           f"trained with, or name the fields you change on purpose (shapes must still match): "
-                          f"--allow_config_changes {','.join(name.split('.', 1)[1] for name in refused)}")
+                          f"--allow_config_changes {','.join(field for _, field in refused)}")
     if named:
         logger.warning(f"resuming {path} with changed {shown(named)} (--allow_config_changes)", main_process_only=True)
 
