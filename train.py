@@ -26,6 +26,7 @@ import sys
 import time
 import traceback
 from contextlib import ExitStack
+from pathlib import Path
 
 import psutil
 import torch
@@ -39,8 +40,8 @@ from training.collectives import end_collectives, gather_scalars
 from training.console import only_the_training_bar, quiet_third_party_output
 from training.dry_run import dry_run
 from training.errors import EXIT_UNEXPECTED, Preempted, ending
-from training.metrics import MetricsLogger, print_summary, write_summary
-from training.parts import Finished, Loop, StepEnd, parts
+from training.metrics import MetricsLogger, print_evaluation, print_summary, write_summary
+from training.parts import Evaluating, Exporting, Finished, Loop, StepEnd, parts
 from training.prelude import after_imports
 from training.process_exit import exit_process
 from training.setup import Run, set_up
@@ -70,9 +71,12 @@ def train(run: Run) -> dict[str, float]:
     between them; returns the last logged loss and evaluation."""
     args, accelerator, state, task = run.args, run.accelerator, run.state, run.task
     metrics = MetricsLogger(accelerator, args.output_dir, fresh=run.first_step == 0)
+    if not args.do_train:  # an evaluation only: the model as loaded, at the same evaluation point as training's
+        metrics.log(state.completed_steps, **(result := evaluate(run)))
+        return result
     at_start = {}  # the step-0 baseline, kept for the summary (e.g. eval_exact_match before and after)
     if state.completed_steps == 0 and args.eval_on_start and args.eval_strategy != "no":
-        at_start = run.runner.evaluate(run.model, run.eval_loader, task, run.ranks_per_batch)
+        at_start = evaluate(run)
         metrics.log(0, **at_start)
     interval_loss, interval_steps = torch.zeros((), device=accelerator.device), 0
     nonfinite = NonFiniteGuard(accelerator.device, loss_scaling=accelerator.mixed_precision == "fp16")
@@ -117,7 +121,7 @@ def train(run: Run) -> dict[str, float]:
                     progress.set_postfix({"loss": f"{train_loss:.3f}", "lr": f"{lr:.2e}",
                                           f"{task.unit}_per_s": f"{speed_now[f'{task.unit}_per_sec']:,.0f}"})
                 if eval_now:
-                    eval_result = run.runner.evaluate(run.model, run.eval_loader, task, run.ranks_per_batch)
+                    eval_result = evaluate(run)
                     metrics.log(step, **eval_result)
                     if accelerator.is_main_process:
                         progress.write(f"step {step}: eval_loss {eval_result['eval_loss']:.4f}")
@@ -143,6 +147,19 @@ def train(run: Run) -> dict[str, float]:
 
 
 
+def evaluate(run: Run) -> dict[str, float]:
+    """The task's metrics over the validation set on the weights as trained, then the parts' other passes, each
+    within its part's context (parts/ema: the average's weights swapped in, `eval_ema_loss`, ...)."""
+    result = run.runner.evaluate(run.model, run.eval_loader, run.task, run.ranks_per_batch)
+    passes = parts().around_evaluation(Evaluating(run.accelerator, run.args, run.model, run.state.completed_steps))
+    for prefix, weights in passes.items():
+        with weights:
+            other = run.runner.evaluate(run.model, run.eval_loader, run.task, run.ranks_per_batch)
+        # eval_loss -> eval_ema_loss, perplexity -> eval_ema_perplexity
+        result |= {f"{prefix}_{key.removeprefix('eval_')}": value for key, value in other.items()}
+    return result
+
+
 def due(strategy: str, every: int, step: int, epoch_end: bool) -> bool:
     """Whether an --eval_strategy/--save_strategy interval ("steps", "epoch" or "no") falls on this step."""
     return {"steps": step % every == 0, "epoch": epoch_end, "no": False}[strategy]
@@ -154,9 +171,19 @@ def due(strategy: str, every: int, step: int, epoch_end: bool) -> bool:
 def finish(run: Run, outcome: dict[str, float]) -> None:
     """Export the model, gather the run's figures from every rank, close the process group, and
     (main process) write summary.json and the report, and print the summary."""
-    accelerator, state = run.accelerator, run.state
-    final_dir = export_final(accelerator, run.runner, run.model, run.task, run.args.output_dir)
+    accelerator, state, args = run.accelerator, run.state, run.args
+    final_dir = None
+    if args.do_train:  # within the parts' contexts (parts/ema: the average's weights, on request)
+        with ExitStack() as weights:
+            for context in parts().around_export(Exporting(accelerator, args, run.model, Path(args.output_dir) / "final")):
+                weights.enter_context(context)
+            final_dir = export_final(accelerator, run.runner, run.model, run.task, args.output_dir)
     steps_run = state.completed_steps - run.first_step
+    trained = {
+        **run.speed.report(gather_scalars(accelerator, run.speed.whole_run())),
+        **run.speed.steady_state(),  # the whole-run figures above keep the intervals' warm-up
+        **({f"flops_per_{run.task.unit.removesuffix('s')}": run.task.flops_per_unit} if run.task.flops_per_unit else {}),
+    } if args.do_train else {}
     summary = {  # gathered from every rank: before end_training closes the process group
         "strategy": run.strategy.value,
         "processes": accelerator.num_processes,
@@ -169,9 +196,7 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
         "per_device_train_batch_size": run.args.per_device_train_batch_size,  # the micro-batch that ran
         "gradient_accumulation_steps": run.args.gradient_accumulation_steps,
         "wall_time_s": time.time() - psutil.Process().create_time(),
-        **run.speed.report(gather_scalars(accelerator, run.speed.whole_run())),
-        **run.speed.steady_state(),  # the whole-run figures above keep the intervals' warm-up
-        **({f"flops_per_{run.task.unit.removesuffix('s')}": run.task.flops_per_unit} if run.task.flops_per_unit else {}),
+        **trained,
         **parts().summary(steps_run),  # the parts' (a compression hook's bytes, the model state measured)
         **outcome,
     }
@@ -181,7 +206,10 @@ def finish(run: Run, outcome: dict[str, float]) -> None:
         write_summary(run.args.output_dir, summary)
         finished = Finished(run.args, run.model_args, run.title, final_dir, run.task.processor)
         parts().run_ended(finished)  # the parts' (report.png, a merged adapter)
-        print_summary(summary, final_dir, run.task)
+        if args.do_train:
+            print_summary(summary, final_dir, run.task)
+        else:
+            print_evaluation(summary, run.model_name)
 
 
 def run() -> int:

@@ -42,11 +42,12 @@ def pytest_configure(config: pytest.Config) -> None:
     the xdist controller (or a run without xdist) starts it, and only for the whole suite (no -m
     selection such as the quick tier, which needs no offload); a later load waits for a build in
     progress (torch's lock) or finds it done. First, the installed parts' flags for every run (`SUITE_FLAGS`, and
-    `SHOWN_FLAGS` for a run whose outputs a test looks at) join tests/harness.py's."""
+    `SHOWN_FLAGS` for a run whose outputs a test looks at, `PARITY_FLAGS` for the parity runs) join tests/harness.py's."""
     for name in PART_FIXTURES:
         module = importlib.import_module(name)
         harness.SUITE_FLAGS.extend(getattr(module, "SUITE_FLAGS", ()))
         harness.SHOWN_FLAGS.extend(getattr(module, "SHOWN_FLAGS", ()))
+        harness.PARITY_FLAGS.extend(getattr(module, "PARITY_FLAGS", ()))
     harness.TINY_RUN.extend(harness.SUITE_FLAGS)
     if hasattr(config, "workerinput") or config.option.collectonly or config.option.markexpr:
         return
@@ -180,7 +181,7 @@ def strategy_run(cached_run, base_model):
 @pytest.fixture(scope="session")
 def tied_base_model(base_model, shared_dir) -> Path:
     """`base_model` as many small published models are: its output layer tied to the input embedding,
-    saved in bf16 (train.py loads it in fp32). What the LoRA runs adapt."""
+    saved in bf16 (train.py loads it in fp32): a tied model's training, checkpoints and export, from a pretrained one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def make(directory: Path) -> None:

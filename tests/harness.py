@@ -58,6 +58,7 @@ CONFIGS = REPO / "accelerate_configs"
 EVAL_SAMPLES = 60
 SUITE_FLAGS: list[str] = []
 SHOWN_FLAGS: list[str] = []  # the parts' flags for a run whose outputs a test looks at (report.png drawn)
+PARITY_FLAGS: list[str] = []  # the parts' flags for the parity runs (`parity_args`): a part compared across configs
 TINY_RUN = ["--model_config", "llama-tiny", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
             "--learning_rate", "3e-3", "--warmup_steps", "2", "--max_eval_samples", str(EVAL_SAMPLES)]
 FORKED = False  # whether the running test opted into forked launches (`@pytest.mark.forked`): tests/conftest.py sets it
@@ -427,13 +428,14 @@ def parity_args(config: str, base_model: Path) -> tuple[str, ...]:
     of 12 and not one default left: clipping (triggered), accumulation, an odd micro-batch, no decay, warmup by
     ratio, another beta2 and epsilon (1e-6: Adam divides the rare tokens' near-zero embedding gradients by it, and
     at 1e-8 their last-bit differences between strategies grew to 1e-5 in the weights), another seed than the
-    base's. One process accumulates 4 micro-batches of 3; 2
+    base's; the installed parts' `PARITY_FLAGS` (tests/fixtures/<part>.py: parts/ema's average). One process
+    accumulates 4 micro-batches of 3; 2
     data-parallel ranks (fsdp_tp: 2 x tp 2) accumulate 2 each. Checkpoints at steps 6 and 12. (Fine-tuning on
     chat data under every config: the LoRA runs, tests/test_fine_tuning.py.)"""
     accumulation = "4" if config == "single" else "2"
     return ("--model_name_or_path", str(base_model), "--seed", "7", "--max_steps", "12",
             "--logging_steps", "1", "--eval_steps", "6", "--save_steps", "6", "--per_device_train_batch_size", "3",
             "--gradient_accumulation_steps", accumulation, "--weight_decay", "0", "--warmup_ratio", "0.1",
-            "--adam_beta2", "0.99", "--adam_epsilon", "1e-6", "--max_grad_norm", str(STRATEGY_CLIPPING))
+            "--adam_beta2", "0.99", "--adam_epsilon", "1e-6", "--max_grad_norm", str(STRATEGY_CLIPPING), *PARITY_FLAGS)
 
 

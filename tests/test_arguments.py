@@ -35,6 +35,7 @@ def test_defaults_then_recipe_then_command_line(tmp_path) -> None:
         (None, ["--max_stepz", "3"], "unknown key 'max_stepz' in the command line; did you mean 'max_steps'"),
         (None, ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be at least 1"),
         (None, ["--max_steps", "0"], "nothing to train"),
+        (None, ["--do_train", "false", "--eval_strategy", "no"], "--do_train false evaluates only, and --eval_strategy no"),
         (None, ["--validation_file", "v.txt"], "--validation_file needs --train_file"),
         ("model_config: gpt-9\n", [], "unknown model_config 'gpt-9'"),
         (None, ["--learning_rat", "1e-3"], "unknown key 'learning_rat' in the command line; did you mean 'learning_rate'"),

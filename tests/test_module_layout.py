@@ -4,10 +4,12 @@ every module says what it owns. (A module may be long when it has one job: there
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 
 import pytest
 
 from tests.harness import REPO
+from training.errors import ArgumentError
 from training.parts import HOOKS, Combine, Flags, InstalledParts, Part, installed_parts, parts
 
 pytestmark = pytest.mark.quick
@@ -174,5 +176,56 @@ def test_each_hook_combines_the_parts_answers_as_it_declares() -> None:
     assert both.wrap_model("model", None) == "second(first(model))"
     assert both.loader_settings(None) == {"num_workers": 2, "pin_memory": True}
     assert both.started(None) == ["a line"]
-    assert both.train_loader(None) == [] and both.summary(0) == {}  # a hook no part overrides: nothing
+    assert both.train_loader(None) is None and both.summary(0) == {}  # a hook no part overrides: nothing
     assert type(parts()) is InstalledParts and parts().parts == installed_parts()
+
+
+@pytest.mark.quick
+def test_a_hook_one_part_may_answer_is_refused_when_two_do_naming_both() -> None:
+    class Runner(Part):
+        name = "stages"
+
+        def model_runner(self, model, run):
+            return f"{self.name}'s runner"
+
+    class OtherRunner(Runner):
+        name = "other"
+
+    class Silent(Runner):
+        name = "silent"
+
+        def model_runner(self, model, run):
+            return None
+
+    assert HOOKS["model_runner"] is HOOKS["train_loader"] is HOOKS["lr_multiplier"] is Combine.ONE
+    assert InstalledParts([Runner(), Silent()]).model_runner(None, None) == "stages's runner"
+    with pytest.raises(ArgumentError, match="parts/stages and parts/other both answer Part.model_runner, which one "
+                                            "part may answer at most; turn one of them off"):
+        InstalledParts([Runner(), Silent(), OtherRunner()]).model_runner(None, None)
+
+
+@pytest.mark.quick
+def test_a_part_cannot_hide_what_it_declares() -> None:
+    """`self.flags = ...` in a part's __init__ hid its flag dataclass (the core then read no flags): refused, as is
+    a `flags` that is not a dataclass, when the part is defined."""
+
+    @dataclass
+    class OwnFlags:
+        own_rate: float = 0.5
+
+    class Hiding(Part):
+        name = "hiding"
+        flags = OwnFlags
+
+        def __init__(self) -> None:
+            self.flags = OwnFlags()
+
+    for attribute in ("flags", "name", "after_prepare"):
+        with pytest.raises(TypeError, match=f"Hiding.{attribute} = ... would hide the part's declared {attribute}"):
+            setattr(Hiding.__new__(Hiding), attribute, None)
+    with pytest.raises(TypeError, match="Hiding.flags = ... would hide"):
+        Hiding()
+    with pytest.raises(TypeError, match=r"NotAClass.flags is .*OwnFlags\(own_rate=0.5\): a part's flags are a dataclass"):
+        type("NotAClass", (Part,), {"name": "not_a_class", "flags": OwnFlags()})
+    with pytest.raises(TypeError, match="flags is <class 'int'>"):
+        type("NotADataclass", (Part,), {"name": "not_a_dataclass", "flags": int})

@@ -212,3 +212,44 @@ def test_a_subclass_of_a_parts_task_is_that_task_not_the_core_one(tmp_path, monk
     assert data_args.parts.sft.max_length == 64  # sft's own flag, refused for causal-lm
     with pytest.raises(ArgumentError, match="--block_size is for --task causal-lm"):
         parse_args(["--task", "my_chat_task:MyChat", "--block_size", "64", "--output_dir", str(tmp_path / "out")])
+
+
+@pytest.mark.quick
+def test_a_schedule_of_your_own_is_transformers_warmup_stable_decay_through_the_part_hook(monkeypatch) -> None:
+    """recipes/wsd_schedule.py installed as a part: the core's scheduler gives, at every step of a 100-step run with
+    10 warmup steps, `get_wsd_schedule`'s rate (1-sqrt over the last 20); --lr_scheduler_type given beside it is
+    refused. The docs quote the hook verbatim."""
+    from types import SimpleNamespace
+
+    from transformers.optimization import get_wsd_schedule
+
+    import training.parts
+    from recipes.wsd_schedule import PART, WsdFlags
+    from training.errors import ArgumentError
+    from training.optim import build_scheduler
+    from training.parts import InstalledParts
+
+    monkeypatch.setattr(training.parts, "parts", lambda: InstalledParts([PART]))
+    args = SimpleNamespace(parts=SimpleNamespace(wsd=WsdFlags(0.2)), warmup_steps=10, lr_scheduler_type="cosine",
+                           lr_scheduler_kwargs={}, given=frozenset({"wsd_decay_fraction", "warmup_steps"}))
+
+    def rates(scheduler) -> list[float]:
+        seen = []
+        for _ in range(100):
+            seen.append(scheduler.get_last_lr()[0])
+            scheduler.optimizer.step()
+            scheduler.step()
+        return seen
+
+    def optimizer() -> torch.optim.Optimizer:
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+
+    ours = rates(build_scheduler(optimizer(), args, 100))
+    theirs = rates(get_wsd_schedule(optimizer(), num_warmup_steps=10, num_stable_steps=70, num_decay_steps=20,
+                                    decay_type="1-sqrt"))
+    assert ours == theirs and ours[50] == ours[80] == 2.0 and ours[-1] < ours[81] < 2.0
+    with pytest.raises(ArgumentError, match="--lr_scheduler_type and --lr_scheduler_kwargs with a part's own schedule"):
+        build_scheduler(optimizer(), SimpleNamespace(**vars(args) | {"given": args.given | {"lr_scheduler_type"}}), 100)
+    source, section = (REPO / "recipes" / "wsd_schedule.py").read_text(), DOCS.split("recipes/wsd_schedule.py")[1]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert blocks and all(block in source for block in blocks)

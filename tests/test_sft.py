@@ -225,7 +225,7 @@ def test_accumulation_1x8_and_4x2_give_the_same_loss_and_gradients_on_masked_dat
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         model, optimizer = accelerator.prepare(model, optimizer)
         run = SimpleNamespace(accelerator=accelerator, task=task, model=model, optimizer=optimizer, scheduler=scheduler,
-                              state=TrainerState(), args=SimpleNamespace(max_grad_norm=0.0),
+                              torch_optimizer=optimizer.optimizer, state=TrainerState(), args=SimpleNamespace(max_grad_norm=0.0),
                               runner=ModelRunner(accelerator), objective=partial(objective_sums, task))
         window = [collate(examples[i:i + micro_batch]) for i in range(0, 8, micro_batch)]
         loss, _, _ = optimizer_step(run, window, NonFiniteGuard(accelerator.device))

@@ -115,8 +115,12 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
     if train_args.max_steps < -1:
         raise ArgumentError(f"--max_steps must be -1 (train for --num_train_epochs) or a positive number of steps, "
                             f"got {train_args.max_steps}")
-    if train_args.max_steps == 0 or (train_args.max_steps == -1 and train_args.num_train_epochs <= 0):
-        raise ArgumentError("nothing to train: set --max_steps > 0 or --num_train_epochs > 0")
+    if train_args.do_train and (train_args.max_steps == 0 or (train_args.max_steps == -1 and
+                                                               train_args.num_train_epochs <= 0)):
+        raise ArgumentError("nothing to train: set --max_steps > 0 or --num_train_epochs > 0 (or --do_train false to "
+                            "evaluate only)")
+    if not train_args.do_train and train_args.eval_strategy == "no":
+        raise ArgumentError("--do_train false evaluates only, and --eval_strategy no turns evaluation off: drop one")
     check_optimization_flags(train_args)
     for name in ("max_train_samples", "max_eval_samples"):
         if (value := getattr(data_args, name)) is not None and value < 1:

@@ -72,6 +72,8 @@ class CoreTrainArguments:
     output_dir: str = field(default="outputs/default", metadata={"help": "Checkpoints, metrics and the final model."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh in an output_dir that holds a "
         "run: its checkpoints, final model, metrics and tracker logs are deleted just before training starts."})
+    do_train: bool = field(default=True, metadata={"help": "false: train nothing; evaluate --model_name_or_path or "
+        "--resume_from_checkpoint once (with the parts' passes, as during training) into metrics.jsonl and summary.json."})
     max_steps: int = field(default=-1, metadata={"help": "Optimizer steps to run; -1 means --num_train_epochs."})
     num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs over the training set if max_steps is -1."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-step."})

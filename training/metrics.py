@@ -110,3 +110,11 @@ def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
         + (f"eval at start:   {at_start}\n" if at_start else "") +
         f"model:           {final_dir}\n"
         f"sample:          {sample}")
+
+
+def print_evaluation(summary: dict, model_name: str) -> None:
+    """What a run that only evaluated (--do_train false) measured."""
+    evaluation = ", ".join(f"{key} {value:.4f}" for key, value in summary.items()
+                           if key.startswith("eval_") or key.startswith("perplexity"))
+    print(f"\n===== evaluation summary =====\nmodel:           {model_name} at step {summary['total_steps']}\n"
+          f"eval:            {evaluation}")

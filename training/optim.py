@@ -7,6 +7,7 @@ import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from training.errors import ArgumentError, StrategyError
@@ -126,16 +127,31 @@ def warmup_steps(args, total_steps: int) -> int:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
-    """In optimizer steps, so the schedule depends on neither the number of processes nor accumulation."""
+    """In optimizer steps, so the schedule depends on neither the number of processes nor accumulation: a part's own
+    (`Part.lr_multiplier`) after the linear warmup, or --lr_scheduler_type's."""
     from accelerate.logging import get_logger
+    from torch.optim.lr_scheduler import LambdaLR
     from transformers import get_scheduler
 
+    from training.parts import Schedule, parts
+
     warmup = warmup_steps(args, total_steps)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                              num_training_steps=total_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    if multiplier := parts().lr_multiplier(Schedule(args, total_steps, warmup)):
+        if {"lr_scheduler_type", "lr_scheduler_kwargs"} & getattr(args, "given", frozenset()):
+            raise ArgumentError("--lr_scheduler_type and --lr_scheduler_kwargs with a part's own schedule "
+                                "(Part.lr_multiplier) are not supported: the part's schedule would replace them; drop them")
+        scheduler = LambdaLR(optimizer, partial(warmed_up, multiplier, warmup))
+    else:
+        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                  num_training_steps=total_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
     if warning := idle_steps_warning(scheduler, total_steps, warmup):
         get_logger(__name__).warning(warning, main_process_only=True)
     return scheduler
+
+
+def warmed_up(multiplier: Callable[[int], float], warmup: int, step: int) -> float:
+    """Linear warmup from 0 as transformers' schedules warm up, then `multiplier`."""
+    return step / max(1, warmup) if step < warmup else multiplier(step)
 
 
 def idle_steps_warning(scheduler: torch.optim.lr_scheduler.LRScheduler, total_steps: int, warmup: int) -> str | None:

@@ -10,6 +10,15 @@ core calls the hooks of every installed part at once through `parts()`, an objec
 branches on a part by name; a fork leaves a part out by deleting its folder. As Lightning's callbacks and torchtitan's
 model converters, a hook is a named point of the fixed run, not a second loop. Parts run in name order, except where
 a part names the parts it follows (`after`).
+
+When each runs, in the order a run meets them: `before_imports`, `check_flags`, `model_split`, `text_source`,
+`ranks_per_batch`, `checkpoint_layout` (parsing, no process group); `at_start`, `check_launch`,
+`accelerator_settings`, `ddp_settings` (the launch); `started`, `resuming`, `convert_model`, `adapt_model`,
+`wrap_model`, `model_runner`, `loader_settings`, `train_loader` (the model and data built); `lr_multiplier`, then
+`prepare`, then `training_objective`, `micro_batch`, `after_prepare` (prepared, before a resumed state is loaded),
+`loading_checkpoint` and `load_state` (a resume), `logged_figures`; the loop: `around_training`, and per step
+`after_optimizer_step`, `stop_requested`, `around_evaluation` (each evaluation), `save_state` (each save); the end:
+`around_export` (writing final/), `summary`, `run_ended`. The dry run: `held_parameters`, `dry_run_line`.
 """
 
 from __future__ import annotations
@@ -21,11 +30,13 @@ import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from enum import Enum
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, ClassVar
+
+from training.errors import ArgumentError
 
 if TYPE_CHECKING:
     import torch
@@ -98,6 +109,7 @@ class Combine(Enum):
     CHAIN = "chain"  # a value passed through every part's in turn: value = hook(value, context)
     MERGE = "merge"  # the dicts every part's returns, merged (a later part's value for the same key wins)
     ANSWERS = "answers"  # every answer that is not None, in order
+    ONE = "one"  # one part's answer at most, or None: two parts answering are refused in one line naming both
 
 
 def hook(combine: Combine) -> Callable:
@@ -152,6 +164,27 @@ class Training:
 
 
 @dataclass(frozen=True)
+class Prepared:
+    """What `prepare` made for training (training/setup.py `prepared_for_training`), by name."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer  # accelerate's (or DeepSpeed's) wrapper: the loop steps it
+    train_loader: Iterable[dict]
+    eval_loader: Iterable[dict]
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    torch_optimizer: torch.optim.Optimizer  # the torch optimizer inside `optimizer`
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The learning-rate schedule being built, before `prepare`: its length and warmup, in optimizer steps."""
+
+    args: TrainArguments
+    total_steps: int
+    warmup_steps: int
+
+
+@dataclass(frozen=True)
 class MicroBatchSearch:
     """What preparing again for another micro-batch takes (parts/batch_size)."""
 
@@ -160,7 +193,7 @@ class MicroBatchSearch:
     task: Task
     objective: Callable  # the micro-step's loss sums, as the parts made them
     train_set: object
-    prepare_training: Callable  # model -> (model, optimizer, loaders, scheduler, torch optimizer), prepared
+    prepare_training: Callable[[torch.nn.Module], Prepared]  # the model prepared again, with the rest
     loader_for: Callable  # (dataset, batch size) -> the core's training DataLoader
     resumed: bool
 
@@ -183,6 +216,40 @@ class Loop:
     accelerator: Accelerator
     args: TrainArguments
     current_step: Callable[[], int]
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """After an optimizer step, its scheduler step and the step counters, on every rank."""
+
+    accelerator: Accelerator
+    model: torch.nn.Module  # as prepared
+    optimizer: torch.optim.Optimizer  # the torch optimizer inside the prepared one
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    step: int  # the step just taken, from 1
+    # the loss scaler skipped this update (fp16 overflow: the weights did not change): a 0-dim bool tensor on the device
+    # under fp16, read without a host sync (`torch.where`), False otherwise
+    skipped: torch.Tensor | bool = False
+
+
+@dataclass(frozen=True)
+class Evaluating:
+    """An evaluation about to run (every `--eval_steps`, at the start and the end, and `--do_train false`'s)."""
+
+    accelerator: Accelerator
+    args: TrainArguments
+    model: torch.nn.Module  # as prepared
+    step: int
+
+
+@dataclass(frozen=True)
+class Exporting:
+    """final/ about to be written, on every rank (the process group up: shards may be gathered)."""
+
+    accelerator: Accelerator
+    args: TrainArguments
+    model: torch.nn.Module  # as prepared
+    final_dir: Path
 
 
 @dataclass(frozen=True)
@@ -262,6 +329,16 @@ class Part:
             if method and not attribute.startswith("__") and attribute not in HOOKS:
                 raise TypeError(f"{cls.__name__}.{attribute} is not a hook of Part (training/parts.py): a part defines "
                                 "hooks only; put helpers in its modules")
+        if cls.flags is not None and not (isinstance(cls.flags, type) and is_dataclass(cls.flags)):
+            raise TypeError(f"{cls.__name__}.flags is {cls.flags!r}: a part's flags are a dataclass (the class), whose "
+                            "fields become train.py flags; read their values as args.parts.<name>")
+
+    def __setattr__(self, attribute: str, value) -> None:
+        """An instance attribute named as what `Part` declares (its `flags`, `name`, a hook) would hide it: refused."""
+        if attribute in DECLARED:
+            raise TypeError(f"{type(self).__name__}.{attribute} = ... would hide the part's declared {attribute} "
+                            "(training/parts.py `Part`); give the attribute another name")
+        super().__setattr__(attribute, value)
 
     # ---------------------------------------------------------------- flags and launch, before any process group
 
@@ -333,37 +410,47 @@ class Part:
         """The model laid out (layers over devices, tensor-parallel slices, this process's pipeline stages)."""
         return model
 
-    @hook(Combine.ANSWERS)
+    @hook(Combine.ONE)
     def model_runner(self, model: torch.nn.Module, run: Started) -> ModelRunner | None:
         """A runner of this part's own for the laid-out model, in place of the core's (training/runner.py: pipeline
-        stages train, evaluate, save and export their own way). One part's at most."""
+        stages train, evaluate, save and export their own way). One part's at most. After `wrap_model`, before
+        `prepare`."""
 
     @hook(Combine.MERGE)
     def loader_settings(self, args: TrainArguments) -> dict:
         """DataLoader keyword arguments (a `worker_init_fn`), the process group up."""
         return {}
 
-    @hook(Combine.ANSWERS)
+    @hook(Combine.ONE)
     def train_loader(self, loading: Loading) -> Iterable[dict] | None:
         """Batches of a training set the core's DataLoader cannot read (a stream: no length); it keeps its own
-        position. One part's at most."""
+        position. One part's at most. Before `prepare`."""
+
+    @hook(Combine.ONE)
+    def lr_multiplier(self, schedule: Schedule) -> Callable[[int], float] | None:
+        """A learning-rate schedule of this part's own: the factor of --learning_rate at each step (0-based) from the
+        end of warmup on. The core keeps the warmup (linear from 0, --warmup_steps/--warmup_ratio), the scheduler and
+        its checkpoint state. One part's at most; --lr_scheduler_type given with it is refused. Before `prepare`
+        (and again for each micro-batch `micro_batch` prepares)."""
 
     # ---------------------------------------------------------------- the training step
 
     @hook(Combine.CHAIN)
     def training_objective(self, objective: Callable, training: Training) -> Callable:
         """The micro-step's loss sums `objective(model, batch)`, kept, wrapped, compiled or replaced (in `after`
-        order: a replacement first, a wrapper after it)."""
+        order: a replacement first, a wrapper after it). Right after `prepare`, before `micro_batch`."""
         return objective
 
     @hook(Combine.CHAIN)
-    def micro_batch(self, prepared: tuple, search: MicroBatchSearch) -> tuple:
-        """(model, optimizer, loaders, scheduler, torch optimizer): kept, or prepared again for another micro-batch."""
+    def micro_batch(self, prepared: Prepared, search: MicroBatchSearch) -> Prepared:
+        """What `prepare` made: kept, or prepared again for another micro-batch. After `training_objective`, before
+        `after_prepare`."""
         return prepared
 
     @hook(Combine.EACH)
     def after_prepare(self, training: Training) -> None:
-        """Before the first step, the final model and optimizer prepared (hooks registered, state to checkpoint)."""
+        """The final model and optimizer prepared (hooks registered, state to checkpoint made): before a resumed
+        state is loaded (`load_state` then overwrites it) and before the first step."""
 
     @hook(Combine.ANSWERS)
     def logged_figures(self, training: Training) -> LoggedFigures | None:
@@ -374,30 +461,51 @@ class Part:
     def around_training(self, loop: Loop) -> AbstractContextManager | None:
         """What the training loop runs within (a collective that timed out, as one error line)."""
 
+    @hook(Combine.EACH)
+    def after_optimizer_step(self, step: OptimizerStep) -> None:
+        """After each optimizer step (its `scheduler.step()` and counters too), on every rank, before it is logged,
+        evaluated or saved and before `stop_requested` (an average of the weights updated). No host sync here: a
+        skipped update (`step.skipped`) is a device tensor."""
+
     @hook(Combine.ANSWERS)
     def stop_requested(self, end: StepEnd) -> str | None:
-        """After each optimizer step, on every rank: why to save and stop now (a signal), agreed by all ranks (a
-        collective, at least when `end.now`)."""
+        """After each optimizer step and `after_optimizer_step`, on every rank: why to save and stop now (a signal),
+        agreed by all ranks (a collective, at least when `end.now`); before the step's log, evaluation and save."""
+
+    @hook(Combine.MERGE)
+    def around_evaluation(self, evaluation: Evaluating) -> dict[str, AbstractContextManager]:
+        """More passes of each evaluation, by metric prefix (`"eval_ema"`: eval_ema_loss, ...), each run within its
+        context manager (other weights swapped in on entering, the trained ones back on leaving), on every rank,
+        after the core's pass on the weights as trained (`eval_loss`, ...)."""
+        return {}
 
     @hook(Combine.ANSWERS)
     def loading_checkpoint(self, checkpoint: CheckpointLoad) -> AbstractContextManager | None:
-        """What a resume loads the checkpoint within (an unpickling allow-list)."""
+        """What a resume loads the checkpoint within (an unpickling allow-list): after `after_prepare`."""
 
     @hook(Combine.EACH)
     def save_state(self, checkpoint: CheckpointFiles) -> None:
-        """On every rank, into the checkpoint being written: this part's own state (a stream's position, PowerSGD's
-        error feedback), in files of its own (the manifest lists them)."""
+        """On every rank, into the checkpoint being written, after the model's state: this part's own state (a
+        stream's position, PowerSGD's error feedback, an average of the weights), in files of its own (the manifest
+        lists and hashes them)."""
 
     @hook(Combine.EACH)
     def load_state(self, checkpoint: CheckpointFiles) -> None:
-        """On every rank, from the checkpoint a run resumes: this part's state restored alike on every rank, or
-        refused in one line on every rank (ResumeError), whatever number of processes saved it."""
+        """On every rank, from the checkpoint a run resumes, after `after_prepare` and the model's state, before the
+        first step: this part's state restored alike on every rank, or refused in one line on every rank
+        (ResumeError), whatever number of processes saved it."""
 
     # ---------------------------------------------------------------- the end of the run
 
+    @hook(Combine.ANSWERS)
+    def around_export(self, export: Exporting) -> AbstractContextManager | None:
+        """What final/ is written within, on every rank, after the last step and evaluation (other weights swapped
+        in and restored: an average's); entered in part order."""
+
     @hook(Combine.MERGE)
     def summary(self, steps_run: int) -> dict:
-        """On every rank at the end (a collective may run): figures this part adds to summary.json."""
+        """On every rank at the end, after `around_export` (a collective may run): figures this part adds to
+        summary.json."""
         return {}
 
     @hook(Combine.EACH)
@@ -417,21 +525,32 @@ class Part:
 
 
 HOOKS: dict[str, Combine] = {name: value.combine for name, value in vars(Part).items() if hasattr(value, "combine")}
+# what `Part` declares: an instance attribute of the same name would hide it
+DECLARED = frozenset(HOOKS) | frozenset(Part.__annotations__)
 
 
 class InstalledParts(Part):
     """Every installed part as one `Part`: each hook runs on every part that overrides it, in order, and the answers
     combine as the hook declares (`Combine`)."""
 
-    name = "installed parts"
-
     def __init__(self, parts: Iterable[Part]) -> None:
-        self.parts = tuple(parts)
+        object.__setattr__(self, "parts", tuple(parts))
+        # each hook's overrides, found once: a hook no part overrides costs a call and an empty loop
+        object.__setattr__(self, "overrides", {hook: [part for part in self.parts if getattr(type(part), hook) is not
+                                                      getattr(Part, hook)] for hook in HOOKS})
 
 
 def _combined(name: str, combine: Combine) -> Callable:
     def every_part(self: InstalledParts, *arguments):
-        hooks = [getattr(part, name) for part in self.parts if getattr(type(part), name) is not getattr(Part, name)]
+        overriding = self.overrides[name]
+        hooks = [getattr(part, name) for part in overriding]
+        if combine is Combine.ONE:
+            answers = [(part, hook(*arguments)) for part, hook in zip(overriding, hooks)]
+            answers = [(part, answer) for part, answer in answers if answer is not None]
+            if len(answers) > 1:
+                raise ArgumentError(f"parts/{answers[0][0].name} and parts/{answers[1][0].name} both answer "
+                                    f"Part.{name}, which one part may answer at most; turn one of them off")
+            return answers[0][1] if answers else None
         if combine is Combine.CHAIN:
             value, *context = arguments
             for function in hooks:

@@ -29,7 +29,7 @@ from training.console import one_voice
 from training.errors import ModelError
 from training.flags import DataArguments, ModelArguments, TrainArguments, every_flag
 from training.optim import build_optimizer, build_scheduler, global_batch_size, run_length
-from training.parts import Flags, Loading, MicroBatchSearch, Started, Training, parts
+from training.parts import Flags, Loading, MicroBatchSearch, Prepared, Started, Training, parts
 from training.performance import SpeedMeter, parameter_count
 from training.runner import ModelRunner
 from training.step import training_objective
@@ -73,6 +73,7 @@ class Run:
     runner: ModelRunner  # how the model trains, evaluates, saves and exports (training/runner.py)
     objective: Callable[[torch.nn.Module, dict], torch.Tensor]  # a micro-batch's loss sums (training/step.py)
     ranks_per_batch: int  # ranks that read the same batches (a tensor-parallel group): counted once
+    torch_optimizer: torch.optim.Optimizer  # the torch optimizer inside `optimizer` (the parts' hooks get it)
 
 
 def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArguments) -> Run:
@@ -95,7 +96,7 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     logger.info(f"model {model_name}: {task.describe_model(model)}; {num_parameters:,} parameters", main_process_only=True)
     # a part may lay the model out (layers over GPUs, tp slices, pipeline stages), and run it its own way (stages)
     model = parts().wrap_model(model, started)
-    runner = next(iter(parts().model_runner(model, started)), None) or ModelRunner(accelerator)
+    runner = parts().model_runner(model, started) or ModelRunner(accelerator)
     # several devices: a part split the layers over this process's GPUs
     devices = sorted({p.device for p in model.parameters() if p.device.type == accelerator.device.type}, key=str)
     train_set, eval_set = task.datasets(raw, accelerator.main_process_first())
@@ -106,8 +107,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                "pin_memory": args.dataloader_pin_memory and accelerator.device.type == "cuda",
                **parts().loader_settings(args)}  # the parts' (workers on GPUs, workers that ignore stop signals)
     # a part may batch the training set itself (a stream's share: no length, so no epoch length either, 0)
-    if part_loaders := parts().train_loader(Loading(accelerator, args, task, train_set, loading)):
-        train_data = part_loaders[0]
+    if (part_loader := parts().train_loader(Loading(accelerator, args, task, train_set, loading))) is not None:
+        train_data = part_loader
         steps_per_epoch, max_steps = 0, args.max_steps
     else:
         steps_per_epoch, max_steps = run_length(len(train_set), len(eval_set), global_batch, args)
@@ -117,11 +118,13 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                                max_steps)
     prepared = prepare_training(model)
     # loss sums of a micro-batch; a part may compute them another way, compile them with the model, or replace them
-    objective = training_objective(Training(accelerator, args, task, strategy, prepared[0]))
+    objective = training_objective(Training(accelerator, args, task, strategy, prepared.model))
     # a part may prepare again for another micro-batch (the search for one that fits)
-    model, optimizer, train_loader, eval_loader, scheduler, torch_optimizer = parts().micro_batch(prepared, MicroBatchSearch(
+    prepared = parts().micro_batch(prepared, MicroBatchSearch(
         accelerator, args, task, objective, train_set, prepare_training,
         partial(training_loader, train_set, seed=args.seed, **loading), bool(resume_path)))
+    model, optimizer, scheduler, torch_optimizer = (prepared.model, prepared.optimizer, prepared.scheduler,
+                                                    prepared.torch_optimizer)
     training = Training(accelerator, args, task, strategy, model, torch_optimizer, ranks_per_batch)
     parts().after_prepare(training)
     verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
@@ -139,8 +142,9 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                          layout=layout, optim=args.optim, run_id=broadcast_object_list([uuid.uuid4().hex])[0],
                          model=described)  # (one run id on every rank: each rank's files carry it)
     if resume_path:
-        state = resume(accelerator, resume_path, state, max_steps, args.seed, runner, model, optimizer, scheduler,
-                       args.output_dir, args.allow_config_changes)
+        # (an evaluation only needs no steps left to train, nor the global batch that trained it)
+        state = resume(accelerator, resume_path, state, max_steps if args.do_train else math.inf, args.seed, runner,
+                       model, optimizer, scheduler, args.output_dir, args.allow_config_changes, args.do_train)
     state.per_device_train_batch_size, state.gradient_accumulation_steps = (args.per_device_train_batch_size,
                                                                             args.gradient_accumulation_steps)
     if args.overwrite_output_dir:  # only now: every check before has passed
@@ -167,10 +171,11 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     speed = SpeedMeter(accelerator.device, task.unit, ranks_per_batch,  # ranks that read each batch
                        memory_devices=devices if len(devices) > 1 else None,
                        figures=parts().logged_figures(training))  # the parts' (MFU, DPO's rewards)
-    return Run(args, accelerator, strategy, task, model, optimizer, scheduler, train_loader, eval_loader, state,
+    return Run(args, accelerator, strategy, task, model, optimizer, scheduler, prepared.train_loader,
+               prepared.eval_loader, state,
                steps_per_epoch, max_steps, model_name,
                f"{model_name}: {run_description}", num_parameters, speed, state.completed_steps, model_args,
-               runner, objective, ranks_per_batch)
+               runner, objective, ranks_per_batch, torch_optimizer)
 
 
 def check_rebuildable(task: Task) -> None:
@@ -191,7 +196,7 @@ def data_parallel(processes: int, args: TrainArguments) -> tuple[int, int]:
 
 
 def prepared_for_training(accelerator: Accelerator, runner: ModelRunner, task: Task, train_data, eval_set,
-                          args: TrainArguments, loading: dict, max_steps: int, model: torch.nn.Module) -> tuple:
+                          args: TrainArguments, loading: dict, max_steps: int, model: torch.nn.Module) -> Prepared:
     """`model`, its optimizer, the training and evaluation loaders and the scheduler, through `prepare`, for
     the flags' micro-batch; and the torch optimizer inside the prepared one. `train_data`: the training set, or
     a part's loader (a stream's, which `prepare` passes through: each rank reads its own share)."""
@@ -201,7 +206,8 @@ def prepared_for_training(accelerator: Accelerator, runner: ModelRunner, task: T
     align_with_strategy(accelerator, model, args.max_grad_norm, args.per_device_train_batch_size)
     torch_optimizer = build_optimizer(model, args, offloaded=optimizer_offload_device(accelerator) != "none")
     scheduler = build_scheduler(torch_optimizer, args, max_steps)
-    return *runner.prepare(model, task, args.seed, torch_optimizer, loader, eval_loader, scheduler), torch_optimizer
+    return Prepared(*runner.prepare(model, task, args.seed, torch_optimizer, loader, eval_loader, scheduler),
+                    torch_optimizer)
 
 
 

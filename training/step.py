@@ -1,7 +1,10 @@
 """One optimizer step, whole, in the order it runs: the micro-step's objective (the task's loss sums as the parts make
 them: `training_objective`), then per window of micro-batches (`accumulation_windows`): forward and backward of each
-(`forward_backward`), clipping (`clip_gradients`), the optimizer step, the scheduler step and the step counters, and
-the non-finite check (`NonFiniteGuard`). train.py's loop calls `optimizer_step` once per window. A part's runner
+(`forward_backward`), clipping (`clip_gradients`), the optimizer step, the scheduler step and the step counters, the
+non-finite check (`NonFiniteGuard`), and the parts' `after_optimizer_step`. train.py's loop calls `optimizer_step` once
+per window. Under DeepSpeed the engine clips and steps inside `accelerator.backward` of the window's last micro-batch
+(accelerate calls `engine.step()` there), so `clip_gradients` reads the norm it measured and `optimizer.step()` is a
+no-op; every other strategy clips and steps in the calls that name it. A part's runner
 (pipeline stages: training/runner.py) does the forward/backward and the clipping its own way; the rest is the same."""
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from accelerate import Accelerator
 
 from training.errors import NonFiniteLossError
-from training.parts import Training, parts
+from training.parts import OptimizerStep, Training, parts
 from training.strategy import Strategy, wrapped_strategy
 
 if TYPE_CHECKING:
@@ -60,13 +63,15 @@ def optimizer_step(run: Run, window: list[dict], nonfinite: NonFiniteGuard) -> t
             step_loss += runner.forward_backward(model, run.objective, batch, window_targets)  # no host sync here
             if accelerator.sync_gradients:
                 grad_norm = runner.clip_gradients(model, clip_norm)
-            run.optimizer.step()
+            run.optimizer.step()  # (DeepSpeed stepped inside backward: a no-op)
             run.optimizer.zero_grad()
     lr = run.scheduler.get_last_lr()[0]  # the rate this step's update used
     run.scheduler.step()
     run.state.completed_steps += 1
     run.state.steps_in_epoch += 1
-    nonfinite.update(run.state.completed_steps, step_loss, grad_norm)
+    skipped = nonfinite.update(run.state.completed_steps, step_loss, grad_norm)
+    parts().after_optimizer_step(OptimizerStep(accelerator, model, run.torch_optimizer, run.scheduler,
+                                               run.state.completed_steps, skipped))
     return step_loss, grad_norm, lr
 
 
@@ -101,9 +106,11 @@ class NonFiniteGuard:
         self.skipped_steps = torch.zeros((), dtype=torch.long, device=device)
         self.skipped_in_a_row = torch.zeros((), dtype=torch.long, device=device)
 
-    def update(self, step: int, loss: torch.Tensor | float, grad_norm: torch.Tensor | float) -> None:
-        """Record `step` if the loss, or (without loss scaling) the gradient norm, is NaN or infinite."""
+    def update(self, step: int, loss: torch.Tensor | float, grad_norm: torch.Tensor | float) -> torch.Tensor | bool:
+        """Record `step` if the loss, or (without loss scaling) the gradient norm, is NaN or infinite; returns
+        whether the loss scaler skipped this step's update (a device tensor under fp16, else False)."""
         loss_bad, norm_bad = (~torch.isfinite(self._tensor(value)) for value in (loss, grad_norm))
+        skipped = False
         if self.loss_scaling:
             skipped = norm_bad & ~loss_bad
             self.skipped_steps += skipped
@@ -112,6 +119,7 @@ class NonFiniteGuard:
         else:
             bad_now = loss_bad | norm_bad
         self.first_bad_step = torch.where(bad_now, torch.clamp(self.first_bad_step, max=step), self.first_bad_step)
+        return skipped
 
     def _tensor(self, value: torch.Tensor | float) -> torch.Tensor:
         # FSDP2 returns the norm as a replicated DTensor: its local value is the whole norm.

@@ -6,7 +6,7 @@ docs/batch_size.md.
 from dataclasses import dataclass, field
 
 from training.errors import ArgumentError
-from training.parts import Conflict, Flags, MicroBatchSearch, Part, Started
+from training.parts import Conflict, Flags, MicroBatchSearch, Part, Prepared, Started
 
 
 @dataclass
@@ -40,7 +40,7 @@ class BatchSize(Part):
 
             take_recorded_micro_batch(run.accelerator, run.args, run.resume)
 
-    def micro_batch(self, prepared: tuple, search: MicroBatchSearch) -> tuple:
+    def micro_batch(self, prepared: Prepared, search: MicroBatchSearch) -> Prepared:
         """`prepared` for the micro-batch that fits (a resumed run already took its recorded one)."""
         if not search.args.parts.batch_size.auto_find_batch_size or search.resumed:
             return prepared

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from torch.utils.data import DataLoader
 from training.checkpoints.files import TRAINER_STATE
 from training.collectives import max_over_ranks
 from training.errors import StrategyError
+from training.parts import Prepared
 from training.step import forward_backward as data_parallel_forward_backward
 from training.strategy import Strategy, wrapped_strategy
 
@@ -62,10 +64,10 @@ def micro_step_fits(accelerator: Accelerator, model: torch.nn.Module, optimizer:
         clear_device_cache(garbage_collection=True)
 
 
-Prepared = tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[dict], object]]  # model, optimizer, micro-step
+Probe = tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[dict], object]]  # model, optimizer, micro-step
 
 
-def find_micro_batch(accelerator: Accelerator, prepared: Callable[[], Prepared], examples: Callable[[int], dict],
+def find_micro_batch(accelerator: Accelerator, prepared: Callable[[], Probe], examples: Callable[[int], dict],
                      per_device: int, accumulation: int, rebuild: Callable[[int, int], None] | None = None) -> tuple[int, int]:
     """The first (per-device micro-batch, accumulation) from the requested pair, halving and doubling, that
     fits on every rank. `prepared()`: the model, its optimizer and a micro-step's forward and backward
@@ -94,45 +96,45 @@ def find_micro_batch(accelerator: Accelerator, prepared: Callable[[], Prepared],
 
 
 def fit_micro_batch(accelerator: Accelerator, task, objective: Callable, train_set, args,
-                    prepare_training: Callable[[torch.nn.Module], tuple], loader_for: Callable[[int], DataLoader],
-                    prepared: tuple) -> tuple:
-    """`args`' micro-batch and accumulation set to the size that fits, and `prepared` (model, optimizer, loaders,
-    scheduler, torch optimizer: training/setup.py `prepared_for_training`) made for it: the training loader
-    rebuilt where the first one was among accelerate's loaders (a checkpoint saves each loader's position by that
-    order), or, under DeepSpeed, everything prepared again around a new engine after each probe."""
+                    prepare_training: Callable[[torch.nn.Module], Prepared], loader_for: Callable[[int], DataLoader],
+                    prepared: Prepared) -> Prepared:
+    """`args`' micro-batch and accumulation set to the size that fits, and `prepared` (training/setup.py
+    `prepared_for_training`) made for it: the training loader rebuilt where the first one was among accelerate's
+    loaders (a checkpoint saves each loader's position by that order), or, under DeepSpeed, everything prepared again
+    around a new engine after each probe."""
     requested = args.per_device_train_batch_size
-    current = list(prepared)
+    current = prepared
 
-    def probe() -> tuple:
-        model = current[0]
-        return model, current[1], lambda batch: data_parallel_forward_backward(accelerator, objective, model, 1, batch,
-                                                                               task.count_targets(batch))
+    def probe() -> Probe:
+        model = current.model
+        return model, current.optimizer, lambda batch: data_parallel_forward_backward(
+            accelerator, objective, model, 1, batch, task.count_targets(batch))
 
     def rebuild(per_device: int, accumulation: int) -> None:
-        module = release_engine(accelerator, current[0])
-        current.clear()
+        nonlocal current
+        module = release_engine(accelerator, current.model)
         args.per_device_train_batch_size, args.gradient_accumulation_steps = per_device, accumulation
         accelerator.gradient_accumulation_steps = accumulation
         resize_deepspeed_batch(accelerator, per_device, accumulation)
-        current.extend(prepare_training(module))
+        current = prepare_training(module)
 
     args.per_device_train_batch_size, args.gradient_accumulation_steps = find_micro_batch(
         accelerator, probe, lambda n: task.collator([train_set[i] for i in range(n)]), requested,
-        args.gradient_accumulation_steps, None if engine_outlives_probes(current[0]) else rebuild)
+        args.gradient_accumulation_steps, None if engine_outlives_probes(current.model) else rebuild)
     if accelerator.device.type == "cuda":  # the summary's peak is training's, not a probe's (a CPU's RSS peak stays)
         torch.cuda.reset_peak_memory_stats(accelerator.device)
     logger.info(f"--auto_find_batch_size: a micro-batch of {args.per_device_train_batch_size} per process fits, "
                 f"{args.gradient_accumulation_steps} accumulated per step"
                 + (f" ({requested} ran out of memory)" if args.per_device_train_batch_size != requested else ""),
                 main_process_only=True)
-    if args.per_device_train_batch_size == requested or not engine_outlives_probes(current[0]):
-        return tuple(current)
+    if args.per_device_train_batch_size == requested or not engine_outlives_probes(current.model):
+        return current
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
-    train_loader = current[2]
-    current[2] = accelerator.prepare_data_loader(loader_for(args.per_device_train_batch_size))
+    train_loader = current.train_loader
+    current = replace(current, train_loader=accelerator.prepare_data_loader(loader_for(args.per_device_train_batch_size)))
     loaders = accelerator._dataloaders  # noqa: SLF001 - prepare_data_loader appended the new one last
     loaders[loaders.index(train_loader)] = loaders.pop()
-    return tuple(current)
+    return current
 
 
 def take_recorded_micro_batch(accelerator: Accelerator, args, checkpoint: Path) -> None:

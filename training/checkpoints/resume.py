@@ -142,7 +142,7 @@ def verify_checkpoint(accelerator: Accelerator | None, path: Path) -> None:
         raise ResumeError(f"{problems[0]}; resume an earlier checkpoint (--resume_from_checkpoint <its path>)")
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max_steps: int,
+def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int | None, max_steps: float,
                     layout: dict[str, int] | None = None, runner: ModelRunner | None = None, model=None, optimizer=None,
                     scheduler=None, optim: str | None = None, description: dict[str, Any] | None = None,
                     allowed_changes: str | None = None) -> TrainerState:
@@ -166,7 +166,7 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
     if state.completed_steps >= max_steps:
         raise ResumeError(f"{path} is at step {state.completed_steps} and --max_steps is {max_steps}: nothing left "
                           "to train; raise --max_steps (the learning-rate schedule then stretches to the new length)")
-    if state.global_batch != global_batch:
+    if global_batch is not None and state.global_batch != global_batch:
         raise ResumeError(
             f"{path} was trained with a global batch of {state.global_batch}, this run has {global_batch}; "
             "keep per_device_train_batch_size x processes x gradient_accumulation_steps the same to resume")
@@ -208,11 +208,12 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int, max
 
 def resume(accelerator: Accelerator, path: Path, this_run: TrainerState, max_steps: int, seed: int,
            runner: ModelRunner, model, optimizer, scheduler, output_dir: str,
-           allowed_changes: str | None = None) -> TrainerState:
+           allowed_changes: str | None = None, same_batch: bool = True) -> TrainerState:
     """Restore `path` into this run (`this_run`: its fresh state), on every rank; the state to continue from. The
     generators are reseeded where the process count changed, and metrics.jsonl keeps only what was logged up to the
-    checkpoint's step (the trackers' own purge: `tracker_purge_step`)."""
-    state = load_checkpoint(accelerator, path, this_run.global_batch, max_steps, this_run.layout, runner, model,
+    checkpoint's step (the trackers' own purge: `tracker_purge_step`). `same_batch` False: any global batch (an
+    evaluation only)."""
+    state = load_checkpoint(accelerator, path, this_run.global_batch if same_batch else None, max_steps, this_run.layout, runner, model,
                             optimizer, scheduler, this_run.optim, this_run.model, allowed_changes)
     reseeded = ""
     if state.num_processes != this_run.num_processes:  # a rank's saved generators have no counterpart now

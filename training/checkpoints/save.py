@@ -27,7 +27,8 @@ from training.checkpoints.files import (
     rotate_checkpoints,
     write_manifest,
 )
-from training.checkpoints.tensors import MODEL_STATE, model_tensors, tensor_records, whole_shape
+from training.checkpoints.tensors import MODEL_STATE, tensor_records
+from training.strategy.shares import model_tensors, whole_shape
 from training.errors import ModelError
 from training.parts import CheckpointFiles, parts
 from training.strategy.adapters import own_class_while_saving

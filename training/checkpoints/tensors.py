@@ -19,6 +19,17 @@ from safetensors.torch import save_file
 from training.checkpoints.files import TRAINER_STATE, file_sha256
 from training.errors import ResumeError
 from training.strategy import bare_model
+from training.strategy.shares import (
+    Share,
+    model_tensors,
+    other_optimizer_state,
+    shard_like,
+    shares_of,
+    stepped_by_zero,
+    whole_shape,
+    write_value,
+    zero3_range,
+)
 from training.strategy.whole import scalars_gathered_1d
 
 # The checkpoint's model state, one tensor at a time in the same terms under every strategy (training/checkpoints/):
@@ -38,43 +49,6 @@ class TensorState:
     value: torch.Tensor
     elementwise: dict[str, torch.Tensor] = field(default_factory=dict)  # AdamW's moments
     other: dict[str, torch.Tensor | float | int] = field(default_factory=dict)  # a step count, factored moments
-
-
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters (a tied one once) and persistent buffers, by the names of the model as the task built it. FSDP2's
-    are its sharded ones, which the optimizer steps: the root module stays unsharded after a forward without backward
-    (evaluation's), so it is resharded first."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-    tensors = dict(model.named_parameters())
-    for name, buffer in model.named_buffers():
-        owner, _, leaf = name.rpartition(".")
-        if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:
-            tensors[name] = buffer
-    return tensors
-
-
-def whole_shape(tensor: torch.Tensor) -> list[int]:
-    """A tensor's shape as the model defines it (a ZeRO-3 parameter holds a partition and knows the whole shape)."""
-    return list(getattr(tensor, "ds_shape", tensor.shape))
-
-
-FROZEN_SHARE = "frozen_share"  # (offset, values as built): a frozen parameter's share kept by `keep_frozen_values`
-
-
-def keep_frozen_values(model: torch.nn.Module, rank: int, processes: int) -> None:
-    """DeepSpeed's half-precision engines cast the whole model and keep fp32 copies of the trained parameters only:
-    before `prepare`, each rank keeps its share of every frozen parameter as built, in its own dtype (`FROZEN_SHARE`),
-    which is what checkpoints hold. (A model built partitioned by zero.Init never had other values.)"""
-    for parameter in model.parameters():
-        kept = hasattr(parameter, FROZEN_SHARE) or hasattr(parameter, "ds_id")  # (prepared again: already cast)
-        if not parameter.requires_grad and parameter.is_floating_point() and not kept:
-            size = -(-parameter.numel() // processes)
-            start = min(rank * size, parameter.numel())
-            setattr(parameter, FROZEN_SHARE, (start, _flat(parameter)[start:start + size].clone()))
 
 
 def base_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -122,101 +96,36 @@ def step_without_change(optimizer: torch.optim.Optimizer) -> None:
 
 
 def held_pieces(tensor: torch.Tensor, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Piece]:
-    """What this rank writes of `tensor`, per key ("value", then its optimizer state's), without communication: the
-    pieces it holds (a ZeRO partition, FSDP2's rows, a frozen share), and the rest of the optimizer state where every
-    rank holds the same (rank 0 writes it); nothing where another rank writes it (a replicated tensor: rank 0). A
-    DTensor split otherwise (tensor parallelism) is gathered (a collective on every rank). `optimizer`: the base one."""
-    if hasattr(tensor, FROZEN_SHARE):
-        start, share = getattr(tensor, FROZEN_SHARE)
-        return {"value": (start, share)} if share.numel() else {}
-    if hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"):
-        return _zero_pieces(tensor, optimizer)
-    state = {"value": tensor, **optimizer.state.get(tensor, {})}
-    if hasattr(tensor, "device_mesh"):
-        from torch.distributed.tensor import Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        if tuple(tensor.placements) == (Shard(0),):  # FSDP2: a slice of rows (none on some ranks), contiguous
-            shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-            start = offset[0] * math.prod(tensor.shape[1:])
-            rows = {key: (start, _flat(value)) for key, value in state.items() if _elementwise(value, tensor)}
-            return ({} if not math.prod(shape) else rows) | (_others(state, tensor) if rank == 0 else {})
-        state = {key: value.full_tensor() if hasattr(value, "full_tensor") else value for key, value in state.items()}
-    if rank != 0:
-        return {}
-    return {key: (0, _flat(value)) for key, value in state.items() if _elementwise(value, tensor)} | _others(state, tensor)
+    """What this rank writes of `tensor`, per key ("value", then its optimizer state's): its shares (`shares_of`: no
+    communication, but for a DTensor split otherwise than by rows), where another rank does not write the same (a
+    replicated tensor: rank 0), and the rest of the optimizer state (a step count), by rank 0 or, where ZeRO steps it,
+    by every rank holding a share (one count for all). `optimizer`: the base one."""
+    shares = shares_of(tensor, optimizer)
+    pieces = {key: (share.start, _on_host(share.values)) for key, share in shares.items()
+              if rank == 0 or not share.replicated}
+    writes_others = bool(shares) if stepped_by_zero(tensor) else rank == 0
+    others = other_optimizer_state(tensor, optimizer) if writes_others else {}
+    # (copies: ZeRO's step count is one tensor for every parameter, which a safetensors file cannot hold twice)
+    return pieces | {key: (None, _on_host(value).clone() if torch.is_tensor(value) else value)
+                     for key, value in others.items()}
 
 
-def _elementwise(value, tensor: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and value.shape == tensor.shape
-
-
-def _others(state: dict, tensor: torch.Tensor) -> dict[str, Piece]:
-    """The optimizer state not shaped like `tensor`, as the optimizer holds it."""
-    return {key: (None, _kept(value)) for key, value in state.items() if not _elementwise(value, tensor)}
-
-
-def _kept(value: torch.Tensor | float | int) -> torch.Tensor | float | int:
-    return _local(value).detach().cpu().clone() if torch.is_tensor(value) else value
-
-
-def _flat(tensor: torch.Tensor | float) -> torch.Tensor:
-    """The local values, flattened, in their own dtype (never rounded: an int64 counter past 2**24 stays exact)."""
-    return torch.as_tensor(_local(tensor)).detach().cpu().reshape(-1)
-
-
-def _zero3_range(tensor: torch.Tensor) -> tuple[int, int, int]:
-    """A ZeRO-3 parameter's partition on this rank: its offset in the whole, its size (the last rank's padded to the
-    others'), and how many of the whole's values it holds."""
-    import torch.distributed as dist
-
-    size = tensor.ds_tensor.numel()
-    start = dist.get_rank(group=tensor.ds_process_group) * size
-    return start, size, max(0, min(size, tensor.ds_numel - start))
-
-
-def _zero_pieces(tensor: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, Piece]:
-    """ZeRO's fp32 partition of a parameter and its optimizer state: ZeRO-3 holds every parameter's slice at the
-    rank's place, ZeRO-1/2 a range of some parameters (`_hp_mapping`; the ones it does not step are whole on every
-    rank, `held_pieces`' replicated tensors). ZeRO steps flat partitions, so the rest of the state (the step count)
-    is one for all, written by every rank that holds a piece."""
-    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
-
-    stepped = next(iter(optimizer.state.values()), {}) if tensor.requires_grad else {}
-    keys = [key for key, value in stepped.items() if torch.is_tensor(value) and value.dim()]
-    others = {key: (None, _kept(value)) for key, value in stepped.items() if key not in keys}
-    if hasattr(tensor, "ds_id"):
-        start, _, held = _zero3_range(tensor)
-        if not held:
-            return {}
-        if not tensor.requires_grad:
-            return {"value": (start, _flat(tensor.ds_tensor)[:held])}
-        pieces = {"value": safe_get_local_fp32_param(tensor),
-                  **{key: safe_get_local_optimizer_state(tensor, key) for key in keys}}
-        # (copies: the pieces are views of one flat buffer, which a safetensors file cannot hold twice)
-        return {key: (start, _flat(piece)[:held].clone()) for key, piece in pieces.items()} | others
-    if tensor._hp_mapping is None:  # no range of this parameter here
-        return {}
-    mapping = tensor._hp_mapping  # (DeepSpeed's local accessors are for ZeRO-3 only)
-    pieces = {"value": mapping.get_hp_fragment(), **{key: mapping.get_hp_fragment(key) for key in keys}}
-    return {key: (mapping.lp_fragment_address.start, _flat(piece).clone()) for key, piece in pieces.items()} | others
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A share's values on the host, in their own dtype (never rounded: an int64 counter past 2**24 stays exact), in
+    storage of their own (ZeRO's are views of one flat buffer, which a safetensors file cannot hold twice)."""
+    tensor = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach().cpu()
+    return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() else tensor
 
 
 def set_full_state(tensor: torch.Tensor, saved: TensorState, optimizer: torch.optim.Optimizer,
                    torch_states: dict[int, dict]) -> None:
-    """Set `tensor` and its optimizer state from their whole values (`ModelState.whole`), on
-    every rank: ZeRO's partitions at once, a torch optimizer's into `torch_states` (by the tensor's id), for
+    """Set `tensor` (`write_value`) and its optimizer state from their whole values (`ModelState.whole`), on every
+    rank: ZeRO's partitions at once, a torch optimizer's into `torch_states` (by the tensor's id), for
     `load_optimizer_states`."""
-    value = saved.value
-    if hasattr(tensor, FROZEN_SHARE):  # what the next checkpoint holds
-        start, share = getattr(tensor, FROZEN_SHARE)
-        share.copy_(value.reshape(-1)[start:start + share.numel()])
-    if hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"):
-        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-        with scalars_gathered_1d([tensor]), GatheredParameters([tensor], modifier_rank=0, enabled=hasattr(tensor, "ds_id")):
-            tensor.data.copy_(value.reshape(tensor.data.shape))  # the weights forward uses (ZeRO-3: rank 0's, partitioned again on leaving)
-        if tensor.requires_grad:
+    with scalars_gathered_1d([tensor]):
+        write_value(tensor, saved.value)
+    if stepped_by_zero(tensor):
+        if tensor.requires_grad and saved.elementwise:
             _set_zero_state(tensor, saved)
         for stepped in optimizer.state.values():  # ZeRO steps flat partitions: one count for all
             for key, count in saved.other.items():
@@ -225,54 +134,25 @@ def set_full_state(tensor: torch.Tensor, saved: TensorState, optimizer: torch.op
                     stepped[key] = (stepped[key].fill_(number) if torch.is_tensor(stepped[key])
                                     else type(stepped[key])(number))
         return
-    with torch.no_grad():
-        _local(tensor).copy_(_local(_shard_like(tensor, value)))
     if saved.elementwise or saved.other:
-        torch_states[id(tensor)] = {key: _shard_like(tensor, state) for key, state in saved.elementwise.items()} | \
+        torch_states[id(tensor)] = {key: shard_like(tensor, state) for key, state in saved.elementwise.items()} | \
             saved.other
 
 
 def _set_zero_state(tensor: torch.Tensor, saved: TensorState) -> None:
-    """ZeRO's fp32 master and optimizer state of a parameter it steps. ZeRO-3's from this rank's padded partition
-    (DeepSpeed 0.19.8's `safe_set_full_fp32_param` reads past the whole where the process count does not divide it)."""
-    from deepspeed.utils import (
-        safe_set_full_fp32_param,
-        safe_set_full_optimizer_state,
-        safe_set_local_fp32_param,
-        safe_set_local_optimizer_state,
-    )
+    """ZeRO's optimizer state of a parameter it steps (its master: `write_value`). ZeRO-3's from this rank's padded
+    partition (DeepSpeed 0.19.8's full setters read past the whole where the process count does not divide it)."""
+    from deepspeed.utils import safe_set_full_optimizer_state, safe_set_local_optimizer_state
 
     if not hasattr(tensor, "ds_id"):
-        safe_set_full_fp32_param(tensor, saved.value.reshape(tensor.shape).to(tensor.device))
         for key, state in saved.elementwise.items():
             safe_set_full_optimizer_state(tensor, state.reshape(tensor.shape).to(tensor.device), key)
         return
-    start, size, held = _zero3_range(tensor)
-
-    def partition(whole: torch.Tensor) -> torch.Tensor:  # (DeepSpeed casts it to the master's dtype)
-        padded = torch.zeros(size, dtype=whole.dtype)
-        padded[:held] = whole.reshape(-1)[start:start + held]
-        return padded.to(tensor.ds_tensor.device)
-
-    safe_set_local_fp32_param(tensor, partition(saved.value))
+    start, size, held = zero3_range(tensor)
     for key, state in saved.elementwise.items():
-        safe_set_local_optimizer_state(tensor, partition(state), key)
-
-
-def _local(tensor: torch.Tensor | float) -> torch.Tensor | float:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _shard_like(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """`value` laid out as `tensor` is: a DTensor's own shard (every rank read the whole: no communication)."""
-    if not hasattr(tensor, "device_mesh"):
-        return value.to(tensor.device)
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    shard = distribute_tensor(value.to(tensor.device), tensor.device_mesh, tensor.placements, src_data_rank=None)
-    # its own copy: a view would keep the whole tensor alive, on every rank, as long as the optimizer state
-    return DTensor.from_local(shard.to_local().clone(), tensor.device_mesh, tensor.placements, run_check=False,
-                              shape=shard.shape, stride=shard.stride())
+        padded = torch.zeros(size, dtype=state.dtype)  # (DeepSpeed casts it to the master's dtype)
+        padded[:held] = state.reshape(-1)[start:start + held]
+        safe_set_local_optimizer_state(tensor, padded.to(tensor.ds_tensor.device), key)
 
 
 def load_optimizer_states(optimizer: torch.optim.Optimizer, torch_states: dict[int, dict]) -> None:
@@ -300,23 +180,63 @@ AS_BYTES = (torch.complex128, torch.complex32)  # dtypes safetensors 0.8 cannot 
 def save_model_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, directory: Path,
                      stamp: dict[str, str] | None = None) -> str:
     """Every rank writes the pieces it holds of every tensor and its optimizer state (`held_pieces`: no gathering, so
-    as fast as the strategies' own saves) to one file, with the tensors' whole shapes and the dtypes of its pieces;
-    state that is a number (a step count) goes into the file's metadata, as JSON keeps it, and so does `stamp` (the
-    run and step the file belongs to). Returns the file's SHA-256."""
+    as fast as the strategies' own saves) to its file (`write_pieces`). Returns the file's SHA-256."""
+    base, rank = base_optimizer(optimizer), accelerator.process_index
+    tensors = model_tensors(bare_model(accelerator, model))
+    return write_pieces(directory, rank, {name: held_pieces(tensor, base, rank) for name, tensor in tensors.items()},
+                        {name: whole_shape(tensor) for name, tensor in tensors.items()}, stamp)
+
+
+def save_shares(accelerator: Accelerator, directory: Path, shares: dict[str, Share | None],
+                shapes: dict[str, list[int]], stamp: dict[str, str] | None = None) -> str:
+    """Every rank: its shares (`shares_of`'s layout; None where it holds none) of model-shaped tensors of a part's own
+    (parts/ema: an average of the weights) into `directory`, in the format of model_state/, which `load_shares` reads
+    back under any strategy and process count. `shapes`: each tensor's whole shape. Returns the file's SHA-256."""
+    rank = accelerator.process_index
+    pieces = {name: {"value": (share.start, _on_host(share.values))} for name, share in shares.items()
+              if share is not None and (rank == 0 or not share.replicated)}
+    return write_pieces(directory, rank, pieces, shapes, stamp)
+
+
+def load_shares(checkpoint: Path, folder: str, layout: dict[str, Share | None]) -> dict[str, torch.Tensor | None]:
+    """Every rank: what `save_shares` wrote into `checkpoint`/`folder`, whatever strategy and process count wrote it,
+    cut to this rank's shares (`layout`: this rank's share of each tensor, as `shares_of` lays it out; None where it
+    holds none). Refused in one line (ResumeError) where the names or shapes differ."""
+    with contextlib.ExitStack() as files:
+        saved = ModelState(checkpoint, files, folder)
+        if sorted(saved.shapes) != sorted(layout):
+            missing = sorted(set(layout) - set(saved.shapes)) or sorted(set(saved.shapes) - set(layout))
+            raise ResumeError(f"{checkpoint / folder} holds other tensors than this run keeps ({missing[0]} is in one "
+                              "only); resume with the model and settings it was saved with")
+        loaded = {}
+        for name, share in layout.items():
+            if share is None:
+                loaded[name] = None
+                continue
+            whole = saved.whole(name).value.reshape(-1)
+            loaded[name] = whole[share.start:share.start + share.values.numel()].to(share.values)
+        return loaded
+
+
+def write_pieces(directory: Path, rank: int, pieces: dict[str, dict[str, Piece]], shapes: dict[str, list[int]],
+                 stamp: dict[str, str] | None) -> str:
+    """One rank's file of the tensor format, `directory`/rank<N>.safetensors: its pieces of each tensor (by key:
+    "value", an optimizer state's), with the tensors' whole shapes and the dtypes of its pieces; state that is a
+    number (a step count) goes into the file's metadata, as JSON keeps it, and so does `stamp` (the run and step the
+    file belongs to). Returns the file's SHA-256."""
     directory.mkdir(parents=True, exist_ok=True)
-    base, rank, pieces, numbers, shapes = base_optimizer(optimizer), accelerator.process_index, {}, {}, {}
-    for name, tensor in model_tensors(bare_model(accelerator, model)).items():
-        shapes[name] = whole_shape(tensor)
-        for key, (start, piece) in held_pieces(tensor, base, rank).items():
+    tensors, numbers = {}, {}
+    for name, held in pieces.items():
+        for key, (start, piece) in held.items():
             if torch.is_tensor(piece):
-                pieces[f"{name}|{key}|{WHOLE if start is None else start}"] = piece
+                tensors[f"{name}|{key}|{WHOLE if start is None else start}"] = piece
             else:
                 numbers[f"{name}|{key}"] = piece
     metadata = {"shapes": json.dumps(shapes), "numbers": json.dumps(numbers), **(stamp or {}),
                 "dtypes": json.dumps({key.rsplit("|", 1)[0]: str(piece.dtype).removeprefix("torch.")
-                                      for key, piece in pieces.items()})}
-    pieces = {key: piece.view(torch.uint8) if piece.dtype in AS_BYTES else piece for key, piece in pieces.items()}
-    save_file(pieces, path := directory / f"rank{rank}.safetensors", metadata=metadata)
+                                      for key, piece in tensors.items()})}
+    tensors = {key: piece.view(torch.uint8) if piece.dtype in AS_BYTES else piece for key, piece in tensors.items()}
+    save_file(tensors, path := directory / f"rank{rank}.safetensors", metadata=metadata)
     return file_sha256(path)  # (read back from the page cache: each rank its own file, in parallel)
 
 
@@ -339,8 +259,8 @@ class ModelState:
     """A checkpoint's `save_model_state` files, one per rank that saved it, read lazily: one whole tensor (and its
     optimizer state) assembled at a time, in the dtype its pieces were saved in."""
 
-    def __init__(self, checkpoint: Path, files: contextlib.ExitStack) -> None:
-        self.directory, self.shapes, self.pieces, self.numbers = checkpoint / MODEL_STATE, {}, {}, {}
+    def __init__(self, checkpoint: Path, files: contextlib.ExitStack, folder: str = MODEL_STATE) -> None:
+        self.directory, self.shapes, self.pieces, self.numbers = checkpoint / folder, {}, {}, {}
         processes = json.loads((checkpoint / TRAINER_STATE).read_text())["num_processes"]
         for rank in range(processes):
             path = self.directory / f"rank{rank}.safetensors"

@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from training.batchnorm import batch_norm_layers, running_statistics
-from training.checkpoints.tensors import keep_frozen_values
+from training.strategy.shares import keep_frozen_values
 from training.errors import StrategyError
 from training.performance import compute_dtype
 from training.strategy import Strategy, wrapped_strategy
