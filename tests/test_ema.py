@@ -90,15 +90,18 @@ def test_the_average_resumes_under_another_config_and_process_count(strategy_run
                                                                     shared_dir) -> None:
     """fsdp's checkpoint at step 6 resumed by ZeRO-3 on 3 processes (odd partitions; some parameters partitioned,
     some held whole), the average moving on and evaluated (swapped into both kinds): step 12's as fsdp's uninterrupted
-    run; ZeRO-3's resumed by one process with the average held still (updated every 1000 steps) and exported: final/
-    is ZeRO-3's step-6 average, exactly."""
+    run, and exported (--ema_export) as saved; ZeRO-3's resumed by one process with the average held still (updated
+    every 1000 steps) and exported: final/ is ZeRO-3's step-6 average, exactly."""
     fsdp, zero3 = strategy_run("fsdp"), strategy_run("deepspeed_zero3")
     three = cached_run(zero3_partitioning_some(shared_dir / "ema"), *with_flags(
         parity_args("deepspeed_zero3", base_model), per_device_train_batch_size="4", gradient_accumulation_steps="1",
-        resume_from_checkpoint=str(fsdp / "checkpoints" / "step_6")))
-    sizes = [value.numel() for value in saved(three, 12).values()]
-    assert min(sizes) < PARTITIONED_ABOVE < max(sizes)
-    assert_close(saved(three, 12), saved(fsdp, 12), TOLERANCE)
+        resume_from_checkpoint=str(fsdp / "checkpoints" / "step_6"), ema_export="true"))
+    average = saved(three, 12)
+    assert min(value.numel() for value in average.values()) < PARTITIONED_ABOVE < max(value.numel() for value in
+                                                                                      average.values())
+    assert_close(average, saved(fsdp, 12), TOLERANCE)
+    final = load_file(three / "final" / "model.safetensors")  # gathered from both kinds, the average swapped in
+    assert all(torch.equal(final[name], value) for name, value in average.items())
     assert logged(three, "eval_ema_loss")[12] == pytest.approx(logged(fsdp, "eval_ema_loss")[12], abs=TOLERANCE)
 
     held = cached_run("single", *with_flags(parity_args("single", base_model), ema_update_every="1000",

@@ -36,3 +36,9 @@ def test_the_report_draws_a_panel_for_every_metric_a_task_logs(tmp_path) -> None
             False) in metric_panels(trained_too)  # a figure the training steps log too: both in one panel (DPO's)
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(record) for record in records))
     assert len(CORE_PANELS) == 4 and imread(write_report(tmp_path)).shape == (800, 1800, 4)  # 6 panels, 3 columns
+    # another pass's loss (the average of the weights: eval_ema_loss) beside eval_loss, not a panel of its own
+    other_pass = [*records, {"step": 5, "eval_ema_loss": 0.9, "eval_ema_accuracy": 0.25}]
+    assert [title for title, _, _ in metric_panels(other_pass)] == [
+        "held out: accuracy", "held out: ema accuracy", "held out: top5 accuracy"]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(record) for record in other_pass))
+    assert imread(write_report(tmp_path)).shape == (800, 2400, 4)  # 7 panels, 4 columns

@@ -534,10 +534,10 @@ class InstalledParts(Part):
     combine as the hook declares (`Combine`)."""
 
     def __init__(self, parts: Iterable[Part]) -> None:
-        object.__setattr__(self, "parts", tuple(parts))
+        self.parts = tuple(parts)
         # each hook's overrides, found once: a hook no part overrides costs a call and an empty loop
-        object.__setattr__(self, "overrides", {hook: [part for part in self.parts if getattr(type(part), hook) is not
-                                                      getattr(Part, hook)] for hook in HOOKS})
+        self.overrides = {hook: [part for part in self.parts if getattr(type(part), hook) is not getattr(Part, hook)]
+                          for hook in HOOKS}
 
 
 def _combined(name: str, combine: Combine) -> Callable:

@@ -165,7 +165,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     logger.info(
         f"{task.describe_data(train_set)}, global batch {global_batch}, "
         f"{f'{steps_per_epoch} steps/epoch' if steps_per_epoch else 'epochs as long as the stream'}, "
-        f"training to step {max_steps}, {len(eval_set)} examples for evaluation",
+        f"{f'training to step {max_steps}' if args.do_train else 'evaluating only (--do_train false)'}, "
+        f"{len(eval_set)} examples for evaluation",
         main_process_only=True,
     )
     speed = SpeedMeter(accelerator.device, task.unit, ranks_per_batch,  # ranks that read each batch

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 from training.metrics import read_metrics
@@ -27,13 +28,19 @@ def metric_panels(records: list[dict]) -> tuple:
     where they log it too (DPO's rewards/accuracies)."""
     logged = {key for record in records for key in record}
     panels = []
-    for key in sorted(key for key in logged if key.startswith("eval_") and key != "eval_loss"):
+    for key in sorted(key for key in logged if key.startswith("eval_") and key != "eval_loss" and not other_pass(key)):
         name = key.removeprefix("eval_")
         if name in logged:
             panels.append((name.replace("_", " "), [(name, "train", "-"), (key, "eval", "o-")], False))
         else:
             panels.append((f"held out: {name.replace('_', ' ')}", [(key, key, "o-")], False))
     return tuple(panels)
+
+
+def other_pass(key: str) -> str | None:
+    """The pass of an evaluation loss on other weights (a part's `around_evaluation`: `eval_ema_loss`, an average of
+    the weights), drawn in the loss panel."""
+    return found.group(1) if (found := re.fullmatch(r"eval_([a-z0-9]+)_loss", key)) else None
 
 
 def write_report(output_dir: str | Path, title: str = "") -> Path:
@@ -44,7 +51,10 @@ def write_report(output_dir: str | Path, title: str = "") -> Path:
     records = read_metrics(output_dir)
     # The object API: no pyplot, no display. Fixed margins: matplotlib's constrained layout
     # takes longer than drawing the panels (0.7 s of 1.5 s at the end of every run).
-    panels = CORE_PANELS + metric_panels(records)
+    passes = sorted({key for record in records for key in record if other_pass(key)})
+    (loss_title, losses, log_scale), *rest = CORE_PANELS
+    losses = [*losses, *((key, f"eval ({other_pass(key)})", "s--") for key in passes)]
+    panels = ((loss_title, losses, log_scale), *rest) + metric_panels(records)
     columns = (len(panels) + 1) // 2
     figure = Figure(figsize=(6 * columns, 8))
     figure.subplots_adjust(left=0.09 * 2 / columns, right=0.98, bottom=0.07, top=0.9, hspace=0.35, wspace=0.25)
