@@ -23,7 +23,7 @@ class WarmupStableDecay(Part):
     flags = WsdFlags
 
     def lr_multiplier(self, schedule: Schedule) -> Callable[[int], float] | None:
-        """1 until the cooldown, then 1 - sqrt(its progress): the rate reaches 0 at the run's last step."""
+        """1 until the cooldown, then 1 - sqrt(its progress), falling towards 0 over the run's last steps."""
         fraction = schedule.args.parts.wsd.wsd_decay_fraction
         if not fraction:
             return None

@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the template's modules: metrics, the planner, data preparation
 
 from scripts.data_benchmark import data_table  # noqa: E402
+from scripts.peer_benchmark import peers_table  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
 from training.parts import installed  # noqa: E402
 
@@ -394,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num_processes", type=int, help="Default 2; --mfu: one per GPU (1 on CPU).")
     parser.add_argument("--mixed_precision", choices=["no", "bf16"], help="Default: bf16; --compression: no (the default job's).")
     parser.add_argument("--per_device_train_batch_size", type=int, help="Default 8; --pipeline: 64.")
-    parser.add_argument("--block_size", type=int, default=256)
+    parser.add_argument("--block_size", type=int, help="Default 256; --peers: 128.")
     parser.add_argument("--steps", type=int, help="Default 30; --pipeline: 12.")
     parser.add_argument("--warmup", type=int, help="Steps left out of the medians. Default 5; --pipeline: 4.")
     parser.add_argument("--log_every", type=int, help="train.py's --logging_steps: a median per interval. Default 5; --pipeline: 4.")
@@ -425,6 +426,10 @@ def main(argv: list[str] | None = None) -> None:
                              "what the default job consumes; scripts/prepare_data.py with 1 and 2 processes.")
     parser.add_argument("--corpus_mb", type=float, default=200, help="--data: the generated corpus's size.")
     parser.add_argument("--data_batches", type=int, default=200, help="--data: micro-batches read per data path.")
+    parser.add_argument("--peers", action="store_true",
+                        help="Instead: train.py against transformers' Trainer on the same model, data, batch, schedule "
+                             "and steps (default llama-tiny, 8 x 128 tokens, 150 steps, fp32), on 1 and 2 processes, "
+                             "alternating --rounds (scripts/peer_benchmark.py).")
     parser.add_argument("--mfu", action="store_true",
                         help="Instead: MFU of ddp (eager and compiled), fsdp and deepspeed_zero2 on llama-125m with a "
                              "50k vocabulary, at the largest micro-batch that fits (scripts/mfu_benchmark.py).")
@@ -450,15 +455,19 @@ def main(argv: list[str] | None = None) -> None:
     # The pipeline table: fp32 and 64 sequences per step, so that 8 micro-batches still keep a core busy
     # (bf16 with 8 per step measured 1.27x for 1F1B over the naive split; this 1.77x).
     if not args.mfu:
-        defaults = PIPELINE_DEFAULTS if args.pipeline else DISTILLATION_DEFAULTS if args.distillation else DEFAULTS
+        from scripts.peer_benchmark import PEER_DEFAULTS
+
+        defaults = (PIPELINE_DEFAULTS if args.pipeline else DISTILLATION_DEFAULTS if args.distillation else
+                    PEER_DEFAULTS if args.peers else DEFAULTS)
         args.num_processes = args.num_processes or 2
-    for key, value in defaults.items():
+    for key, value in ({"block_size": 256} | defaults).items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     args.mixed_precision = args.mixed_precision or ("no" if args.compression or args.distillation or args.data else "bf16")
     table = {"fine_tuning": fine_tuning_table, "compression": compression_table, "scaling": scaling_table,
              "pipeline": pipeline_table, "distillation": distillation_table,
              "data": lambda args, scratch: data_table(args, scratch, train_run),
-             "mfu": lambda args, scratch: mfu_table(args, scratch, train_run)}  # (imported with --mfu only)
+             "mfu": lambda args, scratch: mfu_table(args, scratch, train_run),  # (imported with --mfu only)
+             "peers": lambda args, scratch: peers_table(args, scratch, train_run, environment(REPO), free_port)}
     if chosen := [name for name in table if getattr(args, name)]:
         with tempfile.TemporaryDirectory() as scratch:
             lines, results = table[chosen[0]](args, Path(scratch))

@@ -8,7 +8,9 @@ advances the profiler, which records `--profile_steps` optimizer steps after `--
 compilation, autotuning). The main process prints its device's kernels (the CPU's operators on a
 machine without a GPU): the top `--top` by time, then the share of each kind (matrix multiplies,
 attention, loss, other elementwise and reductions, optimizer, communication, copies), as per-step
-milliseconds. That names what a speed lever would have to remove (docs/gpus.md), and
+milliseconds; on a CPU, then, the step's time by phase (data, forward and its output layer, the loss, backward,
+optimizer, the rest) and the host syncs by what asked for them (docs/performance.md). That names what a speed lever
+would have to remove (docs/gpus.md), and
 `--sdpa_backends` narrows which attention kernels torch may choose; `--causal_mask_skip`
 gives an older torch (a GPU image's 2.11) the pinned 2.13's compiled attention. On a GPU the host runs
 ahead of the device, so the window also holds kernels queued by the steps just before it: read the
@@ -80,6 +82,86 @@ def kernel_table(events, steps: int, on_gpu: bool, top: int) -> tuple[list[str],
     return lines, {"ms_per_step": total, "kinds": kinds, "top": [{"name": n, "ms": ms, "calls": c} for n, ms, c, _ in timed[:top]]}
 
 
+# Where a step's CPU time goes, by the profiler's own ranges (torch's DataLoader and Optimizer ranges, the autograd
+# engine's backward functions) and the ranges `mark_forward` opens: the first match from the outside in wins.
+PHASES = [("data", r"^enumerate\(DataLoader\)"), ("optimizer", r"^Optimizer\.(step|zero_grad)#"),
+          ("forward", r"^## forward ##$"),
+          ("loss (forward)", r"^aten::(cross_entropy_loss|log_softmax|nll_loss)"),
+          ("loss (backward)", r"^autograd::engine::evaluate_function: (NllLoss|LogSoftmax)\w*Backward"),
+          ("backward", r"^autograd::engine::evaluate_function: ")]
+
+
+def mark_forward() -> None:
+    """Ranges named for the phase table: the outermost module's forward (`## forward ##`) and, inside it, a
+    transformers model's output layer (`## output layer ##`), through torch's global module hooks."""
+    from torch.autograd.profiler import record_function
+
+    open_ranges, output_layer = [], []
+    marked: set[int] = set()
+
+    def before(module, _):
+        if not open_ranges:
+            open_ranges.append(record_function("## forward ##").__enter__())
+            inner = getattr(module, "module", module)  # (DDP's wrapper)
+            layer = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+            if layer is not None and id(layer) not in marked:
+                marked.add(id(layer))
+                # (a stack of its own: the global hooks run around the module's own)
+                layer.register_forward_pre_hook(lambda *_: output_layer.append(record_function("## output layer ##").__enter__()))
+                layer.register_forward_hook(lambda *_: output_layer.pop().__exit__(None, None, None))
+        else:
+            open_ranges.append(None)
+
+    def after(module, _, __):
+        opened = open_ranges.pop()
+        if opened is not None:
+            opened.__exit__(None, None, None)
+
+    torch.nn.modules.module.register_module_forward_pre_hook(before)
+    torch.nn.modules.module.register_module_forward_hook(after)
+
+
+def phase_table(events, steps: int) -> tuple[list[str], dict]:
+    """Each phase's CPU time per step (an event counts for the first phase it or an enclosing event matches), the
+    steps' own total, and the host syncs (`aten::_local_scalar_dense`: a tensor read by the host) per step, with the
+    operator that asked for each."""
+    def phase_of(event) -> str | None:
+        chain = []
+        while event is not None:
+            chain.append(event)
+            event = event.cpu_parent
+        for outer in reversed(chain):
+            if name := next((phase for phase, pattern in PHASES if re.search(pattern, outer.name)), None):
+                return name if outer is chain[0] else ""  # "": inside another counted event
+        return None
+
+    phases = {phase: 0.0 for phase, _ in PHASES}
+    step_ms, syncs = 0.0, {}
+    for event in events:
+        if event.name.startswith("ProfilerStep"):  # ("ProfilerStep*": consecutive, the wall time of the steps)
+            step_ms += event.cpu_time_total / 1000
+        if event.name == "aten::_local_scalar_dense":
+            asker = event.cpu_parent
+            while asker is not None and asker.name in ("aten::item", "aten::is_nonzero"):
+                asker = asker.cpu_parent
+            where = "the loop" if asker is None or asker.name.startswith("ProfilerStep") else asker.name
+            syncs[where] = syncs.get(where, 0) + 1
+        if phase := phase_of(event):
+            phases[phase] += event.cpu_time_total / 1000
+    phases = {phase: ms / steps for phase, ms in phases.items()}
+    output_layer = sum(event.cpu_time_total for event in events if event.name == "## output layer ##") / 1000 / steps
+    total = step_ms / steps
+    other = total - sum(phases.values())
+    asked = ", ".join(f"{count / steps:g} by {where}" for where, count in sorted(syncs.items(), key=lambda s: -s[1]))
+    lines = [f"CPU time per step by phase: {total:,.1f} ms per step over {steps} step(s); host syncs per step: "
+             f"{asked or 'none'}", "", "| phase | ms/step | share |", "|---|---:|---:|"]
+    lines += [f"| {phase} | {ms:,.2f} | {ms / total:.1%} |" for phase, ms in phases.items()]
+    lines.append(f"| other (logging, clipping, schedule, the loop) | {other:,.2f} | {other / total:.1%} |")
+    lines.append(f"| of the forward: the output layer (logits) | {output_layer:,.2f} | {output_layer / total:.1%} |")
+    return lines, {"ms_per_step": total, "phases": phases | {"other": other, "output_layer": output_layer},
+                   "host_syncs_per_step": {where: count / steps for where, count in syncs.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--skip_steps", type=int, default=10, help="Optimizer steps before the profile (warm-up).")
@@ -100,9 +182,15 @@ def main() -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     main_process = int(os.environ.get("RANK", "0")) == 0
 
+    if not on_gpu:
+        mark_forward()
+
     def report(profiler: profile) -> None:
         if main_process:
             lines, figures = kernel_table(profiler.key_averages(), ours.profile_steps, on_gpu, ours.top)
+            if not on_gpu:  # (on a GPU the host runs ahead: its phases are not the device's)
+                phase_lines, figures["phases"] = phase_table(profiler.events(), ours.profile_steps)
+                lines += ["", *phase_lines]
             print("\n".join(lines), flush=True)
             if ours.json:
                 ours.json.write_text(json.dumps(figures, indent=1))

@@ -247,3 +247,19 @@ def test_the_mfu_table_is_refused_in_one_line_without_its_part(monkeypatch) -> N
     with pytest.raises(SystemExit, match=r"^error: --mfu needs the part mfu, which this project left out"):
         benchmark.main(["--mfu"])
 
+
+
+def test_the_peers_table_sets_train_py_against_trainer_on_one_and_two_processes(tmp_path) -> None:
+    """--peers: train.py and transformers' Trainer (scripts/trainer_peer.py, new interpreters) on the same model,
+    data and steps, on 1 and 2 processes. Trainer on 2 CPU processes runs DDP (untold, it trained each torchrun
+    rank alone: its 2-process eval loss was one process's)."""
+    run = run_benchmark(tmp_path, "--peers", "--rounds", "1", "--steps", "8", "--log_every", "2")
+    one, two = run["rounds"]
+    assert (one["processes"], two["processes"]) == (1, 2)
+    assert (one["trainer_parallel_mode"], two["trainer_parallel_mode"]) == ("not_parallel", "distributed")
+    assert two["trainer_eval_loss"] != one["trainer_eval_loss"] and two["train_py_eval_loss"] != one["train_py_eval_loss"]
+    assert all(r["train_py"] > 0 and r["trainer"] > 0 for r in run["rounds"])
+    for processes in (1, 2):
+        assert run[f"median_{processes}"]["speed_ratio"] == pytest.approx(
+            run["rounds"][processes - 1]["train_py"] / run["rounds"][processes - 1]["trainer"])
+        assert f"| median | {processes} | | | **{run[f'median_{processes}']['speed_ratio']:.3f}** |" in run["table"]

@@ -140,6 +140,8 @@ def test_a_run_that_only_evaluates_scores_a_checkpoint_or_a_model_under_any_conf
     (["--ema_export"], "--ema_export is for the average of the weights: add --ema_decay"),
     (["--ema_decay", "1.0"], r"--ema_decay must be in \(0, 1\)"),
     (["--ema_decay", "0.9", "--ema_update_every", "0"], r"--ema_update_every >= 1"),
+    (["--ema_decay", "0.9", "--ema_export", "--do_train", "false"], "--ema_export with --do_train false: an "
+                                                                     "evaluation exports nothing"),
     pytest.param(["--ema_decay", "0.9", "--pipeline_parallel_size", "2"],
                  "--ema_decay 0.9 with --pipeline_parallel_size is not supported: pipeline stages keep no average", marks=pytest.mark.parts("pipeline")),
 ])
@@ -149,6 +151,37 @@ def test_settings_the_average_cannot_keep_are_refused(tmp_path, argv, message) -
 
     with pytest.raises(ArgumentError, match=message):
         parse_args([*argv, "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.quick
+@pytest.mark.parts("pipeline")
+def test_an_average_turned_off_is_no_conflict(tmp_path) -> None:
+    """`--ema_decay 0` is off, as a switch given as false is: no conflict with pipeline stages."""
+    from training.arguments import parse_args
+
+    _, _, args = parse_args(["--ema_decay", "0", "--pipeline_parallel_size", "2", "--output_dir", str(tmp_path)])
+    assert args.parts.ema.ema_decay == 0
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("held", "argv", "message"), [
+    ("metrics.jsonl", [], "--do_train false writes its evaluation to .*'s metrics.jsonl and summary.json, and .* holds "
+                          r"a run's \(metrics.jsonl\); give the evaluation another --output_dir"),
+    ("checkpoints/step_2/trainer_state.json", [], r"holds a run's \(checkpoints\)"),
+    (None, ["--resume_from_checkpoint", "latest"], "'latest' finds nothing; give the checkpoint's path"),
+])
+def test_an_evaluation_never_writes_over_a_run(tmp_path, held, argv, message) -> None:
+    """--do_train false writes metrics.jsonl and summary.json: never into a run's output_dir (resume cuts its
+    metrics back to the checkpoint's step, and the summary would replace the run's)."""
+    from training.arguments import parse_args
+    from training.errors import ArgumentError
+
+    if held:
+        (tmp_path / held).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / held).write_text("{}")
+    with pytest.raises(ArgumentError, match=message):
+        parse_args(["--do_train", "false", *argv, "--output_dir", str(tmp_path)])
+    assert not held or (tmp_path / held).read_text() == "{}"
 
 
 @pytest.mark.quick
@@ -170,16 +203,23 @@ def test_a_skipped_update_leaves_the_average_and_the_weights_swap_in_and_back_ex
     torch.manual_seed(0)
     model = accelerator.prepare(torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1, bias=False)))
     model[1].weight.requires_grad_(False)  # a frozen parameter: not averaged
-    average = WeightAverage(accelerator, model, decay=0.75, after=1, every=1)
-    first = {name: p.detach().clone() for name, p in model.named_parameters()}
+    average = WeightAverage(accelerator, model, decay=0.75, after=0, every=1)
     assert sorted(average.shares) == ["0.bias", "0.weight"]
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
+
+    def step_weights() -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    first = step_weights()
+    average.update(1, taken)  # ema-pytorch's first call (its count 0, up to update_after_step): a copy
+    assert all(torch.equal(average.shares[name].values, first[name].reshape(-1)) for name in average.shares)
+    second = step_weights()
     average.update(2, skipped)
     assert all(torch.equal(average.shares[name].values, first[name].reshape(-1)) for name in average.shares)
     average.update(2, taken)
-    expected = {name: torch.lerp(first[name], first[name] + 1.0, 0.25) for name in average.shares}
+    expected = {name: torch.lerp(first[name], second[name], 0.25) for name in average.shares}
     assert all(torch.equal(average.shares[name].values, expected[name].reshape(-1)) for name in average.shares)
     trained = {name: p.detach().clone() for name, p in model.named_parameters()}
     with average.swapped_in():

@@ -141,7 +141,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, train_args: T
         model_args.model_name_or_path = str(Path(model_args.model_name_or_path).resolve())
     values = every_flag(model_args, data_args, train_args)
     check_output_dir(train_args.output_dir, train_args.resume_from_checkpoint, train_args.overwrite_output_dir,
-                     {flag: values[flag] for flag in RUN_INPUTS})
+                     {flag: values[flag] for flag in RUN_INPUTS}, evaluating=not train_args.do_train)
     report_to = train_args.report_to
     # a recipe may give one name as a string, or leave the key empty
     train_args.report_to = resolve_trackers([report_to] if isinstance(report_to, str) else report_to or ["none"])
@@ -221,12 +221,12 @@ def split_model(flags: Flags) -> str | None:
 
 def check_conflicts(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
     """The parts' declared conflicts (`Part.conflicts`): two flags given together that cannot run together (a switch
-    given as false, `--use_peft false`, is off: no conflict)."""
+    given as false, `--use_peft false`, or a number given as 0, `--ema_decay 0`, is off: no conflict)."""
     values = every_flag(model_args, data_args, train_args)
     for part in installed_parts():
         for conflict in part.conflicts:
             given = flags_given(model_args, (conflict.flag, conflict.other))
-            if len([name for name in given if values[name] is not False]) == 2:
+            if len([name for name in given if values[name] is not False and values[name] != 0]) == 2:
                 value = values[conflict.flag]
                 shown = f"--{conflict.flag}" + ("" if value is True else f" {value}")
                 raise ArgumentError(f"{shown} with --{conflict.other} is not supported{conflict.why}")

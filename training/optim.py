@@ -144,7 +144,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args, total_steps: int) ->
     else:
         scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                                   num_training_steps=total_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
-    if warning := idle_steps_warning(scheduler, total_steps, warmup):
+    if getattr(args, "do_train", True) and (warning := idle_steps_warning(scheduler, total_steps, warmup)):
         get_logger(__name__).warning(warning, main_process_only=True)
     return scheduler
 

@@ -11,12 +11,12 @@ branches on a part by name; a fork leaves a part out by deleting its folder. As 
 model converters, a hook is a named point of the fixed run, not a second loop. Parts run in name order, except where
 a part names the parts it follows (`after`).
 
-When each runs, in the order a run meets them: `before_imports`, `check_flags`, `model_split`, `text_source`,
-`ranks_per_batch`, `checkpoint_layout` (parsing, no process group); `at_start`, `check_launch`,
-`accelerator_settings`, `ddp_settings` (the launch); `started`, `resuming`, `convert_model`, `adapt_model`,
-`wrap_model`, `model_runner`, `loader_settings`, `train_loader` (the model and data built); `lr_multiplier`, then
-`prepare`, then `training_objective`, `micro_batch`, `after_prepare` (prepared, before a resumed state is loaded),
-`loading_checkpoint` and `load_state` (a resume), `logged_figures`; the loop: `around_training`, and per step
+When each runs, in the order a run meets them: `before_imports`, `check_flags`, `model_split`, `text_source`
+(parsing, no process group); `at_start`, `check_launch`, `accelerator_settings`, `ddp_settings` (the launch);
+`started`, `resuming`, `convert_model`, `adapt_model`, `wrap_model`, `model_runner`, `ranks_per_batch`,
+`loader_settings`, `train_loader` (the model and data built); `lr_multiplier`, then `prepare`, then
+`training_objective`, `micro_batch`, `after_prepare`, `checkpoint_layout` (prepared, before a resumed state is
+loaded), `loading_checkpoint` and `load_state` (a resume), `logged_figures`; the loop: `around_training`, and per step
 `after_optimizer_step`, `stop_requested`, `around_evaluation` (each evaluation), `save_state` (each save); the end:
 `around_export` (writing final/), `summary`, `run_ended`. The dry run: `held_parameters`, `dry_run_line`.
 """
@@ -88,7 +88,7 @@ class TextSource(ABC):
 
 @dataclass(frozen=True)
 class Conflict:
-    """Two flags that cannot run together, both given (`flags_given`; a switch given as false is off): refused with
+    """Two flags that cannot run together, both given (`flags_given`; a switch given as false, a number as 0, is off): refused with
     "--<flag> <value> with --<other> is not supported<why>". `other` may be a flag of a part a project left out:
     never given."""
 
@@ -360,11 +360,13 @@ class Part:
 
     @hook(Combine.ANSWERS)
     def ranks_per_batch(self, args: TrainArguments) -> int | None:
-        """Processes that read the same batches (a pipeline's stages, a tensor-parallel group): their product."""
+        """Processes that read the same batches (a pipeline's stages, a tensor-parallel group): their product. At
+        set-up, before the data loaders and `prepare`: it sizes the global batch."""
 
     @hook(Combine.MERGE)
     def checkpoint_layout(self, args: TrainArguments) -> dict[str, int]:
-        """How this part cuts the model, recorded in checkpoints: a resume must match it."""
+        """How this part cuts the model, recorded in checkpoints: a resume must match it. After `prepare`, before a
+        resume is loaded."""
         return {}
 
     @hook(Combine.EACH)
@@ -377,12 +379,12 @@ class Part:
 
     @hook(Combine.MERGE)
     def accelerator_settings(self, args: TrainArguments) -> dict:
-        """`Accelerator` keyword arguments (accelerate's dynamo plugin)."""
+        """`Accelerator` keyword arguments (accelerate's dynamo plugin), as it is built: after `check_launch`."""
         return {}
 
     @hook(Combine.MERGE)
     def ddp_settings(self, launch: Launch) -> dict:
-        """`DistributedDataParallelKwargs` fields."""
+        """`DistributedDataParallelKwargs` fields, as the Accelerator is built."""
         return {}
 
     # ---------------------------------------------------------------- the process group up: model and data
@@ -407,7 +409,8 @@ class Part:
 
     @hook(Combine.CHAIN)
     def wrap_model(self, model: torch.nn.Module, run: Started) -> torch.nn.Module:
-        """The model laid out (layers over devices, tensor-parallel slices, this process's pipeline stages)."""
+        """The model laid out (layers over devices, tensor-parallel slices, this process's pipeline stages): after
+        `adapt_model`, before `model_runner` and `prepare`."""
         return model
 
     @hook(Combine.ONE)
@@ -455,11 +458,12 @@ class Part:
     @hook(Combine.ANSWERS)
     def logged_figures(self, training: Training) -> LoggedFigures | None:
         """Figures logged beside the loss and throughput each interval (MFU, DPO's rewards), on every rank (a
-        collective may run)."""
+        collective may run). Asked once at the end of set-up, after a resume is loaded."""
 
     @hook(Combine.ANSWERS)
     def around_training(self, loop: Loop) -> AbstractContextManager | None:
-        """What the training loop runs within (a collective that timed out, as one error line)."""
+        """What the training loop runs within (a collective that timed out, as one error line): entered after a
+        resume is loaded and the step-0 evaluation, before the first step."""
 
     @hook(Combine.EACH)
     def after_optimizer_step(self, step: OptimizerStep) -> None:

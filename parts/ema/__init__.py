@@ -31,9 +31,10 @@ class EmaFlags:
                 "(1 - decay) * weights (0.999 is common); evaluated beside them (eval_ema_loss, ...) and kept in "
                 "checkpoints. 0: off."})
     ema_update_after_step: int = field(default=0, metadata={
-        "help": "Until this optimizer step the average copies the weights, then averages them (ema-pytorch's name)."})
+        "help": "Updates up to this one copy the weights, later ones average them (ema-pytorch's update_after_step, "
+                "counting the optimizer steps from 0 as it counts its calls)."})
     ema_update_every: int = field(default=1, metadata={
-        "help": "Update the average every N optimizer steps (ema-pytorch's update_every)."})
+        "help": "Update the average at optimizer steps 0, N, 2N, ... counted from 0 (ema-pytorch's update_every)."})
     ema_export: bool = field(default=False, metadata={
         "help": "Write the average's weights to final/ (the weights as trained otherwise)."})
 
@@ -60,6 +61,8 @@ class Ema(Part):
             if given := flags_given(flags.train, FLAGS[1:]):
                 raise ArgumentError(f"--{given[0]} is for the average of the weights: add --ema_decay, or drop it")
             return
+        if own.ema_export and not flags.train.do_train:
+            raise ArgumentError("--ema_export with --do_train false: an evaluation exports nothing; drop --ema_export")
         if not 0 < own.ema_decay < 1 or own.ema_update_every < 1 or own.ema_update_after_step < 0:
             raise ArgumentError(f"--ema_decay must be in (0, 1), --ema_update_every >= 1 and --ema_update_after_step "
                                 f">= 0; got {own.ema_decay}, {own.ema_update_every}, {own.ema_update_after_step}")

@@ -21,8 +21,9 @@ logger = get_logger(__name__)
 
 
 class WeightAverage:
-    """ema = decay * ema + (1 - decay) * weights after every `every`-th optimizer step, a copy of the weights until
-    step `after` (ema-pytorch's `update_after_step`): the trained parameters only (under LoRA, the adapter's)."""
+    """ema = decay * ema + (1 - decay) * weights, counted as ema-pytorch counts its `update()` calls: with the steps
+    numbered from 0 (the first optimizer step is 0), at steps 0, every, 2 * every, ..., and a copy of the weights
+    at those up to `after` (its `update_after_step`). The trained parameters only (under LoRA, the adapter's)."""
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, decay: float, after: int, every: int) -> None:
         self.accelerator, self.model, self.decay, self.after, self.every = accelerator, model, decay, after, every
@@ -42,20 +43,21 @@ class WeightAverage:
                                                                                               self.model).items()}
 
     def update(self, step: int, skipped: torch.Tensor | bool) -> None:
-        """After optimizer step `step`: the average moved towards the weights, unless the update was skipped (fp16:
-        a device tensor, read without a host sync)."""
-        if step % self.every:
+        """After optimizer step `step` (from 1): the average moved towards the weights, unless the update was skipped
+        (fp16: a device tensor, read without a host sync where the average is on that device)."""
+        counted = step - 1  # ema-pytorch's count of the calls before this one
+        if counted % self.every:
             return
-        weight = 1.0 if step <= self.after else 1.0 - self.decay  # lerp by 1 is the weights exactly
+        weight = 1.0 if counted <= self.after else 1.0 - self.decay  # lerp by 1 is the weights exactly
+        weights = {}  # by device: the skip tensor moved once to each (a CPU copy of a GPU one is a sync)
         live = self._live()
         for name, share in self.shares.items():
             if share is None:
                 continue
-            values = live[name].values.to(share.values.dtype)
-            if torch.is_tensor(skipped):  # (a device tensor: no host sync)
-                share.values.lerp_(values, torch.where(skipped, 0.0, weight).to(share.values))
-            elif not skipped:
-                share.values.lerp_(values, weight)
+            device = share.values.device
+            if torch.is_tensor(skipped) and device not in weights:
+                weights[device] = torch.where(skipped, 0.0, weight).to(device, share.values.dtype)
+            share.values.lerp_(live[name].values.to(share.values.dtype), weights.get(device, weight))
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -81,7 +83,7 @@ class WeightAverage:
                            "starts from the resumed weights", main_process_only=True)
             self.start_from_weights()
             return
-        loaded = load_shares(checkpoint, FOLDER, self.shares)
+        loaded = load_shares(checkpoint, FOLDER, self.shares, self.shapes)
         for name, share in self.shares.items():
             if share is not None:
                 share.values.copy_(loaded[name])

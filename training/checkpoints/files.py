@@ -54,8 +54,17 @@ def complete_checkpoints(output_dir: str) -> list[Path]:
 RUN_OUTPUTS = ("checkpoints", "final", "runs", "metrics.jsonl", "summary.json", "report.png")
 
 
-def check_output_dir(output_dir: str, resume: str | None, overwrite: bool, inputs: dict[str, str | None]) -> None:
-    """Before any process group: resume/overwrite flags agree, overwriting deletes no input (flag -> path), writable."""
+def check_output_dir(output_dir: str, resume: str | None, overwrite: bool, inputs: dict[str, str | None],
+                     evaluating: bool = False) -> None:
+    """Before any process group: resume/overwrite flags agree, overwriting deletes no input (flag -> path), writable;
+    `evaluating` (--do_train false): a checkpoint named by its path, into an output_dir that holds no run."""
+    if evaluating and resume == "latest":
+        raise ArgumentError("--do_train false --resume_from_checkpoint latest: an evaluation writes into an --output_dir "
+                            "of its own, where 'latest' finds nothing; give the checkpoint's path")
+    held = [name for name in ("checkpoints", "final", "metrics.jsonl", "summary.json") if (Path(output_dir) / name).exists()]
+    if evaluating and held:
+        raise ArgumentError(f"--do_train false writes its evaluation to {output_dir}'s metrics.jsonl and summary.json, "
+                            f"and {output_dir} holds a run's ({', '.join(held)}); give the evaluation another --output_dir")
     if resume == "latest":
         if found := latest_checkpoint(output_dir):  # (refused where checkpoints of several runs make it ambiguous)
             require_complete_checkpoint(found)

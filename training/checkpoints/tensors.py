@@ -198,16 +198,21 @@ def save_shares(accelerator: Accelerator, directory: Path, shares: dict[str, Sha
     return write_pieces(directory, rank, pieces, shapes, stamp)
 
 
-def load_shares(checkpoint: Path, folder: str, layout: dict[str, Share | None]) -> dict[str, torch.Tensor | None]:
+def load_shares(checkpoint: Path, folder: str, layout: dict[str, Share | None],
+                shapes: dict[str, list[int]]) -> dict[str, torch.Tensor | None]:
     """Every rank: what `save_shares` wrote into `checkpoint`/`folder`, whatever strategy and process count wrote it,
     cut to this rank's shares (`layout`: this rank's share of each tensor, as `shares_of` lays it out; None where it
-    holds none). Refused in one line (ResumeError) where the names or shapes differ."""
+    holds none; `shapes`: each tensor's whole shape). Refused in one line (ResumeError) where the names or shapes
+    differ."""
     with contextlib.ExitStack() as files:
         saved = ModelState(checkpoint, files, folder)
         if sorted(saved.shapes) != sorted(layout):
             missing = sorted(set(layout) - set(saved.shapes)) or sorted(set(saved.shapes) - set(layout))
             raise ResumeError(f"{checkpoint / folder} holds other tensors than this run keeps ({missing[0]} is in one "
                               "only); resume with the model and settings it was saved with")
+        if changed := [name for name in layout if saved.shapes[name] != list(shapes[name])]:
+            raise ResumeError(f"{checkpoint / folder} holds {changed[0]} of shape {saved.shapes[changed[0]]}, this run's "
+                              f"is {list(shapes[changed[0]])}; resume with the model it was saved with")
         loaded = {}
         for name, share in layout.items():
             if share is None:

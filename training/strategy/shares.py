@@ -69,7 +69,7 @@ def keep_frozen_values(model: torch.nn.Module, rank: int, processes: int) -> Non
         if not parameter.requires_grad and parameter.is_floating_point() and not kept:
             size = -(-parameter.numel() // processes)
             start = min(rank * size, parameter.numel())
-            setattr(parameter, FROZEN_SHARE, (start, parameter.detach().reshape(-1)[start:start + size].clone()))
+            setattr(parameter, FROZEN_SHARE, (start, parameter.detach().cpu().reshape(-1)[start:start + size].clone()))
 
 
 def stepped_by_zero(tensor: torch.Tensor) -> bool:
