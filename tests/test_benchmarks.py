@@ -219,7 +219,8 @@ def test_the_data_table_sets_each_data_path_against_what_training_consumes(tmp_p
 
 def test_the_profile_names_where_each_step_goes_without_a_train_py_edit(tmp_path) -> None:
     """scripts/profile_run.py runs train.py unchanged under torch.profiler, advanced by torch's optimizer-step hook:
-    the table lists the operators by time and the kinds add up to the profiled total; train.py ends as usual.
+    the table lists the operators by time and the kinds add up to the profiled total, the phases to the steps' time;
+    train.py ends as usual.
     Its attention ran on the backends allowed (`--sdpa_backends`): CPU's flash kernel."""
     from tests.harness import TINY_RUN, launch
 
@@ -235,6 +236,14 @@ def test_the_profile_names_where_each_step_goes_without_a_train_py_edit(tmp_path
     assert f"CPU operators: {profile['ms_per_step']:,.1f} ms per step over 2 step(s)" in result.stdout
     for kind, ms in profile["kinds"].items():
         assert f"| {kind} | {ms:,.2f} | {ms / profile['ms_per_step']:.1%} |" in result.stdout
+    # the step by phase: each phase's time and the rest add up to the steps' own; forward and backward measured
+    phases = profile["phases"]
+    assert sum(ms for phase, ms in phases["phases"].items() if phase != "output_layer") == pytest.approx(
+        phases["ms_per_step"])
+    assert all(phases["phases"][phase] > 0 for phase in ("forward", "backward", "optimizer", "data", "output_layer"))
+    assert phases["phases"]["output_layer"] < phases["phases"]["forward"]  # a part of it
+    assert phases["host_syncs_per_step"].get("aten::_fused_adamw_", 0) > 0  # CPU's fused AdamW reads its step count
+    assert f"| forward | {phases['phases']['forward']:,.2f} |" in result.stdout
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 5  # the run itself went on to its end
 
 
