@@ -242,3 +242,31 @@ def test_under_lora_the_average_is_the_adapters_and_final_holds_it(cached_run, t
     for name, value in average.items():
         assert torch.equal(exported[name.replace(".default", "")], value), name
     assert any(not torch.equal(average[name], weights[name]) for name in average)
+
+
+ODD_CONFIGS = ("deepspeed_zero1", "deepspeed_zero3", "fsdp")  # fragments, partitions (persistent too), rows
+
+
+def test_a_model_of_your_own_with_odd_parameters_keeps_the_same_average_under_every_layout(tmp_path) -> None:
+    """tests/odd_shapes.py's plain module (a 0-dim parameter, a float64 one, odd sizes) with an average: ZeRO-1's
+    fragments, ZeRO-3's partitions and FSDP2's rows (the 0-dim and float64 parameters kept whole) give the same
+    evaluation of the average, and final/ (--ema_export) holds the saved average."""
+    from tests.harness import SUITE_FLAGS, launch
+
+    runs = {}
+    for config in ODD_CONFIGS:
+        runs[config] = tmp_path / config
+        result = launch(config, "train.py", "--task", "tests.odd_shapes:OddShapesTask", "--max_steps", "4",
+                        "--save_steps", "2", "--eval_steps", "2", "--logging_steps", "1",
+                        "--per_device_train_batch_size", "2", "--ema_decay", "0.5", "--ema_export",
+                        *SUITE_FLAGS, "--output_dir", str(runs[config]))
+        assert result.returncode == 0, result.stderr[-3000:]
+    reference = logged(runs["fsdp"], "eval_ema_loss")
+    assert sorted(reference) == [0, 2, 4]
+    for config, run in runs.items():
+        for step, value in logged(run, "eval_ema_loss").items():
+            assert value == pytest.approx(reference[step], abs=TOLERANCE), (config, step)
+        average, final = saved(run, 4), load_file(run / "final" / "model.safetensors")
+        assert any(value.dim() == 0 for value in average.values()), config  # the 0-dim parameter is averaged
+        for name, value in average.items():
+            assert torch.equal(final[name], value.to(final[name].dtype)), (config, name)
