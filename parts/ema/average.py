@@ -27,7 +27,9 @@ class WeightAverage:
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, decay: float, after: int, every: int) -> None:
         self.accelerator, self.model, self.decay, self.after, self.every = accelerator, model, decay, after, every
-        self.shapes = {name: whole_shape(tensor) for name, tensor in trained_parameters(accelerator, model).items()}
+        # found once, not at every update: the prepared parameters stay the same objects (FSDP2's the sharded ones)
+        self.parameters = trained_parameters(accelerator, model)
+        self.shapes = {name: whole_shape(tensor) for name, tensor in self.parameters.items()}
         self.shares: dict[str, Share | None] = {}
         self.start_from_weights()
 
@@ -39,8 +41,7 @@ class WeightAverage:
 
     def _live(self) -> dict[str, Share | None]:
         """This rank's share of each trained parameter's value as the optimizer steps it (None: it holds none)."""
-        return {name: shares_of(tensor).get("value") for name, tensor in trained_parameters(self.accelerator,
-                                                                                              self.model).items()}
+        return {name: shares_of(tensor).get("value") for name, tensor in self.parameters.items()}
 
     def update(self, step: int, skipped: torch.Tensor | bool) -> None:
         """After optimizer step `step` (from 1): the average moved towards the weights, unless the update was skipped
