@@ -98,9 +98,7 @@ def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
     mfu = f", MFU {summary['mfu']:.1%}" if "mfu" in summary else ""  # (parts/mfu)
     per_device = "".join(f", {key.removeprefix('peak_memory_gb_')} {gb:.2f}" for key, gb in summary.items()
                          if key.startswith("peak_memory_gb_"))
-    evaluation, at_start = (", ".join(f"{key.removesuffix('_at_start')} {value:.4f}" for key, value in summary.items()
-                                      if (key.startswith("eval_") or key.startswith("perplexity")) and key.endswith("_at_start") == start)
-                            for start in (False, True))
+    evaluation, at_start = shown_evaluation(summary), shown_evaluation(summary, at_start=True)
     print(
         "\n===== training summary =====\n"
         f"steps:           {summary['steps']}\n"
@@ -114,7 +112,11 @@ def print_summary(summary: dict, final_dir: Path, task: Task) -> None:
 
 def print_evaluation(summary: dict, model_name: str) -> None:
     """What a run that only evaluated (--do_train false) measured."""
-    evaluation = ", ".join(f"{key} {value:.4f}" for key, value in summary.items()
-                           if key.startswith("eval_") or key.startswith("perplexity"))
     print(f"\n===== evaluation summary =====\nmodel:           {model_name} at step {summary['total_steps']}\n"
-          f"eval:            {evaluation}")
+          f"eval:            {shown_evaluation(summary)}")
+
+
+def shown_evaluation(summary: dict, at_start: bool = False) -> str:
+    """The summary's evaluation figures as the console shows them (those of the step-0 evaluation, `at_start`)."""
+    return ", ".join(f"{key.removesuffix('_at_start')} {value:.4f}" for key, value in summary.items()
+                     if (key.startswith("eval_") or key.startswith("perplexity")) and key.endswith("_at_start") == at_start)

@@ -142,9 +142,8 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                          layout=layout, optim=args.optim, run_id=broadcast_object_list([uuid.uuid4().hex])[0],
                          model=described)  # (one run id on every rank: each rank's files carry it)
     if resume_path:
-        # (an evaluation only needs no steps left to train, nor the global batch that trained it)
-        state = resume(accelerator, resume_path, state, max_steps if args.do_train else math.inf, args.seed, runner,
-                       model, optimizer, scheduler, args.output_dir, args.allow_config_changes, args.do_train)
+        state = resume(accelerator, resume_path, state, max_steps, args.seed, runner, model, optimizer, scheduler,
+                       args.output_dir, args.allow_config_changes, evaluating=not args.do_train)
     state.per_device_train_batch_size, state.gradient_accumulation_steps = (args.per_device_train_batch_size,
                                                                             args.gradient_accumulation_steps)
     if args.overwrite_output_dir:  # only now: every check before has passed

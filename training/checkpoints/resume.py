@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import pickle
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -208,12 +209,13 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int | No
 
 def resume(accelerator: Accelerator, path: Path, this_run: TrainerState, max_steps: int, seed: int,
            runner: ModelRunner, model, optimizer, scheduler, output_dir: str,
-           allowed_changes: str | None = None, same_batch: bool = True) -> TrainerState:
+           allowed_changes: str | None = None, evaluating: bool = False) -> TrainerState:
     """Restore `path` into this run (`this_run`: its fresh state), on every rank; the state to continue from. The
     generators are reseeded where the process count changed, and metrics.jsonl keeps only what was logged up to the
-    checkpoint's step (the trackers' own purge: `tracker_purge_step`). `same_batch` False: any global batch (an
-    evaluation only)."""
-    state = load_checkpoint(accelerator, path, this_run.global_batch if same_batch else None, max_steps, this_run.layout, runner, model,
+    checkpoint's step (the trackers' own purge: `tracker_purge_step`). `evaluating` (--do_train false): no steps left
+    to train, nor the global batch that trained it, are needed."""
+    state = load_checkpoint(accelerator, path, None if evaluating else this_run.global_batch,
+                            math.inf if evaluating else max_steps, this_run.layout, runner, model,
                             optimizer, scheduler, this_run.optim, this_run.model, allowed_changes)
     reseeded = ""
     if state.num_processes != this_run.num_processes:  # a rank's saved generators have no counterpart now
