@@ -79,10 +79,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def environment(output_dir: Path) -> dict[str, str]:
+def environment(output_dir: Path, one_thread: bool = True) -> dict[str, str]:
+    """The runs' environment: one thread per process unless the caller set a count (`one_thread` false: each run
+    keeps its own default, as --peers compares tools at their defaults)."""
     module_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the caller's, after ours
-    return os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": module_path,
-                         "TOKENIZERS_PARALLELISM": "false"}
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if one_thread else {}
+    return os.environ | threads | {"PYTHONPATH": module_path, "TOKENIZERS_PARALLELISM": "false"}
 
 
 def speed_flags(args: argparse.Namespace, task: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -116,7 +118,7 @@ def train_run(config: str, args: argparse.Namespace, output_dir: Path, flags: tu
     metrics = output_dir / "metrics.jsonl"
     launched = time.perf_counter()
     with (output_dir.parent / f"{output_dir.name}.log").open("w") as log:
-        process = start_launch(command, environment(output_dir), log)
+        process = start_launch(command, environment(output_dir, one_thread=not getattr(args, "peers", False)), log)
         first_step = None
         while process.poll() is None:
             if first_step is None and metrics.exists() and '"loss"' in metrics.read_text():
@@ -134,6 +136,7 @@ def train_run(config: str, args: argparse.Namespace, output_dir: Path, flags: tu
         "step_time": statistics.median(m["step_time"] for m in steady),
         **({"mfu": statistics.median(m["mfu"] for m in steady)} if "mfu" in steady[0] else {}),
         "time_to_first_step": first_step,
+        "launch_to_exit": time.perf_counter() - launched,
         "intervals": steady,  # what the medians and the MFU are recomputed from
     }
 
@@ -430,6 +433,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="Instead: train.py against transformers' Trainer on the same model, data, batch, schedule "
                              "and steps (default llama-tiny, 8 x 128 tokens, 150 steps, fp32), on 1 and 2 processes, "
                              "alternating --rounds (scripts/peer_benchmark.py).")
+    parser.add_argument("--nanogpt", type=Path, help="--peers: a checkout of karpathy/nanoGPT; also its CPU recipe "
+                        "(Shakespeare by character) against train.py at that shape, on one process.")
+    parser.add_argument("--nanogpt_steps", type=int, default=2000, help="--nanogpt: iterations (its recipe's 2,000).")
     parser.add_argument("--mfu", action="store_true",
                         help="Instead: MFU of ddp (eager and compiled), fsdp and deepspeed_zero2 on llama-125m with a "
                              "50k vocabulary, at the largest micro-batch that fits (scripts/mfu_benchmark.py).")
@@ -467,7 +473,8 @@ def main(argv: list[str] | None = None) -> None:
              "pipeline": pipeline_table, "distillation": distillation_table,
              "data": lambda args, scratch: data_table(args, scratch, train_run),
              "mfu": lambda args, scratch: mfu_table(args, scratch, train_run),  # (imported with --mfu only)
-             "peers": lambda args, scratch: peers_table(args, scratch, train_run, environment(REPO), free_port)}
+             "peers": lambda args, scratch: peers_table(args, scratch, train_run, environment(REPO, one_thread=False),
+                                                       free_port)}
     if chosen := [name for name in table if getattr(args, name)]:
         with tempfile.TemporaryDirectory() as scratch:
             lines, results = table[chosen[0]](args, Path(scratch))

@@ -272,3 +272,20 @@ def test_the_peers_table_sets_train_py_against_trainer_on_one_and_two_processes(
         assert run[f"median_{processes}"]["speed_ratio"] == pytest.approx(
             run["rounds"][processes - 1]["train_py"] / run["rounds"][processes - 1]["trainer"])
         assert f"| median | {processes} | | | **{run[f'median_{processes}']['speed_ratio']:.3f}** |" in run["table"]
+    # the wall time from launch to exit beside the rate
+    assert all(r["train_py_wall_s"] > 0 and r["trainer_wall_s"] > 0 for r in run["rounds"])
+    assert [r["train_py_compiled"] for r in run["rounds"]] == [False, False]  # 8 steps: eager, as its defaults say
+
+
+@pytest.mark.quick
+def test_the_nanogpt_peer_reads_nanogpts_own_lines_and_refuses_what_is_not_its_checkout(tmp_path) -> None:
+    """--nanogpt: the step times and val loss come from the lines nanoGPT's train.py prints (its format strings,
+    quoted); a directory that is not its checkout is refused in one line before anything runs."""
+    from scripts.peer_benchmark import NANOGPT_EVAL, NANOGPT_STEP, nanogpt_checkout
+
+    iter_num, lossf, dt, running_mfu, losses = 250, 1.2345, 0.02811, 0.0004, {"train": 1.1, "val": 1.4567}
+    printed = "\n".join([f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}",
+                         f"iter {iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%"])
+    assert NANOGPT_STEP.findall(printed) == [("250", "28.11")] and NANOGPT_EVAL.findall(printed) == [("250", "1.4567")]
+    with pytest.raises(SystemExit, match=r"^error: --nanogpt .* is not a checkout of karpathy/nanoGPT"):
+        nanogpt_checkout(tmp_path, tmp_path / "scratch")

@@ -161,6 +161,7 @@ class Training:
     model: torch.nn.Module  # as prepared
     optimizer: torch.optim.Optimizer | None = None  # the torch optimizer inside the prepared one
     ranks_per_batch: int = 1  # ranks that read the same batches (a tensor-parallel group, a pipeline's stages)
+    max_steps: int = 0  # the optimizer steps the run is planned to end at
 
 
 @dataclass(frozen=True)

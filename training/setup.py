@@ -118,14 +118,14 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
                                max_steps)
     prepared = prepare_training(model)
     # loss sums of a micro-batch; a part may compute them another way, compile them with the model, or replace them
-    objective = training_objective(Training(accelerator, args, task, strategy, prepared.model))
+    objective = training_objective(Training(accelerator, args, task, strategy, prepared.model, max_steps=max_steps))
     # a part may prepare again for another micro-batch (the search for one that fits)
     prepared = parts().micro_batch(prepared, MicroBatchSearch(
         accelerator, args, task, objective, train_set, prepare_training,
         partial(training_loader, train_set, seed=args.seed, **loading), bool(resume_path)))
     model, optimizer, scheduler, torch_optimizer = (prepared.model, prepared.optimizer, prepared.scheduler,
                                                     prepared.torch_optimizer)
-    training = Training(accelerator, args, task, strategy, model, torch_optimizer, ranks_per_batch)
+    training = Training(accelerator, args, task, strategy, model, torch_optimizer, ranks_per_batch, max_steps)
     parts().after_prepare(training)
     verify_prepared(accelerator, model, optimizer, scheduler, args.per_device_train_batch_size, args.max_grad_norm)
     write_effective_deepspeed_config(accelerator, args.output_dir)

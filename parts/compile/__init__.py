@@ -1,5 +1,6 @@
 """torch.compile (`--torch_compile` and its options, transformers' names): the model compiled through accelerate's
-dynamo plugin, and the training step's model and loss as one graph (graph.py). See docs/compile.md.
+dynamo plugin, and the training step's model and loss as one graph (graph.py). Unset, the training step compiles where
+it pays back: a run of at least `auto.PAYS_BACK_AFTER_STEPS` on the plain path (auto.py). See docs/compile.md.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 @dataclass
 class CompileFlags:
-    torch_compile: bool = field(default=False, metadata={
-        "help": "Compile with torch.compile (inductor): the model and its loss as one graph (parts/compile)."})
+    torch_compile: bool | None = field(default=None, metadata={
+        "nargs": "?", "const": True,  # a bare --torch_compile is true, as in transformers
+        "help": "Compile with torch.compile (inductor): the model and its loss as one graph (parts/compile). Unset: "
+                "the training step compiles in runs of at least 1,000 steps on one process or DDP (docs/compile.md)."})
     torch_compile_mode: str | None = field(default=None, metadata={
         "help": "torch.compile's mode; implies --torch_compile.", "choices": list(COMPILE_MODES)})
     torch_compile_fullgraph: bool = field(default=False, metadata={"help": "--torch_compile: a graph break is an error."})
@@ -28,16 +31,18 @@ class Compile(Part):
     name = "compile"
     description = "torch.compile: the model, and the training step's model and loss as one graph (--torch_compile)"
     flags = CompileFlags
-    after = ("bf16_params", "distillation")  # it compiles the objective they made
+    after = ("bf16_params", "distillation", "fused_loss")  # it compiles the objective they made (auto: sees it)
+    compiled = False
 
     def check_flags(self, flags: Flags) -> None:
         """--torch_compile_mode implies --torch_compile (as in transformers); the other options need it."""
         from training.errors import ArgumentError
 
         own = flags.train.parts.compile
-        own.torch_compile = own.torch_compile or own.torch_compile_mode is not None
+        if own.torch_compile_mode is not None:
+            own.torch_compile = True
         options = {"torch_compile_fullgraph": False, "torch_compile_dynamic": None, "torch_compile_regional": False}
-        if not own.torch_compile and (given := [name for name, off in options.items() if getattr(own, name) != off]):
+        if own.torch_compile is not True and (given := [name for name, off in options.items() if getattr(own, name) != off]):
             raise ArgumentError(f"--{given[0]} is an option of --torch_compile: add --torch_compile, or drop it")
 
     def check_launch(self, launch: Launch) -> None:
@@ -58,10 +63,20 @@ class Compile(Part):
         return {"dynamo_plugin": dynamo_plugin(args)}
 
     def training_objective(self, objective, training: Training):
-        """The training step's model forward and loss as one compiled graph (unless compilation is regional)."""
+        """The training step's model forward and loss as one compiled graph (unless compilation is regional); unset,
+        where it pays back (auto.py). The choice and its reason go to the start-up log and summary.json."""
+        from accelerate.logging import get_logger
+
+        from parts.compile.auto import compiles
         from parts.compile.graph import compiled_objective
 
-        return compiled_objective(objective, training.args)
+        self.compiled, why = compiles(objective, training)
+        get_logger(__name__).info(f"torch.compile: {'on' if self.compiled else 'off'} ({why})", main_process_only=True)
+        return compiled_objective(objective, training.args) if self.compiled else objective
+
+    def summary(self, steps_run: int) -> dict:
+        """Whether the training step ran compiled."""
+        return {"torch_compile": self.compiled}
 
 
 PART = Compile()

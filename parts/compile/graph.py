@@ -33,8 +33,8 @@ def compile_options(args) -> dict:
 
 
 def compiled_objective(objective: Callable[[torch.nn.Module, dict], torch.Tensor], args) -> Callable:
-    """The training objective (model forward and per-example loss sums) as one compiled graph under
-    --torch_compile, unless compilation is regional; else `objective` unchanged."""
-    if not args.parts.compile.torch_compile or args.parts.compile.torch_compile_regional:
+    """The training objective (model forward and per-example loss sums) as one compiled graph, unless compilation
+    is regional (accelerate's plugin compiled the blocks): then `objective` unchanged."""
+    if args.parts.compile.torch_compile_regional:
         return objective
     return torch.compile(objective, **compile_options(args))
