@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from parts.compile import PART
 from parts.compile.graph import compile_options, dynamo_plugin
 from tests.harness import assert_continues_exactly, train
+from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
 from tests.test_performance import SHORT_RUN
 from training.arguments import ArgumentError, parse_args
 from training.errors import StrategyError
@@ -31,7 +32,8 @@ def test_torch_compile_trains_the_same_model_on_ddp(cached_run, tmp_path) -> Non
     saved_midway = cached_run("ddp", *SHORT_RUN, "--torch_compile", "--save_steps", "2")
     assert "model wrapped as OptimizedModule" in (compiled / "launch.log").read_text()  # compiled, around DDP
     losses = [[m["loss"] for m in read_metrics(run) if "loss" in m] for run in (eager, compiled, saved_midway)]
-    assert losses[1] == pytest.approx(losses[0], rel=1e-3)  # inductor reorders float math, nothing more
+    # inductor reorders float math, nothing more: within the parity tests' tolerances
+    assert len(losses[0]) == len(losses[1]) == 4 and max(abs(a - b) for a, b in zip(losses[1], losses[0])) <= LOSS_TOLERANCE
     assert (saved_midway / "checkpoints" / "step_2").is_dir() and losses[2] == pytest.approx(losses[1], rel=1e-6)
     resumed = tmp_path / "resumed"
     train("ddp", resumed, *SHORT_RUN, "--torch_compile", "--save_steps", "2",
@@ -42,7 +44,7 @@ def test_torch_compile_trains_the_same_model_on_ddp(cached_run, tmp_path) -> Non
     models = [AutoModelForCausalLM.from_pretrained(run / "final", output_loading_info=True) for run in (eager, compiled)]
     assert models[1][1]["missing_keys"] == set() and models[1][1]["unexpected_keys"] == set()
     for name, weight in models[1][0].state_dict().items():
-        torch.testing.assert_close(weight, models[0][0].state_dict()[name], rtol=0, atol=1e-4)
+        torch.testing.assert_close(weight, models[0][0].state_dict()[name], rtol=0, atol=WEIGHT_TOLERANCE)
 
 
 @pytest.mark.quick
@@ -111,16 +113,17 @@ def test_compiled_attention_on_packed_blocks_gets_no_mask_tensor(older_torch: bo
 
 
 def test_unset_torch_compile_compiles_a_run_long_enough_to_pay_back(cached_run) -> None:
-    """A run of 1,000 steps compiles its training step without being asked (on DDP), and trains what eager trains; a
-    shorter one stays eager. The schedule is constant, so the two runs' first steps are the same steps."""
-    flags = ("--per_device_train_batch_size", "1", "--block_size", "16", "--lr_scheduler_type", "constant",
-             "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no")
+    """A run of 1,000 steps compiles its training step without being asked (on DDP, accumulating 2 micro-batches: DDP's
+    no_sync micro-step is another graph), and trains what eager trains; a shorter one stays eager. The schedule is
+    constant, so the two runs' first steps are the same steps."""
+    flags = ("--per_device_train_batch_size", "1", "--block_size", "16", "--gradient_accumulation_steps", "2",
+             "--lr_scheduler_type", "constant", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no")
     long_run, short_run = cached_run("ddp", *flags, "--max_steps", "1000"), cached_run("ddp", *flags, "--max_steps", "4")
     assert "torch.compile: on (--torch_compile unset: 1000 steps, at least the 1,000" in (long_run / "launch.log").read_text()
     assert "torch.compile: off (--torch_compile unset: 4 steps, under the 1,000" in (short_run / "launch.log").read_text()
     assert [json.loads((run / "summary.json").read_text())["torch_compile"] for run in (long_run, short_run)] == [True, False]
     losses = [[m["loss"] for m in read_metrics(run) if "loss" in m][:4] for run in (long_run, short_run)]
-    assert losses[0] == pytest.approx(losses[1], rel=1e-3)  # inductor reorders float math, nothing more
+    assert len(losses[0]) == 4 and max(abs(a - b) for a, b in zip(*losses)) <= LOSS_TOLERANCE  # the parity tests' own
 
 
 def _training(argv: list[str], strategy: Strategy, max_steps: int, task_class: type | None = None,
@@ -131,7 +134,7 @@ def _training(argv: list[str], strategy: Strategy, max_steps: int, task_class: t
     _, data_args, args = parse_args([*argv, "--output_dir", "/tmp/unused"])
     task = (task_class or CausalLM).__new__(task_class or CausalLM)
     task.name, task.data_args = "causal-lm", data_args
-    model = SimpleNamespace(is_gradient_checkpointing=checkpointing)
+    model = SimpleNamespace(is_activation_checkpointing=checkpointing)
     return Training(SimpleNamespace(unwrap_model=lambda m: m), args, task, strategy, model, max_steps=max_steps)
 
 
@@ -150,6 +153,7 @@ def _training(argv: list[str], strategy: Strategy, max_steps: int, task_class: t
     (["--pipeline_parallel_size", "2"], Strategy.DDP, 5000, {}, False, "--pipeline_parallel_size 2"),
     (["--ddp_comm_hook", "power_sgd"], Strategy.DDP, 5000, {}, False, "--ddp_comm_hook power_sgd"),
     (["--torch_compile", "false"], Strategy.DDP, 5000, {}, False, "--torch_compile false"),
+    (["--do_train", "false", "--model_name_or_path", "."], Strategy.DDP, 5000, {}, False, "--do_train false"),
     (["--torch_compile"], Strategy.FSDP, 4, {"objective": "a part's"}, True, "--torch_compile true"),
 ])
 def test_unset_torch_compile_compiles_the_plain_path_where_it_pays_back(argv, strategy, max_steps, other, compiled,

@@ -30,8 +30,9 @@ def compiles(objective: Callable, training: Training) -> tuple[bool, str]:
     kind = type(training.task)
     reasons = {f"--{name} {flags[name]}": flags[name] != off for name, off in EAGER_UNLESS_ASKED.items() if name in flags}
     reasons |= {
+        "--do_train false: nothing trains": not training.args.do_train,
         "--gradient_checkpointing": getattr(training.accelerator.unwrap_model(training.model),
-                                            "is_gradient_checkpointing", False),
+                                            "is_activation_checkpointing", False),
         f"{training.strategy.value}: compiled by default on one process or DDP only":
             training.strategy not in (Strategy.SINGLE, Strategy.DDP),
         f"task {training.task.name} has its own forward or loss":
