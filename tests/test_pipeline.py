@@ -220,14 +220,15 @@ def test_stages_compute_what_the_whole_model_computes() -> None:
     torch.testing.assert_close(hidden, model(input_ids=tokens).logits, rtol=0, atol=0)
 
 
-def test_the_dry_run_plans_stages_per_process(monkeypatch) -> None:
+def test_the_dry_run_plans_stages_per_process(monkeypatch, tmp_path) -> None:
     """The plan counts replicas, not processes, in the global batch, and one process's stages in its memory."""
     from training.arguments import parse_args
     from training.dry_run import dry_run
 
     monkeypatch.setenv("WORLD_SIZE", "4")  # as `accelerate launch --config_file ddp.yaml --num_processes 4` sets it
     plans = {size: dry_run(*parse_args(["--model_config", "llama-tiny", "--pipeline_parallel_size", str(size),
-                                        "--pipeline_microbatches", "2", "--dry_run"])) for size in (1, 2)}
+                                        "--pipeline_microbatches", "2", "--dry_run", "--output_dir", str(tmp_path)]))
+             for size in (1, 2)}
     assert "2 pipeline stages (1F1B, 2 micro-batches)" in plans[2] and "pipeline" not in plans[1]
     assert "global batch:    16 = 8 per device x 2 data-parallel" in plans[2]
     held = {size: float(plan.split("parameters ")[2].split(",")[0]) for size, plan in plans.items()}

@@ -1,8 +1,9 @@
 """Whether the training step compiles when --torch_compile is left unset: where compiling pays back, on the paths the
 tests hold compiled to eager. Measured on this machine (docs/compile.md#compiled-by-default): compiling the step costs
-about 20 s the first time and about 4 s once torch's compile cache holds its graphs, and saves 10 to 25% of each step,
-so it pays back within about 1,000 steps at the default job's size and within a few hundred once cached. A run
-planned shorter stays eager; `--torch_compile true` or `false` decides alone."""
+about 23 s the first time and about 4 s once torch's compile cache holds its graphs, and saves 10 to 17% of each
+step, so at the default job's size it pays back within about 1,000 steps even the first time (160 once cached), at
+llama-tiny's within about 1,200 once cached. A run planned shorter stays eager; `--torch_compile true` or `false`
+decides alone."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def compiles(objective: Callable, training: Training) -> tuple[bool, str]:
         f"task {training.task.name} has its own forward or loss":
             [getattr(kind, method, None) for method in ("forward", "loss_sums", "objective_sums")]
             != [CausalLM.forward, CausalLM.loss_sums, Task.objective_sums],
-        "--packing false: batches of many shapes": not getattr(training.task.data_args, "packing", True),
+        "--packing false: batches of many shapes": not getattr(getattr(training.task, "data_args", None), "packing", True),
         "a part computes the loss": not (isinstance(objective, partial) and objective.func is objective_sums),
         f"{training.max_steps} steps, under the {PAYS_BACK_AFTER_STEPS:,} that pay back compiling":
             training.max_steps < PAYS_BACK_AFTER_STEPS,

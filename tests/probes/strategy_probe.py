@@ -28,7 +28,7 @@ builders = {
     "plain": lambda: Accelerator(),
     "gloo_kwarg": lambda: Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")]),
     "cpu_flag": lambda: Accelerator(cpu=True),
-    "template": lambda: build_accelerator(parse_args(["--ddp_timeout", "123"])[2]),  # not torch's 1800 s: visible
+    "template": lambda: build_accelerator(parse_args(["--ddp_timeout", "123", "--output_dir", str(out_dir)])[2]),  # not 1800 s
 }
 accelerator = builders[scenario]()
 record = {

@@ -20,7 +20,8 @@ from training.task_registry import build_task
 EPOCHS = 2
 out_dir, reads, train_flags = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]  # reads: more than EPOCHS passes hold
 model_args, data_args, args = parse_args(["--model_config", "llama-tiny", "--streaming", "--packing", "false",
-                                          "--max_steps", "1", "--eval_strategy", "no", "--ddp_timeout", "60", *train_flags])
+                                          "--max_steps", "1", "--eval_strategy", "no", "--ddp_timeout", "60",
+                                          "--output_dir", str(out_dir), *train_flags])
 accelerator = build_accelerator(args)
 task = build_task(model_args, data_args)
 raw = task.load_raw_datasets(args.seed)
