@@ -54,7 +54,8 @@ def steady_figures(run_dir: Path) -> dict:
             "mfu": statistics.median(m["tokens_per_sec"] * flops / m["peak_flops"] for m in intervals),
             "peak_memory_gb": summary["peak_memory_gb"], "final_loss": logged[-1]["loss"], "flops_per_token": flops,
             "whole_run_mfu": summary["mfu"], "train_py_steady_mfu": summary["steady_mfu"],
-            "wall_time_s": summary["wall_time_s"], "intervals": intervals}
+            "wall_time_s": summary["wall_time_s"], "intervals": intervals,
+            "torch_compile": summary.get("torch_compile")}  # what ran (None: a fork without the compile part)
 
 
 def tokenizer_vocabulary() -> int:
@@ -103,6 +104,8 @@ def mfu_rows(args: argparse.Namespace) -> list[tuple[str, bool, int | None, int]
 def mfu_table(args: argparse.Namespace, scratch: Path, train_run: Callable) -> tuple[list[str], dict]:
     """train.py on each of `mfu_rows`, a table line each."""
     extra, compile_flag = tuple(shlex.split(args.train_flags)), [] if compiled_by_flags(args) else ["--torch_compile"]
+    # an eager row stays eager however many --steps (unset, train.py compiles a run of 1,000 steps or more)
+    eager_flag = ["--torch_compile", "false"] if installed("compile") and not compiled_by_flags(args) else []
     rows = mfu_rows(args)
     lines = [f"MFU: {args.model_config}, {args.num_processes} process(es), {args.mixed_precision}, micro-batch up to "
              f"{args.max_micro_batch} sequences, no accumulation, fused AdamW, {args.steps} steps; medians over the "
@@ -115,7 +118,7 @@ def mfu_table(args: argparse.Namespace, scratch: Path, train_run: Callable) -> t
         overrides = f"max_position_embeddings={length}" + (f",vocab_size={vocabulary}" if vocabulary else "")
         flags = ("--model_config", args.model_config, "--config_overrides", overrides, "--block_size", str(length),
                  "--max_steps", str(args.steps), "--logging_steps", str(args.log_every), "--eval_strategy", "no",
-                 "--save_strategy", "no", *(compile_flag if compiled else []), *extra)
+                 "--save_strategy", "no", *(compile_flag if compiled else eager_flag), *extra)
         name = f"{config}{'-compiled' if compiled else ''}-{vocabulary or 'tokenizer'}-{length}"
         run = fitting_run(train_run, config, args, scratch / name, flags)
         results.append({"config": config, "compiled": compiled, "vocabulary": vocabulary, "block_size": length} | run)

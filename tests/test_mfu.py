@@ -147,6 +147,7 @@ def test_the_mfu_table_recomputes_every_figure_from_what_train_py_logged(tmp_pat
                 f"{row['step_time'] * 1000:,.1f} | {row['mfu']:.1%} | {row['whole_run_mfu']:.1%} | "
                 f"{row['peak_memory_gb']:.2f} | {row['final_loss']:.3f} |" in figures["table"])
         assert row["micro_batch"] == 4 and row["peak_memory_gb"] > 0
+        assert row["torch_compile"] is False  # an eager row ran eager (it passes --torch_compile false)
     assert vocabulary == 960  # the last row: what the default tokenizer gives
 
 
@@ -178,5 +179,10 @@ def test_the_mfu_rows_follow_the_train_flags(train_flags: str, eager_only: bool,
     with pytest.raises(SystemExit, match="recorded"):
         mfu_table(args, tmp_path, first_launch_only)
     (config, flags), = launched
-    assert flags.count("--torch_compile") == (rows[0][1] and not train_flags.startswith("--torch_compile"))
+    # the row's own switch: a compiled row asks for it, an eager one turns it off (unset, a run of 1,000 steps or
+    # more would compile); a compile option in --train_flags is then the only one
+    own = [flag for flag in flags if flag.startswith("--torch_compile")]
+    assert own == ([train_flags.split()[0]] if train_flags.startswith("--torch_compile") else ["--torch_compile"])
+    after = flags[flags.index(own[0]) + 1] if flags.index(own[0]) + 1 < len(flags) else None
+    assert (after == "false") == (not rows[0][1] and not train_flags.startswith("--torch_compile"))
     assert not train_flags or f" {train_flags} " in f" {' '.join(flags)} "
