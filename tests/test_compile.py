@@ -152,6 +152,7 @@ def _training(argv: list[str], strategy: Strategy, max_steps: int, task_class: t
     ([], Strategy.DDP, 5000, {"lora": "use_peft"}, False, "--use_peft True"),  # (parsing it needs a pretrained model)
     (["--pipeline_parallel_size", "2"], Strategy.DDP, 5000, {}, False, "--pipeline_parallel_size 2"),
     (["--ddp_comm_hook", "power_sgd"], Strategy.DDP, 5000, {}, False, "--ddp_comm_hook power_sgd"),
+    (["--auto_find_batch_size"], Strategy.DDP, 5000, {}, False, "--auto_find_batch_size True"),
     (["--torch_compile", "false"], Strategy.DDP, 5000, {}, False, "--torch_compile false"),
     (["--do_train", "false", "--model_name_or_path", "."], Strategy.DDP, 5000, {}, False, "--do_train false"),
     (["--torch_compile"], Strategy.FSDP, 4, {"objective": "a part's"}, True, "--torch_compile true"),

@@ -15,8 +15,10 @@ from training.parts import Training
 from training.strategy import Strategy
 
 PAYS_BACK_AFTER_STEPS = 1000
-# parts' flags that keep an unset --torch_compile eager, at the value that is off: paths not proven compiled
-EAGER_UNLESS_ASKED = {"use_peft": False, "pipeline_parallel_size": 1, "ddp_comm_hook": None}
+# parts' flags that keep an unset --torch_compile eager, at the value that is off: paths not proven compiled (and the
+# micro-batch search, whose every tried size would be another compilation)
+EAGER_UNLESS_ASKED = {"use_peft": False, "pipeline_parallel_size": 1, "ddp_comm_hook": None,
+                      "auto_find_batch_size": False}
 
 
 def compiles(objective: Callable, training: Training) -> tuple[bool, str]:
