@@ -194,6 +194,13 @@ class CausalLM(Task):
         return repr(tokenizer.decode(output[0], skip_special_tokens=True))
 
 
+def next_token_loss_as_is(task: Task) -> bool:
+    """Whether `task` trains with the causal LM's own forward and next-token loss (a part that computes that loss its
+    own way, fused or compiled with the model, needs them)."""
+    kind = type(task)
+    return (kind.forward, kind.loss_sums, kind.objective_sums) == (CausalLM.forward, CausalLM.loss_sums, Task.objective_sums)
+
+
 def other_task_hint(columns: set[str]) -> str | None:
     """What to do with data that a part's task reads (`TaskEntry.data_columns`), for a message that names it."""
     task = next((name for name, entry in part_tasks().items() if any(marks <= columns for marks in entry.data_columns)),

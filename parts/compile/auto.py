@@ -24,13 +24,12 @@ EAGER_UNLESS_ASKED = {"use_peft": False, "pipeline_parallel_size": 1, "ddp_comm_
 def compiles(objective: Callable, training: Training) -> tuple[bool, str]:
     """Whether the training step's objective compiles, and why (for the start-up log)."""
     from training.step import objective_sums
-    from training.tasks import CausalLM, Task
+    from training.tasks import next_token_loss_as_is
 
     asked = training.args.parts.compile.torch_compile
     if asked is not None:
         return asked, f"--torch_compile {str(asked).lower()}"
     flags = every_flag(training.args)
-    kind = type(training.task)
     reasons = {f"--{name} {flags[name]}": flags[name] != off for name, off in EAGER_UNLESS_ASKED.items() if name in flags}
     reasons |= {
         "--do_train false: nothing trains": not training.args.do_train,
@@ -38,9 +37,7 @@ def compiles(objective: Callable, training: Training) -> tuple[bool, str]:
                                             "is_activation_checkpointing", False),
         f"{training.strategy.value}: compiled by default on one process or DDP only":
             training.strategy not in (Strategy.SINGLE, Strategy.DDP),
-        f"task {training.task.name} has its own forward or loss":
-            [getattr(kind, method, None) for method in ("forward", "loss_sums", "objective_sums")]
-            != [CausalLM.forward, CausalLM.loss_sums, Task.objective_sums],
+        f"task {training.task.name} has its own forward or loss": not next_token_loss_as_is(training.task),
         "--packing false: batches of many shapes": not getattr(getattr(training.task, "data_args", None), "packing", True),
         "a part computes the loss": not (isinstance(objective, partial) and objective.func is objective_sums),
         f"{training.max_steps} steps, under the {PAYS_BACK_AFTER_STEPS:,} that pay back compiling":

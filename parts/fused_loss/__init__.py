@@ -27,10 +27,9 @@ def output_layer(task, module):
     import torch
 
     from training.errors import ArgumentError
-    from training.tasks import CausalLM, Task
+    from training.tasks import next_token_loss_as_is
 
-    kind, own = type(task), (CausalLM.forward, CausalLM.loss_sums, Task.objective_sums)
-    if (kind.forward, kind.loss_sums, kind.objective_sums) != own:
+    if not next_token_loss_as_is(task):
         raise ArgumentError(f"--fused_linear_cross_entropy computes the causal LM's next-token cross-entropy; task "
                             f"{task.name} has its own forward or objective: drop the flag")
     layer = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
