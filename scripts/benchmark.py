@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the template's modules: metrics, the planner, data preparation
 
 from scripts.data_benchmark import data_table  # noqa: E402
-from scripts.peer_benchmark import peers_table  # noqa: E402
+from scripts.peer_benchmark import PEER_DEFAULTS, peers_table  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
 from training.parts import installed  # noqa: E402
 
@@ -461,8 +461,6 @@ def main(argv: list[str] | None = None) -> None:
     # The pipeline table: fp32 and 64 sequences per step, so that 8 micro-batches still keep a core busy
     # (bf16 with 8 per step measured 1.27x for 1F1B over the naive split; this 1.77x).
     if not args.mfu:
-        from scripts.peer_benchmark import PEER_DEFAULTS
-
         defaults = (PIPELINE_DEFAULTS if args.pipeline else DISTILLATION_DEFAULTS if args.distillation else
                     PEER_DEFAULTS if args.peers else DEFAULTS)
         args.num_processes = args.num_processes or 2

@@ -99,7 +99,7 @@ def peers_table(args: argparse.Namespace, scratch: Path, train_run: Callable, en
         lines.append(f"| median | {processes} | | | **{ratios['speed_ratio']:.3f}** | | | "
                      f"{ratios['eval_loss_ratio']:.3f} | | | {ratios['wall_ratio']:.3f} |")
     if args.nanogpt:
-        more, results["nanogpt"] = nanogpt_table(args, scratch, train_run)
+        more, results["nanogpt"] = nanogpt_table(args, scratch, train_run, environment)
         lines += ["", *more]
     return lines, results
 
@@ -142,10 +142,9 @@ def nanogpt_run(args: argparse.Namespace, checkout: Path, environment: dict[str,
             "launch_to_exit": time.perf_counter() - launched}
 
 
-def nanogpt_table(args: argparse.Namespace, scratch: Path, train_run: Callable) -> tuple[list[str], dict]:
+def nanogpt_table(args: argparse.Namespace, scratch: Path, train_run: Callable, environment: dict[str, str]
+                  ) -> tuple[list[str], dict]:
     """Alternating rounds of nanoGPT's CPU recipe and train.py at its defaults on the same shape and text."""
-    from scripts.benchmark import environment
-
     checkout, text = nanogpt_checkout(args.nanogpt, scratch)
     flags = ("--train_file", str(text), "--model_config", "llama-small", "--config_overrides", "hidden_size=128",
              "--block_size", "65", "--per_device_train_batch_size", "12", "--max_steps", str(args.nanogpt_steps),
@@ -153,7 +152,7 @@ def nanogpt_table(args: argparse.Namespace, scratch: Path, train_run: Callable) 
     rounds, rows = [], []
     for round_ in range(args.rounds):
         ours = train_run("ddp", args, scratch / f"nanogpt-shape{round_}", flags, 1)
-        theirs = nanogpt_run(args, checkout, environment(REPO, one_thread=False))
+        theirs = nanogpt_run(args, checkout, environment)
         rounds.append({"train_py_step_time": ours["step_time"], "train_py_compiled": ours.get("torch_compile"),
                        "train_py_eval_loss": ours["eval_loss"], "train_py_wall_s": ours["launch_to_exit"],
                        "nanogpt_step_time": theirs["step_time"], "nanogpt_val_loss": theirs["val_loss"],
