@@ -48,10 +48,16 @@ def build_named_config(name: str, tokenizer: PreTrainedTokenizerBase, overrides:
     if not overrides:
         return config
     derived = [key for key, (sources, rule) in DERIVED.items() if getattr(config, key, None) == rule(config)]
+    items = [item for item in overrides.split(",") if item.strip()]
+    nested = [item for item in items if "." in item.split("=", 1)[0]]
     try:
-        config.update_from_string(overrides)
+        config.update_from_string(",".join(item for item in items if item not in nested))
+        for item in nested:  # a field of a dict field: rope_parameters.rope_theta=500000
+            set_nested(config, *item.split("=", 1))
     except ValueError as error:
-        raise ValueError(f"--config_overrides {overrides!r}: {error}") from None
+        hint = "; RoPE's settings are fields of rope_parameters, e.g. rope_parameters.rope_theta=500000" if \
+            "rope_" in str(error) else ""
+        raise ValueError(f"--config_overrides {overrides!r}: {error}{hint}") from None
     given = overridden(overrides)
     for key in derived:
         sources, rule = DERIVED[key]
@@ -65,9 +71,29 @@ def build_named_config(name: str, tokenizer: PreTrainedTokenizerBase, overrides:
     return config
 
 
+def set_nested(config: PretrainedConfig, key: str, value: str) -> None:
+    """`field.key=value` of --config_overrides: one entry of a dict field, its value typed as the entry it replaces
+    (as transformers' update_from_string types a top-level field)."""
+    field, entry = key.strip().split(".", 1)
+    held = getattr(config, field, None)
+    if not isinstance(held, dict) or entry not in held:
+        raise ValueError(f"key {key.strip()} isn't in the original config dict ({field} holds "
+                         f"{sorted(held) if isinstance(held, dict) else 'no entries'})")
+    old = held[entry]
+    kind = type(old) if isinstance(old, bool | int | float) else str
+    if kind is bool:
+        parsed = value.strip().lower() in ("true", "1", "y", "yes")
+    else:
+        try:
+            parsed = kind(value)
+        except ValueError:
+            raise ValueError(f"{key.strip()}={value}: {entry} is a {kind.__name__}") from None
+    setattr(config, field, {**held, entry: parsed})
+
+
 def overridden(overrides: str | None) -> set[str]:
-    """The keys --config_overrides sets."""
-    return {item.split("=", 1)[0].strip() for item in (overrides or "").split(",") if "=" in item}
+    """The keys --config_overrides sets (a dict field's entry, `rope_parameters.rope_theta`, by its field)."""
+    return {item.split("=", 1)[0].strip().split(".")[0] for item in (overrides or "").split(",") if "=" in item}
 
 
 def describe_shape(config: PretrainedConfig, overrides: str | None = None) -> str:

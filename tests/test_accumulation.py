@@ -46,7 +46,9 @@ def test_the_incomplete_last_global_batch_is_dropped(split_run) -> None:
     # 48 of 50 sequences per epoch: 6 steps of 8, so step 8 is the second step of epoch 1.
     assert len(state.pop("run_id")) == 32  # made at the run's start (training/checkpoints/)
     model = state.pop("model")  # what the model is: a resume into another is refused
-    assert model["config"]["hidden_size"] == 64 and model["settings"] == {"block_size": 64}
+    assert model["config"]["hidden_size"] == 64 and "settings" not in model  # (a block size is a data setting)
+    flags = state.pop("flags")  # every flag's value: a resume honours or refuses each one changed
+    assert (flags["block_size"], flags["gradient_accumulation_steps"], flags["learning_rate"]) == (64, 2, 3e-3)
     assert state == {"completed_steps": 8, "epoch": 1, "steps_in_epoch": 2, "global_batch": 8, "num_processes": 2,
                      "strategy": "ddp", "layout": {}, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-                     "optim": "adamw_torch_fused"}
+                     "optim": "adamw_torch_fused", "optimizer_groups": 2}

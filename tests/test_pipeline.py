@@ -27,6 +27,7 @@ from tests.harness import (
     with_processes,
 )
 from tests.test_parity import LOSS_TOLERANCE, WEIGHT_TOLERANCE
+from training.checkpoints.files import TrainerState
 from training.checkpoints.resume import load_checkpoint
 from training.arguments import FIELD_DEFAULTS, arguments_of, check_conflicts
 from training.errors import ArgumentError, ResumeError, StrategyError
@@ -111,12 +112,12 @@ def test_a_pipeline_resumes_exactly_and_refuses_another_layout(pipeline_run, fou
     with pytest.raises(ResumeError, match="laid out as pipeline_stages 4, pipeline_stages_per_process 2 and this run "
                                           "lays it out as one whole model per process; resume with the flags that laid "
                                           "it out so"):
-        load_checkpoint(None, run / "checkpoints" / f"step_{SAVED}", global_batch=8, max_steps=STEPS, layout={})
+        load_checkpoint(None, run / "checkpoints" / f"step_{SAVED}", TrainerState(global_batch=8), max_steps=STEPS)
     # the same 4 stages, one per process (1F1B on 4 processes): each process saved the optimizer of its own stages
     with pytest.raises(ResumeError, match="laid out as pipeline_stages 4, pipeline_stages_per_process 2 and this run "
                                           "lays it out as pipeline_stages 4;"):
-        load_checkpoint(None, run / "checkpoints" / f"step_{SAVED}", global_batch=8, max_steps=STEPS,
-                        layout={"pipeline_stages": 4})
+        load_checkpoint(None, run / "checkpoints" / f"step_{SAVED}",
+                        TrainerState(global_batch=8, layout={"pipeline_stages": 4}), max_steps=STEPS)
 
 
 @pytest.mark.quick
@@ -126,7 +127,7 @@ def test_a_checkpoint_of_an_earlier_version_keeps_its_pipeline_layout(tmp_path) 
                "pipeline_stages": 4, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
     (tmp_path / "trainer_state.json").write_text(json.dumps(earlier))
     with pytest.raises(ResumeError, match="laid out as pipeline_stages 4 and this run lays it out as pipeline_stages 2;"):
-        load_checkpoint(None, tmp_path, global_batch=8, max_steps=STEPS, layout={"pipeline_stages": 2})
+        load_checkpoint(None, tmp_path, TrainerState(global_batch=8, layout={"pipeline_stages": 2}), max_steps=STEPS)
 
 
 @pytest.mark.parts("images")

@@ -75,13 +75,35 @@ def read_flags(argv: list[str]) -> tuple[ModelArguments, DataArguments, TrainArg
     parser = build_parser()
     pre_args, _ = parser.parse_known_args(argv)
     recipe = load_recipe(pre_args.config) if pre_args.config else {}
-    parser.set_defaults(**recipe)
-    namespace, unknown = parser.parse_known_args(argv)
+    words = recipe_words(recipe, pre_args.config)
+    try:
+        parser.parse_known_args(words)  # the recipe's values alone, so that an error names the file
+    except ArgumentError as error:
+        raise ArgumentError(f"recipe {pre_args.config}: {error}") from None
+    namespace, unknown = parser.parse_known_args(words + argv)  # the command line after the recipe: it wins
     if unknown:
         flags = [item.lstrip("-").split("=")[0] for item in unknown if item.startswith("--")]
         _check_known(flags or unknown, "the command line")
         raise ArgumentError(f"unexpected arguments {unknown}; see train.py --help")
     return arguments_of(vars(namespace), frozenset(recipe) | named_on_command_line(argv))
+
+
+def recipe_words(recipe: dict[str, Any], path: str | None) -> list[str]:
+    """The recipe as command-line words, so that its values get exactly the command line's parsing and errors (an
+    integer flag given 2.5 is refused, not passed on). A key left empty means its default where that is none (or no
+    tracker); elsewhere it is refused."""
+    words = []
+    for key, value in recipe.items():
+        if value is None or value == []:
+            if FIELD_DEFAULTS[key] is not None and key != "report_to":
+                raise ArgumentError(f"recipe {path}: {key} is empty; give it a value (as on the command line), or "
+                                    "delete the key to keep its default")
+            continue
+        if isinstance(value, list):
+            words += [f"--{key}", *(str(item) for item in value)]
+        else:
+            words.append(f"--{key}={json.dumps(value) if isinstance(value, dict) else value}")
+    return words
 
 
 def named_on_command_line(argv: list[str]) -> frozenset[str]:

@@ -114,8 +114,12 @@ class CoreTrainArguments:
         "help": "A checkpoint directory, or 'latest' for the newest in output_dir."})
     allow_config_changes: str | None = field(default=None, metadata={
         "help": "Fields of the model's configuration a resume changes on purpose, comma-separated (e.g. "
-                "rope_scaling,max_position_embeddings to extend the context); any other difference from the "
-                "checkpoint's model is refused."})
+                "rope_parameters,max_position_embeddings to extend the context), or a frozen model it reads "
+                "otherwise (reference_model: DPO's, teacher_model: distillation's); any other difference from the "
+                "checkpoint's is refused."})
+    resume_unchecked: bool = field(default=False, metadata={
+        "help": "Resume a checkpoint whose files cannot be proven whole and of one run (no manifest.json, or one "
+                "without SHA-256s: saved before 2026-12-04), on purpose; logged."})
     ddp_timeout: int = field(default=1800, metadata={
         "help": "Seconds a collective may wait before every rank aborts (a stalled rank)."})
     dataloader_num_workers: int | None = field(default=None, metadata={

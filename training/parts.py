@@ -317,6 +317,8 @@ class Part:
     # its flags that only these tasks read (--task name -> flags): refused for another task, as a task's own flags
     task_flags: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     run_inputs: ClassVar[tuple[str, ...]] = ()  # its flags that name files or directories the run reads
+    # its flags a resume cannot change (flag -> why: refused in one line); any other changed flag is honoured and logged
+    fixed_on_resume: ClassVar[Mapping[str, str]] = {}
     # what scripts/new_project.py leaves out with it, beyond parts/<name>/, tests/test_<name>.py, docs/<name>.md
     files: ClassVar[tuple[str, ...]] = ()  # other files it owns (scripts, figures, tests under other names)
     requirements: ClassVar[tuple[str, ...]] = ()  # packages of requirements.txt only it needs

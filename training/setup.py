@@ -23,6 +23,7 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from training.checkpoints.changes import recorded_flags
 from training.checkpoints.files import TrainerState, clear_previous_run
 from training.checkpoints.resume import model_description, resolve_resume_path, resume, tracker_purge_step
 from training.console import one_voice
@@ -140,10 +141,11 @@ def set_up(model_args: ModelArguments, data_args: DataArguments, args: TrainArgu
     launched = config_name(accelerator, strategy)
     state = TrainerState(global_batch=global_batch, num_processes=accelerator.num_processes, strategy=launched,
                          layout=layout, optim=args.optim, run_id=broadcast_object_list([uuid.uuid4().hex])[0],
-                         model=described)  # (one run id on every rank: each rank's files carry it)
+                         model=described, flags=recorded_flags(every_flag(model_args, data_args, args)),
+                         optimizer_groups=len(torch_optimizer.param_groups))  # (one run id on every rank)
     if resume_path:
         state = resume(accelerator, resume_path, state, max_steps, args.seed, runner, model, optimizer, scheduler,
-                       args.output_dir, args.allow_config_changes, evaluating=not args.do_train)
+                       args.output_dir, args.allow_config_changes, args.resume_unchecked, evaluating=not args.do_train)
     state.per_device_train_batch_size, state.gradient_accumulation_steps = (args.per_device_train_batch_size,
                                                                             args.gradient_accumulation_steps)
     if args.overwrite_output_dir:  # only now: every check before has passed

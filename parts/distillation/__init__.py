@@ -6,7 +6,7 @@ objective, the teacher's checks, placement and memory plan). See docs/distillati
 from dataclasses import dataclass, field
 
 from training.errors import ArgumentError
-from training.parts import Flags, Part, Plan, Training
+from training.parts import CheckpointFiles, Flags, Part, Plan, Training
 
 
 @dataclass
@@ -40,6 +40,8 @@ class Distillation(Part):
 
     def __init__(self) -> None:
         self.teacher_figures = None  # () -> the teacher's bytes per rank, a collective (set with a teacher)
+        self.distillation = None  # the objective, with the teacher's record
+        self.allowed_changes = None  # --allow_config_changes
 
     def check_flags(self, flags: Flags) -> None:
         """The distillation settings need a teacher, and the teacher a data-parallel layout, which places it as it
@@ -79,7 +81,25 @@ class Distillation(Part):
         distillation, held = build_distillation(training.accelerator, training.task, training.strategy,
                                                 args.parts.distillation.teacher_model_name_or_path, args)
         self.teacher_figures = lambda: max_over_ranks({"parameters": held}, training.accelerator)
+        self.distillation, self.allowed_changes = distillation, args.allow_config_changes
         return distillation.loss_sums
+
+    def save_state(self, checkpoint: CheckpointFiles) -> None:
+        """The teacher's record (where it came from, its configuration, its weights' checksum)."""
+        if self.distillation is not None and checkpoint.accelerator.is_main_process:
+            from parts.distillation.teacher import IDENTITY
+            from training.checkpoints.frozen import save_frozen_identity
+
+            save_frozen_identity(checkpoint.directory, IDENTITY, self.distillation.identity)
+
+    def load_state(self, checkpoint: CheckpointFiles) -> None:
+        """A resume that distils from another teacher than the checkpoint's run: refused, unless named on purpose."""
+        if self.distillation is not None:
+            from parts.distillation.teacher import IDENTITY
+            from training.checkpoints.frozen import check_frozen_identity
+
+            check_frozen_identity(checkpoint.directory, IDENTITY, self.distillation.identity,
+                                  "teacher_model_name_or_path", self.allowed_changes)
 
     def summary(self, steps_run: int) -> dict:
         """The teacher's bytes per rank."""

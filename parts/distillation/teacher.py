@@ -42,6 +42,7 @@ from training.errors import ModelError
 from training.loss import IGNORE_INDEX
 from training.performance import compute_dtype, parameter_count, storage_bytes
 from training.strategy import Strategy
+from training.checkpoints.frozen import frozen_identity
 from training.strategy.frozen import frozen, place_frozen_model
 from training.tasks import Batch, CausalLM, Task
 
@@ -138,6 +139,7 @@ class Distillation:
                  temperature: float, kind: str) -> None:
         self.accelerator, self.task, self.teacher, self.alpha = accelerator, task, teacher, alpha
         self.divergence = divergence(kind, temperature)
+        self.identity: dict | None = None  # the teacher's record (training/checkpoints/frozen.py)
 
     def loss_sums(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         logits = self.task.forward(model, batch)
@@ -148,6 +150,9 @@ class Distillation:
         label_sums = self.task.objective_sums(logits, batch)
         teacher_sums = divergence_sums(self.task, logits, teacher_logits, batch, self.divergence)
         return (1 - self.alpha) * label_sums + self.alpha * teacher_sums
+
+
+IDENTITY = "teacher_model"  # <IDENTITY>.json in a checkpoint: the teacher's record; --allow_config_changes
 
 
 def build_distillation(accelerator: Accelerator, task: Task, strategy: Strategy, path: str, args) -> tuple[Distillation, int]:
@@ -162,13 +167,17 @@ def build_distillation(accelerator: Accelerator, task: Task, strategy: Strategy,
     planned = teacher_bytes_per_rank(strategy, parameters, accelerator.num_processes, compute_bytes, stage)
     if warning := memory_warning(path, planned, free_memory_bytes(accelerator.device), accelerator.device):
         logger.warning(warning, main_process_only=True)
+    identity = frozen_identity(path, teacher)  # (recorded in checkpoints: a resume checks it)
     teacher = place_frozen_model(accelerator, teacher)
     held = storage_bytes(teacher.parameters(), set())  # the frozen weights this rank holds
     logger.info(f"teacher {path}: {parameters:,} parameters, frozen, placed as {type(teacher).__name__} "
                 f"({held / 2**20:,.1f} MiB of weights on this rank); distilled with {args.parts.distillation.distillation_loss} at "
                 f"temperature {args.parts.distillation.distillation_temperature}, alpha {args.parts.distillation.distillation_alpha}", main_process_only=True)
-    return Distillation(accelerator, task, teacher, args.parts.distillation.distillation_alpha, args.parts.distillation.distillation_temperature,
-                        args.parts.distillation.distillation_loss), held
+    distillation = Distillation(accelerator, task, teacher, args.parts.distillation.distillation_alpha,
+                                args.parts.distillation.distillation_temperature,
+                                args.parts.distillation.distillation_loss)
+    distillation.identity = identity
+    return distillation, held
 
 
 def teacher_bytes_per_rank(strategy: Strategy, parameters: int, processes: int, compute_bytes: int,

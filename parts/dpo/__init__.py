@@ -23,6 +23,7 @@ class Dpo(Part):
     conflicts = (Conflict("precompute_ref_log_probs", "reference_free", ": there is no reference to score"),)
     resume = None  # the checkpoint this run resumes (`resuming`)
     task = None  # the DPO task of this run, once prepared
+    training = None  # what trains it (`after_prepare`)
     tasks = {"dpo": TaskEntry("parts.dpo.task:DirectPreference", NAMED_CONFIGS, "llama-small",
                               (*TEXT_FLAGS, "chat_template", "max_length", "truncation_mode", "eval_generation_samples", "beta",
                                "loss_type", "label_smoothing", "reference_free", "max_prompt_length",
@@ -58,42 +59,58 @@ class Dpo(Part):
 
     def after_prepare(self, training: Training) -> None:
         """The reference, once the policy is placed: loaded and placed alike, or the policy with its adapter off;
-        under --precompute_ref_log_probs its scores of every pair instead (a resumed checkpoint's, or one pass now,
-        the reference then freed)."""
+        under --precompute_ref_log_probs its scores of every pair instead (one pass now, the reference then freed,
+        or a resumed checkpoint's, read once its files are checked: `load_state`)."""
         from parts.dpo.task import DirectPreference
 
         self.task = training.task if isinstance(training.task, DirectPreference) else None
         if self.task is None:
             return
-        from accelerate.logging import get_logger
+        from parts.dpo.reference import TABLE_FILE, set_up_reference
 
-        from parts.dpo.reference import TABLE_FILE, precomputed_log_probs, reference_log_probs
-
-        accelerator, precompute = training.accelerator, self.task.dpo.precompute_ref_log_probs
-        saved = self.resume and self.resume / TABLE_FILE
-        if precompute and saved and saved.exists():
-            from safetensors.torch import load_file
-
-            self.task.reference_table = load_file(saved)["table"].to(accelerator.device)
-            return
-        reference = reference_log_probs(accelerator, self.task, training.model)
-        if not precompute:
-            self.task.reference = reference
-            return
-        self.task.reference_table = precomputed_log_probs(accelerator, self.task, training.model, reference,
-                                                          training.args.per_device_eval_batch_size)
-        del reference  # the second model freed: the table holds all training needs of it
-        get_logger(__name__).info(f"DPO reference: {len(self.task.reference_table):,} pairs scored once, then freed",
-                                  main_process_only=True)
+        self.training = training
+        if not (self.task.dpo.precompute_ref_log_probs and self.resume and (self.resume / TABLE_FILE).exists()):
+            set_up_reference(training.accelerator, self.task, training.model, training.args)
 
     def save_state(self, checkpoint: CheckpointFiles) -> None:
-        """The precomputed reference scores, so that a resume continues with the very same ones."""
-        if self.task is not None and self.task.reference_table is not None and checkpoint.accelerator.is_main_process:
+        """The loaded reference's record, and the precomputed reference scores, so that a resume continues against
+        the very same reference."""
+        if self.task is None or not checkpoint.accelerator.is_main_process:
+            return
+        from parts.dpo.reference import IDENTITY, TABLE_FILE
+        from training.checkpoints.frozen import save_frozen_identity
+
+        if self.task.reference_identity is not None:
+            save_frozen_identity(checkpoint.directory, IDENTITY, self.task.reference_identity)
+        if self.task.reference_table is not None:
             from safetensors.torch import save_file
 
-            from parts.dpo.reference import TABLE_FILE
-
             save_file({"table": self.task.reference_table.cpu()}, checkpoint.directory / TABLE_FILE)
+
+    def load_state(self, checkpoint: CheckpointFiles) -> None:
+        """The reference this run reads checked against the checkpoint's (refused if another), and under
+        --precompute_ref_log_probs the checkpoint's scores (computed now where it holds none)."""
+        if self.task is None:
+            return
+        from parts.dpo.reference import IDENTITY, TABLE_FILE, set_up_reference
+        from training.checkpoints.frozen import check_frozen_identity, frozen_identity
+
+        args, path = self.training.args, self.task.model_args.model_name_or_path
+        pending = self.task.dpo.precompute_ref_log_probs and self.task.reference_table is None
+        identity = self.task.reference_identity or (frozen_identity(path) if pending and path else None)
+        if identity is not None:
+            check_frozen_identity(checkpoint.directory, IDENTITY, identity, "model_name_or_path",
+                                  args.allow_config_changes)
+        if not pending:
+            return
+        if (checkpoint.directory / TABLE_FILE).exists():
+            from safetensors.torch import load_file
+
+            self.task.reference_table = load_file(checkpoint.directory / TABLE_FILE)["table"].to(
+                checkpoint.accelerator.device)
+            self.task.reference_identity = identity
+        else:  # (listed in no manifest: not read)
+            set_up_reference(checkpoint.accelerator, self.task, self.training.model, args)
 
     def logged_figures(self, training: Training):
         """The rewards and log-probabilities of the pairs trained since the last log (TRL's names)."""

@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from parts.dpo.loss import sequence_log_probs
+from training.checkpoints.frozen import frozen_identity
 from training.performance import storage_bytes
 from training.strategy import bare_model
 from training.strategy.frozen import frozen, place_frozen_model
@@ -41,8 +42,10 @@ def reference_log_probs(accelerator: Accelerator, task: Task, policy: torch.nn.M
         return adapter_off
     path = task.model_args.model_name_or_path
     with torch.random.fork_rng(devices=[]):  # loading draws nothing from the run's random numbers
-        reference = place_frozen_model(accelerator, frozen(task.auto_model.from_pretrained(
-            path, dtype=torch.float32, trust_remote_code=task.model_args.trust_remote_code)))
+        reference = frozen(task.auto_model.from_pretrained(path, dtype=torch.float32,
+                                                           trust_remote_code=task.model_args.trust_remote_code))
+    task.reference_identity = frozen_identity(path, reference)  # (recorded in checkpoints: a resume checks it)
+    reference = place_frozen_model(accelerator, reference)
     held = storage_bytes(reference.parameters(), set())
     logger.info(f"DPO reference: {path}, frozen, placed as {type(reference).__name__} ({held / 2**20:,.1f} MiB of "
                 "weights on this rank)", main_process_only=True)
@@ -56,6 +59,20 @@ def reference_log_probs(accelerator: Accelerator, task: Task, policy: torch.nn.M
 
 
 TABLE_FILE = "dpo_reference_log_probs.safetensors"  # in a checkpoint, under --precompute_ref_log_probs
+IDENTITY = "reference_model"  # <IDENTITY>.json in a checkpoint: the loaded reference's record; --allow_config_changes
+
+
+def set_up_reference(accelerator: Accelerator, task: Task, policy: torch.nn.Module, args) -> None:
+    """The task's reference: loaded and placed (or the policy with its adapter off), or under
+    --precompute_ref_log_probs its scores of every pair, in one pass, the reference then freed."""
+    reference = reference_log_probs(accelerator, task, policy)
+    if not task.dpo.precompute_ref_log_probs:
+        task.reference = reference
+        return
+    task.reference_table = precomputed_log_probs(accelerator, task, policy, reference, args.per_device_eval_batch_size)
+    del reference  # the second model freed: the table holds all training needs of it
+    get_logger(__name__).info(f"DPO reference: {len(task.reference_table):,} pairs scored once, then freed",
+                              main_process_only=True)
 
 
 @torch.no_grad()

@@ -92,6 +92,7 @@ class DirectPreference(SupervisedFineTuning):
         self.reference: Callable[[torch.nn.Module, Batch, bool], torch.Tensor] | None = None
         # (pair_index, 2): the reference's log-probabilities of each pair's answers, when precomputed
         self.reference_table: torch.Tensor | None = None
+        self.reference_identity: dict | None = None  # the loaded reference's record (training/checkpoints/frozen.py)
         self.pairs: list[Dataset] = []  # the tokenized training and validation pairs (a precomputing pass reads them)
         self.figures = PairFigures()
         self.prompts_cut = 0

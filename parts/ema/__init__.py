@@ -51,6 +51,7 @@ class Ema(Part):
 
     def __init__(self) -> None:
         self.average = None  # the run's `WeightAverage`, once prepared
+        self.evaluating = False  # --do_train false: the checkpoint's average is evaluated, and must be there
 
     def check_flags(self, flags: Flags) -> None:
         """A decay in [0, 1), an interval of at least 1; the other flags need --ema_decay."""
@@ -63,13 +64,17 @@ class Ema(Part):
             return
         if own.ema_export and not flags.train.do_train:
             raise ArgumentError("--ema_export with --do_train false: an evaluation exports nothing; drop --ema_export")
+        if not flags.train.do_train and not flags.train.resume_from_checkpoint:
+            raise ArgumentError("--ema_decay with --do_train false evaluates the average a checkpoint holds, and a model "
+                                "holds none: give --resume_from_checkpoint <a checkpoint saved with --ema_decay>, or "
+                                "drop --ema_decay")
         if not 0 < own.ema_decay < 1 or own.ema_update_every < 1 or own.ema_update_after_step < 0:
             raise ArgumentError(f"--ema_decay must be in (0, 1), --ema_update_every >= 1 and --ema_update_after_step "
                                 f">= 0; got {own.ema_decay}, {own.ema_update_every}, {own.ema_update_after_step}")
 
     def after_prepare(self, training: Training) -> None:
         """The average starts as the prepared weights, each rank holding its share of each (a resume loads it next)."""
-        own, self.average = training.args.parts.ema, None
+        own, self.average, self.evaluating = training.args.parts.ema, None, not training.args.do_train
         if own.ema_decay:
             from parts.ema.average import WeightAverage
 
@@ -98,9 +103,9 @@ class Ema(Part):
 
     def load_state(self, checkpoint: CheckpointFiles) -> None:
         """The average as saved, whatever strategy and process count saved it (a checkpoint without one: the
-        average starts from the resumed weights)."""
+        average starts from the resumed weights; refused where only evaluated, whose figures would be the weights')."""
         if self.average is not None:
-            self.average.load(checkpoint.directory)
+            self.average.load(checkpoint.directory, required=self.evaluating)
 
 
 PART = Ema()

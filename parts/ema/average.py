@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from training.checkpoints.tensors import load_shares, save_shares
+from training.errors import ResumeError
 from training.strategy.shares import Share, shares_of, trained_parameters, whole_shape, write_shares
 
 FOLDER = "ema"  # in each checkpoint: rank<N>.safetensors, each rank's share of the average
@@ -76,9 +77,12 @@ class WeightAverage:
         """This rank's shares into `checkpoint`/ema/ (the manifest hashes the files)."""
         save_shares(self.accelerator, checkpoint / FOLDER, self.shares, self.shapes)
 
-    def load(self, checkpoint: Path) -> None:
+    def load(self, checkpoint: Path, required: bool = False) -> None:
         """The saved average cut to this run's shares; a checkpoint without one leaves the average at the resumed
-        weights (it starts now)."""
+        weights (it starts now), or is refused where `required` (an evaluation of the average)."""
+        if not (checkpoint / FOLDER).is_dir() and required:
+            raise ResumeError(f"{checkpoint} holds no average of the weights (saved without --ema_decay), so "
+                              "--do_train false --ema_decay has none to evaluate; drop --ema_decay")
         if not (checkpoint / FOLDER).is_dir():
             logger.warning(f"{checkpoint} holds no average of the weights (saved without --ema_decay): the average "
                            "starts from the resumed weights", main_process_only=True)

@@ -52,6 +52,10 @@ class Streaming(Part):
     task_flags = {"causal-lm": tuple(f.name for f in fields(StreamingFlags))}
     files = ("tests/probes/stream_probe.py",)
     requirements = ("torchdata",)
+    # a stream's saved position is a count of what each rank read of its share: of these very files, in this order
+    fixed_on_resume = {"streaming": "a stream resumes from its saved position, which a map-style epoch cannot take "
+                                    "over, nor a stream one's",
+                       "shuffle_buffer_size": "the saved position counts sequences drawn through this buffer"}
 
     def __init__(self) -> None:
         self.loader = None  # this rank's share of the training stream: its position goes into checkpoints
@@ -60,12 +64,12 @@ class Streaming(Part):
         """A stream has no length and no random access: what needs either is refused before any process group
         starts."""
         data_args, args = flags.data, flags.train
+        from training.arguments import flags_given, split_model  # not at import: training/flags.py imports the parts
+
         if not data_args.parts.streaming.streaming:
-            for option in fields(StreamingFlags)[1:]:  # --streaming's options
-                if getattr(data_args.parts.streaming, option.name) != option.default:
-                    raise ArgumentError(f"--{option.name} is for --streaming: add --streaming, or drop it")
+            if given := flags_given(data_args, [option.name for option in fields(StreamingFlags)[1:]]):
+                raise ArgumentError(f"--{given[0]} is for --streaming: add --streaming, or drop it")
             return
-        from training.arguments import split_model  # not at import: training/flags.py imports the parts
 
         # a split model: the ranks of one replica would need the same share
         refusals = {"--max_train_samples (use --max_steps)": data_args.max_train_samples,

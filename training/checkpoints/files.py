@@ -36,6 +36,8 @@ class TrainerState:
     optim: str = ""  # the --optim whose state it holds ("": not recorded, before 2026-11-28)
     run_id: str = ""  # the run it belongs to, made at a fresh start and kept by every resume
     model: dict[str, Any] = field(default_factory=dict)  # the model's configuration (`model_description`)
+    flags: dict[str, Any] = field(default_factory=dict)  # every flag's value (a resume honours or refuses changes)
+    optimizer_groups: int = 0  # the optimizer's parameter groups (0: not recorded, before 2026-12-07)
 
 
 def checkpoints_root(output_dir: str) -> Path:
@@ -111,8 +113,13 @@ def clear_previous_run(output_dir: str) -> None:
 
 
 def latest_checkpoint(output_dir: str) -> Path | None:
-    """The newest complete checkpoint of `output_dir`, refused where they belong to more than one run."""
+    """The newest complete checkpoint of `output_dir`, refused where they belong to more than one run, or where one's
+    trainer_state.json cannot be read (it cannot say which run it is of)."""
     found = complete_checkpoints(output_dir)
+    for checkpoint in found:
+        if problem := state_problem(checkpoint):
+            raise ResumeError(f"{problem}, so 'latest' cannot tell which run it belongs to; move {checkpoint} "
+                              "elsewhere, or name the checkpoint to resume with --resume_from_checkpoint")
     if len(runs := {run_of(path) for path in found}) > 1:
         raise ResumeError(f"{checkpoints_root(output_dir)} holds checkpoints of {len(runs)} runs, so 'latest' could "
                           "continue the wrong one; name the checkpoint with --resume_from_checkpoint, or move the "
@@ -126,6 +133,17 @@ def recorded(checkpoint: Path) -> dict:
         return json.loads((checkpoint / TRAINER_STATE).read_text())
     except (OSError, ValueError):
         return {}
+
+
+def state_problem(checkpoint: Path) -> str | None:
+    """What is wrong with a checkpoint's trainer_state.json (None: it reads as a mapping)."""
+    try:
+        state = json.loads((checkpoint / TRAINER_STATE).read_text())
+    except OSError as error:
+        return f"{checkpoint / TRAINER_STATE} cannot be read ({error.strerror})"
+    except ValueError as error:
+        return f"{checkpoint / TRAINER_STATE} is damaged ({error})"
+    return None if isinstance(state, dict) else f"{checkpoint / TRAINER_STATE} is damaged (not a JSON object)"
 
 
 def step_of(checkpoint: Path) -> int:
@@ -142,17 +160,26 @@ def require_complete_checkpoint(path: Path) -> Path:
     bytes are checked by `verify_checkpoint`, with the process group)."""
     if not (path / TRAINER_STATE).is_file():
         raise FileNotFoundError(f"no complete checkpoint at {path} (missing {TRAINER_STATE}); check --resume_from_checkpoint")
-    for name, entry in manifest_files(path).items():
-        if problem := file_problem(path, name, entry, read_bytes=False):
+    if path.is_symlink():  # a save at its step would replace the link, not a checkpoint of this run
+        raise ResumeError(f"{path} is a symbolic link (to {path.resolve()}); resume the checkpoint by its own path, and "
+                          "delete the link: a save at its step would have to replace it")
+    if problem := state_problem(path):
+        raise ResumeError(f"{problem}; resume an earlier checkpoint")
+    if (named := STEP_DIR.match(path.name)) and int(named.group(1)) != step_of(path):
+        raise ResumeError(f"{path} is named for step {named.group(1)} and holds step {step_of(path)} (renamed or copied "
+                          f"by hand); rename it step_{step_of(path)}, or resume the checkpoint of step {named.group(1)}")
+    for name, entry in (manifest_files(path) or {}).items():
+        if problem := file_problem(path, name, entry, read_bytes=False, unchecked=True):  # (the checksums: later)
             raise ResumeError(f"{problem}; resume an earlier checkpoint (--resume_from_checkpoint <its path>)")
     return path
 
 
-def manifest_files(path: Path) -> dict[str, dict[str, Any]]:
-    """The checkpoint's files by relative path, each {"bytes", and since 2026-12-04 "sha256", "run_id", "step"}
-    (checkpoints before 2026-11-28 have no manifest; before 2026-12-04 it held the sizes alone)."""
+def manifest_files(path: Path) -> dict[str, dict[str, Any]] | None:
+    """The checkpoint's files by relative path, each {"bytes", and since 2026-12-04 "sha256", "run_id", "step"}; None
+    where there is no manifest (checkpoints before 2026-11-28, or one copied without it: `verify_checkpoint` refuses
+    it unless --resume_unchecked). Before 2026-12-04 it held the sizes alone."""
     if not (path / MANIFEST).is_file():
-        return {}
+        return None
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         if "files" not in manifest:
@@ -160,6 +187,11 @@ def manifest_files(path: Path) -> dict[str, dict[str, Any]]:
         return {name: dict(entry) for name, entry in manifest["files"].items()}
     except (ValueError, TypeError, AttributeError):
         raise ResumeError(f"{path / MANIFEST} is damaged; resume an earlier checkpoint") from None
+
+
+def unlisted_files(path: Path, listed: dict[str, dict[str, Any]]) -> list[str]:
+    """The files of a checkpoint its manifest does not list (copied in after the save): never read."""
+    return [name for name in checkpoint_files(path) if name not in listed]
 
 
 def file_sha256(path: Path) -> str:
@@ -182,32 +214,40 @@ def write_manifest(checkpoint: Path, run_id: str, step: int, sha256: dict[str, s
     (checkpoint / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
-def file_problem(checkpoint: Path, name: str, entry: dict[str, Any], read_bytes: bool = True) -> str | None:
+def file_problem(checkpoint: Path, name: str, entry: dict[str, Any], read_bytes: bool = True,
+                 unchecked: bool = False) -> str | None:
     """What is wrong with one file of a checkpoint against its manifest entry (None: nothing): missing, another
-    run's or another step's (as a model_state file says of itself), or damaged in place (`read_bytes` False: its
-    size only, before the process group; the SHA-256 needs the bytes). Never raises: every rank gets to say."""
+    run's or another step's (as a model_state file says of itself, whatever the manifest says of it), damaged in
+    place, or listed without a SHA-256 (`unchecked`: --resume_unchecked lets that pass). `read_bytes` False: its size
+    and stamp only, before the process group; the SHA-256 needs the bytes. Never raises: every rank gets to say."""
     file = checkpoint / name
     try:
         if not file.is_file():
             return f"{file} is missing"
+        if problem := stamp_problem(file, recorded_identity(checkpoint)):
+            return problem
         size = file.stat().st_size
-        if size == int(entry["bytes"]) and (not read_bytes or "sha256" not in entry or
-                                            file_sha256(file) == entry["sha256"]):
-            return None
-        return _what_differs(file, size, int(entry["bytes"]), recorded_identity(checkpoint))
+        if size != int(entry["bytes"]):
+            return f"{file} is damaged ({size:,} bytes, saved as {int(entry['bytes']):,})"
+        if "sha256" not in entry:
+            return None if unchecked else (f"{checkpoint / MANIFEST} lists {name} without a SHA-256 (a checkpoint "
+                                           "saved before 2026-12-04, or an edited manifest), so its bytes cannot be "
+                                           "checked; resume it unchecked on purpose with --resume_unchecked")
+        if read_bytes and file_sha256(file) != entry["sha256"]:
+            return f"{file} is damaged (its bytes differ from the SHA-256 saved with it)"
+        return None
     except (OSError, KeyError, TypeError, ValueError) as error:
         return f"{file} cannot be checked ({error}; the manifest entry {entry!r})"
 
 
-def _what_differs(file: Path, size: int, saved_size: int, expected: dict[str, Any]) -> str:
+def stamp_problem(file: Path, expected: dict[str, Any]) -> str | None:
+    """A file that says of itself (its stamp: a safetensors file's metadata) that it is of another run or step."""
     own = stamp_of(file)
     if own.get("run_id", expected["run_id"]) != expected["run_id"]:
         return f"{file} belongs to run {own['run_id']}, this checkpoint to run {expected['run_id']}"
     if str(own.get("step", expected["step"])) != str(expected["step"]):
         return f"{file} was saved at step {own['step']}, this checkpoint at step {expected['step']}"
-    if size != saved_size:
-        return f"{file} is damaged ({size:,} bytes, saved as {saved_size:,})"
-    return f"{file} is damaged (its bytes differ from the SHA-256 saved with it)"
+    return None
 
 
 def recorded_identity(checkpoint: Path) -> dict[str, Any]:

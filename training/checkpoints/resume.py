@@ -8,6 +8,8 @@ import contextlib
 import json
 import math
 import pickle
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,8 +21,10 @@ from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from torch.utils.data import DataLoader
 
+from training.checkpoints.changes import check_changes, restore_rates, this_runs_rates
 from training.checkpoints.files import (
     DEEPSPEED_DIR,
+    MANIFEST,
     TRAINER_STATE,
     TrainerState,
     file_problem,
@@ -28,6 +32,7 @@ from training.checkpoints.files import (
     latest_checkpoint,
     manifest_files,
     require_complete_checkpoint,
+    unlisted_files,
 )
 from training.checkpoints.save import without_model_and_optimizer
 from training.checkpoints.tensors import MODEL_STATE
@@ -61,30 +66,30 @@ def resolve_resume_path(resume_from_checkpoint: str | None, output_dir: str,
 RUNTIME_CONFIG_FIELDS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache",
                          "output_attentions", "output_hidden_states", "return_dict", "torchscript", "_attn_implementation",
                          "attn_implementation", "_attn_implementation_autoset", "_commit_hash", "base_model_name_or_path",
-                         "revision", "inference_mode"}
+                         "revision", "inference_mode", "architectures"}  # (how a model was named, not what it computes)
 
 
 def model_description(task, model: torch.nn.Module) -> dict[str, Any]:
     """What a checkpoint records of the model it holds, as JSON keeps it: a transformers config's fields (less how a
     run uses it: `RUNTIME_CONFIG_FIELDS`), a peft adapter's settings (its rank, alpha, dropout, targets), a plain
-    module's constructor arguments, the task's settings."""
+    module's constructor arguments. Not the task's data settings (a block size): a flag, `check_changes` logs it."""
     config = getattr(model, "config", None)
     adapters = getattr(model, "peft_config", {})
-    return _plain({"config": config.to_dict() if hasattr(config, "to_dict") else {},
+    return as_recorded({"config": config.to_dict() if hasattr(config, "to_dict") else {},
                    "adapter": {key if name == "default" else f"{name}.{key}": value
                                for name, adapter in adapters.items() for key, value in adapter.to_dict().items()},
-                   "model_kwargs": task.model_kwargs or {}, "settings": task.settings})
+                   "model_kwargs": task.model_kwargs or {}})
 
 
-def _plain(value: Any) -> Any:
+def as_recorded(value: Any) -> Any:
     """`value` as JSON holds it, the same in every process: runtime fields dropped, sets sorted, anything else not
     JSON as its text."""
     if isinstance(value, dict):
-        return {str(key): _plain(item) for key, item in value.items() if key not in RUNTIME_CONFIG_FIELDS}
+        return {str(key): as_recorded(item) for key, item in value.items() if key not in RUNTIME_CONFIG_FIELDS}
     if isinstance(value, set | frozenset):
-        return sorted(_plain(item) for item in value)
+        return sorted(as_recorded(item) for item in value)
     if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
+        return [as_recorded(item) for item in value]
     return value if isinstance(value, str | int | float | bool | type(None)) else str(value)
 
 
@@ -109,9 +114,20 @@ def config_differences(saved: dict[str, Any], this_run: dict[str, Any]) -> dict[
             if before.get(key, ABSENT) != after.get(key, ABSENT)}
 
 
-def check_same_model(path: Path, saved: dict[str, Any], this_run: dict[str, Any], allowed: str | None) -> None:
+def check_same_model(path: Path, saved: dict[str, Any], this_run: dict[str, Any], allowed: str | None,
+                     other_shapes: str | None = None) -> None:
     """Refuse a checkpoint of another model (another activation, norm epsilon, RoPE theta...: the same shapes load
-    and train silently otherwise), unless `allowed` (--allow_config_changes) names each differing field."""
+    and train silently otherwise), unless `allowed` (--allow_config_changes) names each differing field; where the
+    tensors' shapes differ too (`other_shapes`: the first, `shapes_differ`), no field may change. Compared: what the
+    model computes (its config less how it was named and run, an adapter's settings, a plain module's arguments), not
+    the task's data settings (a block size: logged by `check_changes`)."""
+    saved, this_run = ({section: values for section, values in described.items() if section != "settings"}
+                       for described in (saved, this_run))  # (the task's settings: recorded until 2026-12-07)
+    if other_shapes:
+        differing = ", ".join(f"{field} ({old!r} -> {new!r})" for (_, field), (old, new) in
+                              list(config_differences(saved, this_run).items())[:4])
+        raise ResumeError(f"{path} holds another model ({other_shapes}{'; ' + differing if differing else ''}); use "
+                          "the --model_config, --config_overrides or --model_name_or_path it was trained with")
     if not saved:  # (checkpoints before 2026-12-04 record none)
         return
     allowed_fields = {field.strip() for field in (allowed or "").split(",") if field.strip()}
@@ -129,28 +145,87 @@ def check_same_model(path: Path, saved: dict[str, Any], this_run: dict[str, Any]
         logger.warning(f"resuming {path} with changed {shown(named)} (--allow_config_changes)", main_process_only=True)
 
 
-def verify_checkpoint(accelerator: Accelerator | None, path: Path) -> None:
-    """Every file of `path` against its manifest (size, SHA-256, run and step) before anything is loaded: each rank
-    checks its share of the files, in parallel, and every rank stops on the first problem any rank found."""
+def shapes_differ(path: Path, accelerator: Accelerator | None, model: torch.nn.Module | None) -> str | None:
+    """The first tensor whose shape the checkpoint's manifest records otherwise than `model` holds it (None: the same
+    tensors, or nothing recorded)."""
+    from training.strategy import bare_model
+    from training.strategy.shares import model_tensors, whole_shape
+
+    try:
+        recorded = json.loads((path / MANIFEST).read_text()).get("tensors", {})
+    except (OSError, ValueError, AttributeError):
+        return None  # (a missing or damaged manifest is named by `verify_checkpoint`)
+    if model is None or not recorded:
+        return None
+    held = {name: list(whole_shape(tensor)) for name, tensor in
+            model_tensors(bare_model(accelerator, model) if accelerator else model).items()}
+    for name in sorted(recorded.keys() | held.keys()):
+        saved, here = recorded.get(name, {}).get("shape"), held.get(name)
+        if saved != here:
+            return f"{name} of shape {saved if saved is not None else 'none'} there, {here if here is not None else 'none'} here"
+    return None
+
+
+def verify_checkpoint(accelerator: Accelerator | None, path: Path, unchecked: bool = False) -> list[str]:
+    """Every file of `path` against its manifest (size, SHA-256, and the run and step each file says it is of) before
+    anything is loaded: each rank checks its share of the files, in parallel, and every rank stops on the first
+    problem any rank found. A checkpoint without a manifest, or a file listed without a SHA-256, is refused unless
+    `unchecked` (--resume_unchecked, logged). Returns the files the manifest does not list (`listed_only` hides them)."""
     if problem := identity_problem(path):
         raise ResumeError(f"{problem}; resume an earlier checkpoint")
-    files = sorted(manifest_files(path).items())
+    listed = manifest_files(path)
+    if listed is None and not unchecked:
+        raise ResumeError(f"{path} has no {MANIFEST}, so nothing proves its files whole and of one run; resume a "
+                          "checkpoint saved with its manifest, or this one unchecked on purpose with --resume_unchecked")
+    if listed is not None and TRAINER_STATE not in listed and not unchecked:  # (every save lists it: emptied, edited)
+        raise ResumeError(f"{path / MANIFEST} does not list {TRAINER_STATE}, which every save lists: it is damaged or "
+                          "edited; resume an earlier checkpoint, or this one unchecked on purpose with --resume_unchecked")
+    if unchecked and (listed is None or any("sha256" not in entry for entry in listed.values())):
+        logger.warning(f"resuming {path} unchecked (--resume_unchecked): its files are not proven whole nor of one "
+                       "run", main_process_only=True)
+    files = sorted((listed or {}).items())
     rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    problems = [problem for name, entry in files[rank::processes] if (problem := file_problem(path, name, entry))]
+    problems = [problem for name, entry in files[rank::processes]
+                if (problem := file_problem(path, name, entry, unchecked=unchecked))]
     if processes > 1:
         problems = gather_object(problems)
     if problems:
         raise ResumeError(f"{problems[0]}; resume an earlier checkpoint (--resume_from_checkpoint <its path>)")
+    return [] if listed is None else unlisted_files(path, listed)
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int | None, max_steps: float,
-                    layout: dict[str, int] | None = None, runner: ModelRunner | None = None, model=None, optimizer=None,
-                    scheduler=None, optim: str | None = None, description: dict[str, Any] | None = None,
-                    allowed_changes: str | None = None) -> TrainerState:
-    """Check on every rank that `path` continues this run exactly (`optim`: this run's --optim; `description`: its
-    model's, `model_description`), that its files are whole and its own (`verify_checkpoint`), then restore it:
-    accelerate's `load_state` of the schedule, generators and data position, the runner's model and optimizer
-    state, the parts' own files."""
+@contextlib.contextmanager
+def listed_only(path: Path, unlisted: list[str]) -> Iterator[Path]:
+    """`path`, or where files the manifest does not list lie in it (copied in after the save), a view of it that
+    holds the listed files alone (links in a directory of this process's own): no reader sees the others."""
+    if not unlisted:
+        yield path
+        return
+    logger.warning(f"{path} holds files its {MANIFEST} does not list, which are not read: {', '.join(unlisted[:5])}"
+                   f"{'...' if len(unlisted) > 5 else ''}", main_process_only=True)
+    scratch = Path(tempfile.mkdtemp(prefix="listed-files-"))
+    view = scratch / path.name  # (named as the checkpoint: messages name its step)
+    try:
+        for name in manifest_files(path):
+            (view / name).parent.mkdir(parents=True, exist_ok=True)
+            (view / name).symlink_to((path / name).resolve())
+        for name in (TRAINER_STATE, MANIFEST):
+            (view / name).symlink_to((path / name).resolve())
+        yield view
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def load_checkpoint(accelerator: Accelerator | None, path: Path, this_run: TrainerState, max_steps: float,
+                    runner: ModelRunner | None = None, model=None, optimizer=None, scheduler=None,
+                    allowed_changes: str | None = None, unchecked: bool = False,
+                    evaluating: bool = False) -> TrainerState:
+    """Check on every rank that `path` continues this run (`this_run`: its fresh state: its global batch, layout,
+    --optim, optimizer groups, model (`model_description`) and flags, each changed one honoured or refused by
+    `check_changes`), that its files are whole and its own (`verify_checkpoint`), then restore what its manifest
+    lists: accelerate's `load_state` of the schedule (at this run's learning rates), generators and data position, the
+    runner's model and optimizer state, the parts' own files. `evaluating` (--do_train false): the model and its
+    layout alone must match."""
     try:
         saved = json.loads((path / TRAINER_STATE).read_text())
         if (stages := saved.pop("pipeline_stages", 1)) > 1:  # how checkpoints before 2026-11-27 recorded a pipeline
@@ -160,26 +235,29 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int | No
         raise ResumeError(f"{path / TRAINER_STATE} is damaged; resume an earlier checkpoint") from None
     except (TypeError, ValueError):
         raise ResumeError(f"{path / TRAINER_STATE} was not written by this version of train.py; cannot resume it")
-    if optim and state.optim and optimizer_for(state.optim).class_path != optimizer_for(optim).class_path:
-        raise ResumeError(f"{path} holds the state of --optim {state.optim}, and this run's is --optim {optim}; resume "
-                          f"with --optim {state.optim}, or start a new run from that run's final/ with "
+    if not evaluating and this_run.optim and state.optim and \
+            optimizer_for(state.optim).class_path != optimizer_for(this_run.optim).class_path:
+        raise ResumeError(f"{path} holds the state of --optim {state.optim}, and this run's is --optim {this_run.optim}; "
+                          f"resume with --optim {state.optim}, or start a new run from that run's final/ with "
                           "--model_name_or_path (the optimizer state is not carried over)")
     if state.completed_steps >= max_steps:
         raise ResumeError(f"{path} is at step {state.completed_steps} and --max_steps is {max_steps}: nothing left "
                           "to train; raise --max_steps (the learning-rate schedule then stretches to the new length)")
-    if global_batch is not None and state.global_batch != global_batch:
+    if not evaluating and state.global_batch != this_run.global_batch:
         raise ResumeError(
-            f"{path} was trained with a global batch of {state.global_batch}, this run has {global_batch}; "
+            f"{path} was trained with a global batch of {state.global_batch}, this run has {this_run.global_batch}; "
             "keep per_device_train_batch_size x processes x gradient_accumulation_steps the same to resume")
-    if state.layout != (layout or {}):
+    if state.layout != this_run.layout:
         def shown(cut: dict[str, int]) -> str:
             return ", ".join(f"{key} {value}" for key, value in sorted(cut.items())) or "one whole model per process"
 
         raise ResumeError(f"{path} holds a model laid out as {shown(state.layout)} and this run lays it out as "
-                          f"{shown(layout or {})}; resume with the flags that laid it out so, or start a new run from "
-                          "that run's final/ with --model_name_or_path (the optimizer state is not carried over)")
-    if description is not None:
-        check_same_model(path, state.model, description, allowed_changes)
+                          f"{shown(this_run.layout)}; resume with the flags that laid it out so, or start a new run "
+                          "from that run's final/ with --model_name_or_path (the optimizer state is not carried over)")
+    check_same_model(path, state.model, this_run.model, allowed_changes,
+                     None if this_run.layout else shapes_differ(path, accelerator, model))  # (stages hold some)
+    if not evaluating:
+        check_changes(path, state, this_run)
     if (path / DEEPSPEED_DIR).is_dir() and state.num_processes != accelerator.num_processes:
         raise ResumeError(
             f"{path} is a DeepSpeed checkpoint of {state.num_processes} processes; DeepSpeed cannot resume it on "
@@ -187,17 +265,20 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int | No
             f"`python {path}/zero_to_fp32.py {path} <out_dir> --safe_serialization`, copy config.json and the "
             "tokenizer files from final/ into <out_dir>, and start a new run from --model_name_or_path <out_dir> "
             "(the optimizer state is not carried over)")
-    verify_checkpoint(accelerator, path)
+    unlisted = verify_checkpoint(accelerator, path, unchecked)
+    rates = this_runs_rates(scheduler)  # accelerate's load_state restores the checkpoint's: this run's are honoured
     try:
         with contextlib.ExitStack() as loading:
+            readable = loading.enter_context(listed_only(path, unlisted))
             # the parts' (parts/safe_loading: unpickling on an allow-list)
-            for context in parts().loading_checkpoint(CheckpointLoad(path, (path / DEEPSPEED_DIR).is_dir())):
+            for context in parts().loading_checkpoint(CheckpointLoad(readable, (path / DEEPSPEED_DIR).is_dir())):
                 loading.enter_context(context)
             with without_model_and_optimizer(accelerator, emptied=(path / MODEL_STATE).is_dir()):
-                accelerator.load_state(str(path))
+                accelerator.load_state(str(readable))
+            restore_rates(scheduler, rates)
             if runner is not None:
-                runner.load(model, optimizer, scheduler, path)
-            parts().load_state(CheckpointFiles(accelerator, path))  # the parts' own
+                runner.load(model, optimizer, scheduler, readable)
+            parts().load_state(CheckpointFiles(accelerator, readable))  # the parts' own
     except pickle.UnpicklingError:
         raise ResumeError(f"{path} holds pickled objects that are not plain tensors or data; refused to load them, "
                           "as unpickling can run code. Resume only checkpoints this template wrote") from None
@@ -209,14 +290,14 @@ def load_checkpoint(accelerator: Accelerator, path: Path, global_batch: int | No
 
 def resume(accelerator: Accelerator, path: Path, this_run: TrainerState, max_steps: int, seed: int,
            runner: ModelRunner, model, optimizer, scheduler, output_dir: str,
-           allowed_changes: str | None = None, evaluating: bool = False) -> TrainerState:
+           allowed_changes: str | None = None, unchecked: bool = False, evaluating: bool = False) -> TrainerState:
     """Restore `path` into this run (`this_run`: its fresh state), on every rank; the state to continue from. The
     generators are reseeded where the process count changed, and metrics.jsonl keeps only what was logged up to the
-    checkpoint's step (the trackers' own purge: `tracker_purge_step`). `evaluating` (--do_train false): no steps left
-    to train, nor the global batch that trained it, are needed."""
-    state = load_checkpoint(accelerator, path, None if evaluating else this_run.global_batch,
-                            math.inf if evaluating else max_steps, this_run.layout, runner, model,
-                            optimizer, scheduler, this_run.optim, this_run.model, allowed_changes)
+    checkpoint's step (the trackers' own purge: `tracker_purge_step`). `unchecked`: --resume_unchecked. `evaluating`
+    (--do_train false): no steps left to train, nor the global batch, optimizer and flags that trained it, are
+    needed."""
+    state = load_checkpoint(accelerator, path, this_run, math.inf if evaluating else max_steps, runner, model,
+                            optimizer, scheduler, allowed_changes, unchecked, evaluating)
     reseeded = ""
     if state.num_processes != this_run.num_processes:  # a rank's saved generators have no counterpart now
         set_seed(seed + state.completed_steps)  # alike on every rank, as a fresh start seeds them
@@ -225,8 +306,9 @@ def resume(accelerator: Accelerator, path: Path, this_run: TrainerState, max_ste
         saved_on = f"{state.num_processes} process{'es' if state.num_processes > 1 else ''}"
         logger.info(f"resuming a {state.strategy or 'older'} checkpoint of {saved_on} under {this_run.strategy} with "
                     f"{this_run.num_processes}{reseeded}", main_process_only=True)
-    state.num_processes, state.strategy, state.optim, state.model = (this_run.num_processes, this_run.strategy,
-                                                                     this_run.optim, this_run.model)
+    state.num_processes, state.strategy, state.optim, state.model, state.flags, state.optimizer_groups = (
+        this_run.num_processes, this_run.strategy, this_run.optim, this_run.model, this_run.flags,
+        this_run.optimizer_groups)
     if accelerator.is_main_process:
         keep_metrics_until(output_dir, state.completed_steps)
     logger.info(f"resumed from {path} at step {state.completed_steps}", main_process_only=True)

@@ -61,7 +61,9 @@ def save_checkpoint(accelerator: Accelerator, runner: ModelRunner, model: torch.
     sha256 = hash_checkpoint(accelerator, staging, hashed)
     if accelerator.is_main_process:
         write_manifest(staging, state.run_id, state.completed_steps, sha256, tensor_records(staging / MODEL_STATE))
-        if path.exists():  # the same step saved before, e.g. by the run this one resumed
+        if path.is_symlink():  # a link put there by hand: replaced, what it points to kept
+            path.unlink()
+        elif path.exists():  # the same step saved before, e.g. by the run this one resumed
             shutil.rmtree(path)
         staging.rename(path)
         if save_total_limit:

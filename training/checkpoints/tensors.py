@@ -359,3 +359,4 @@ def set_next_rate(optimizer: torch.optim.Optimizer, scheduler) -> None:
         rates = scheduler.get_last_lr()
     for group, rate in zip(optimizer.param_groups, rates):
         group["lr"] = rate
+    scheduler._last_lr = list(rates)  # what get_last_lr() reports (the checkpoint's otherwise, at another rate)
