@@ -60,8 +60,7 @@ def worker(argv: list[str]) -> None:
         accelerator.load_state(str(path))
 
     def template_load(path: Path) -> None:
-        load_checkpoint(accelerator, path, state.global_batch, run.max_steps, state.layout, run.runner, run.model,
-                        run.optimizer, run.scheduler, run.args.optim)
+        load_checkpoint(accelerator, path, state, run.max_steps, run.runner, run.model, run.optimizer, run.scheduler)
 
     formats = {"native": (native_save, native_load), "template": (template_save, template_load)}
     seconds, sizes = {f"{name} {what}": [] for name in formats for what in ("save", "load")}, {}

@@ -196,6 +196,19 @@ def tiny_resnet() -> torch.nn.Module:
                                                      layer_type="basic", num_labels=2))
 
 
+def nudged_copy(model_dir: Path, directory: Path) -> Path:
+    """`model_dir` copied to `directory` with one weight moved: the same configuration and tokenizer, other weights
+    (a frozen model a resume must not take for the one its checkpoint was trained against)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(model_dir, directory)
+    weights = load_file(directory / "model.safetensors")
+    first = sorted(weights)[0]
+    weights[first] = weights[first] + 0.01
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
 def assert_same_final_weights(expected: Path, actual: Path, atol: float, weights: str = "model.safetensors") -> None:
     """Both runs exported the same tensors to final/`weights`, to within `atol`."""
     want, got = (load_file(run / "final" / weights) for run in (expected, actual))

@@ -37,7 +37,7 @@ def test_defaults_then_recipe_then_command_line(tmp_path) -> None:
         (None, ["--max_steps", "0"], "nothing to train"),
         (None, ["--do_train", "false", "--eval_strategy", "no"], "--do_train false evaluates only, and --eval_strategy no"),
         (None, ["--validation_file", "v.txt"], "--validation_file needs --train_file"),
-        ("model_config: gpt-9\n", [], "unknown model_config 'gpt-9'"),
+        ("model_config: gpt-9\n", [], "argument --model_config/--model-config: invalid choice: 'gpt-9'"),
         (None, ["--learning_rat", "1e-3"], "unknown key 'learning_rat' in the command line; did you mean 'learning_rate'"),
         (None, ["--bf16"], "'bf16' in the command line is a launcher setting here: accelerate launch --mixed_precision bf16"),
         (None, ["--fp16"], "launcher setting here: accelerate launch --mixed_precision fp16"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -223,15 +224,15 @@ def test_a_checkpoint_this_run_cannot_continue_is_refused_in_one_line(this_run, 
         load_checkpoint(None, tmp_path, TrainerState(**this_run), max_steps=4)
 
 
-def stamped_checkpoint(root, run_id: str, step: int, seed: int):
+def stamped_checkpoint(root, run_id: str, step: int, seed: int, parent: Path | None = None):
     """A checkpoint as train.py writes one (its model state stamped with its run and step, an accelerate file, the
-    manifest), of `WhatUsersKeep` trained from `seed`."""
+    manifest), of `WhatUsersKeep` trained from `seed`, in `parent` (default: root/run_id)."""
     from accelerate import Accelerator
 
     model, optimizer = small_model_and_optimizer(root, "adamw_torch", seed)
     model(torch.randn(3, 13)).square().sum().backward()
     optimizer.step()
-    checkpoint = root / run_id / f"step_{step}"
+    checkpoint = (parent or root / run_id) / f"step_{step}"
     save_model_state(Accelerator(cpu=True), model, optimizer, checkpoint / "model_state",
                      {"run_id": run_id, "step": str(step)})
     torch.save({"seed": seed, "python": list(range(seed, seed + 50))}, checkpoint / "random_states_0.pkl")
@@ -360,3 +361,143 @@ def test_an_adapters_settings_are_part_of_its_model() -> None:
     assert adapted(16)["adapter"]["target_modules"] == ["o_proj", "q_proj", "v_proj"]
     with pytest.raises(ResumeError, match=r"configured otherwise: lora_alpha \(16 -> 32\)"):
         check_same_model(Path("step_4"), adapted(16), adapted(32), None)
+
+
+def manifest_of(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / "manifest.json").read_text())
+
+
+def deleted(checkpoint: Path, foreign: Path) -> None:
+    (checkpoint / "manifest.json").unlink()
+
+
+def emptied(checkpoint: Path, foreign: Path) -> None:
+    (checkpoint / "manifest.json").write_text("{}")
+
+
+def sizes_only(checkpoint: Path, foreign: Path) -> None:
+    """As checkpoints before 2026-12-04 wrote it: each file's size, no checksum."""
+    (checkpoint / "manifest.json").write_text(json.dumps({name: entry["bytes"] for name, entry in
+                                                          manifest_of(checkpoint)["files"].items()}))
+
+
+def checksum_dropped(checkpoint: Path, foreign: Path) -> None:
+    manifest = manifest_of(checkpoint)
+    del manifest["files"]["random_states_0.pkl"]["sha256"]
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+def edited_for_a_foreign_file(checkpoint: Path, foreign: Path) -> None:
+    """Another run's rank file copied in, and the manifest's size and SHA-256 edited to match it: only what the file
+    says of itself tells."""
+    name = "model_state/rank0.safetensors"
+    shutil.copy(foreign / name, checkpoint / name)
+    manifest = manifest_of(checkpoint)
+    manifest["files"][name] |= {"bytes": (checkpoint / name).stat().st_size, "sha256": file_sha256(checkpoint / name)}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+# a manifest deleted, emptied, of the older formats, or edited to pass a foreign file: (the refusal, whether
+# --resume_unchecked resumes it)
+MANIFEST_TWINS = {
+    "deleted": (deleted, r"has no manifest.json, so nothing proves its files whole and of one run; resume a checkpoint "
+                         r"saved with its manifest, or this one unchecked on purpose with --resume_unchecked", True),
+    "emptied": (emptied, r"manifest.json does not list trainer_state.json, which every save lists: it is damaged or "
+                         r"edited; resume an earlier checkpoint, or this one unchecked on purpose with "
+                         r"--resume_unchecked", True),
+    "sizes only": (sizes_only, r"manifest.json lists \S+ without a SHA-256 \(a checkpoint saved before 2026-12-04, or an "
+                               r"edited manifest\), so its bytes cannot be checked; resume it unchecked on purpose with "
+                               r"--resume_unchecked", True),
+    "a checksum dropped": (checksum_dropped, r"manifest.json lists random_states_0.pkl without a SHA-256", True),
+    "edited for a foreign file": (edited_for_a_foreign_file, r"model_state/rank0.safetensors belongs to run run-b, this "
+                                                             r"checkpoint to run run-a", False),
+}
+
+
+@pytest.mark.parametrize("twin", MANIFEST_TWINS)
+def test_a_checkpoint_cannot_vouch_for_itself_with_a_manifest_missing_emptied_or_edited(twin, tmp_path) -> None:
+    """A checkpoint copied without its manifest, with one byte of a rank file flipped, resumed with exit 0 on damaged
+    weights; a manifest edited to match another run's file passed it (issue 69). --resume_unchecked resumes what
+    cannot be proven on purpose; a file that says it is another run's, never."""
+    checkpoint = stamped_checkpoint(tmp_path, "run-a", 2, seed=0)
+    foreign = stamped_checkpoint(tmp_path, "run-b", 2, seed=1)
+    damage, message, unchecked_resumes = MANIFEST_TWINS[twin]
+    damage(checkpoint, foreign)
+    if twin == "deleted":  # and a byte flipped, which nothing can tell now
+        zeroed_in_place(checkpoint / "model_state" / "rank0.safetensors", {})
+    with pytest.raises(ResumeError, match=message):
+        verify_checkpoint(None, checkpoint)
+    if unchecked_resumes:
+        assert verify_checkpoint(None, checkpoint, unchecked=True) == []
+    else:
+        with pytest.raises(ResumeError, match=message):
+            verify_checkpoint(None, checkpoint, unchecked=True)
+        with pytest.raises(ResumeError, match=message):  # before the process group too: the file's stamp is its header
+            require_complete_checkpoint(checkpoint)
+
+
+def test_only_what_the_manifest_lists_is_read(tmp_path) -> None:
+    """Another run's ema/ copied into a checkpoint saved without one was loaded by --ema_decay (issue 69): a file the
+    manifest does not list is named in a warning and hidden from every reader; the listed ones read as they are."""
+    from accelerate import PartialState
+
+    from training.checkpoints.resume import listed_only
+
+    PartialState()
+    checkpoint = stamped_checkpoint(tmp_path, "run-a", 2, seed=0)
+    foreign = stamped_checkpoint(tmp_path, "run-b", 2, seed=1)
+    shutil.copytree(foreign / "model_state", checkpoint / "ema")
+    unlisted = verify_checkpoint(None, checkpoint)
+    assert unlisted == ["ema/rank0.safetensors"]
+    with listed_only(checkpoint, unlisted) as readable:
+        assert readable.name == "step_2" and not (readable / "ema").exists()
+        assert sorted(str(path.relative_to(readable)) for path in readable.rglob("*") if path.is_file()) == \
+            sorted([*manifest_of(checkpoint)["files"], "manifest.json"])
+        assert (readable / "model_state" / "rank0.safetensors").read_bytes() == \
+            (checkpoint / "model_state" / "rank0.safetensors").read_bytes()
+    assert not readable.exists()
+    with listed_only(checkpoint, []) as readable:
+        assert readable == checkpoint
+
+
+def test_a_symlinked_or_misnamed_step_and_a_damaged_state_are_refused_before_training(tmp_path) -> None:
+    """`ln -s step_4 step_6` resumed 'from step_6 at step 4' and died at the step-6 save (rmtree on a link), after the
+    work; a truncated trainer_state.json under `latest` read as 'checkpoints of 2 runs' (issue 69)."""
+    output = tmp_path / "out"
+    checkpoint = stamped_checkpoint(tmp_path, "run", 4, seed=0, parent=output / "checkpoints")
+    (output / "checkpoints" / "step_6").symlink_to(checkpoint, target_is_directory=True)
+    with pytest.raises(ResumeError, match=r"step_6 is a symbolic link \(to .*step_4\); resume the checkpoint by its own "
+                                          "path, and delete the link"):
+        parse_args(["--output_dir", str(output), "--resume_from_checkpoint", "latest"])
+    (output / "checkpoints" / "step_6").unlink()
+    shutil.copytree(checkpoint, output / "checkpoints" / "step_6")
+    with pytest.raises(ResumeError, match=r"step_6 is named for step 6 and holds step 4 \(renamed or copied by hand\); "
+                                          "rename it step_4, or resume the checkpoint of step 6"):
+        parse_args(["--output_dir", str(output), "--resume_from_checkpoint", "latest"])
+    shutil.rmtree(output / "checkpoints" / "step_6")
+    state = checkpoint / TRAINER_STATE
+    state.write_text(state.read_text()[:20])
+    with pytest.raises(ResumeError, match=rf"{state} is damaged \(.*\), so 'latest' cannot tell which run it belongs to; "
+                                          f"move {checkpoint} elsewhere"):
+        parse_args(["--output_dir", str(output), "--resume_from_checkpoint", "latest"])
+    with pytest.raises(ResumeError, match=rf"{state} is damaged \(.*\); resume an earlier checkpoint"):
+        parse_args(["--output_dir", str(tmp_path / "other"), "--resume_from_checkpoint", str(checkpoint)])
+
+
+def test_a_save_over_a_link_replaces_the_link_and_keeps_what_it_points_to(tmp_path) -> None:
+    """A link put where a save goes (step_6 -> step_4) made the save's rmtree fail after the run's work (issue 69)."""
+    from accelerate import Accelerator
+
+    from training.checkpoints.save import save_checkpoint
+    from training.runner import ModelRunner
+
+    output = tmp_path / "out"
+    checkpoint = stamped_checkpoint(tmp_path, "run", 4, seed=0, parent=output / "checkpoints")
+    (output / "checkpoints" / "step_6").symlink_to(checkpoint, target_is_directory=True)
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = small_model_and_optimizer(tmp_path / "flags", "adamw_torch", 0)
+    saved = save_checkpoint(accelerator, ModelRunner(accelerator), model, optimizer, str(output),
+                            TrainerState(completed_steps=6, run_id="run", num_processes=1), None)
+    assert not saved.is_symlink() and json.loads((saved / TRAINER_STATE).read_text())["completed_steps"] == 6
+    assert json.loads((checkpoint / TRAINER_STATE).read_text())["completed_steps"] == 4
+    verify_checkpoint(None, saved)

@@ -22,7 +22,10 @@ from tests.harness import (
     TINY_RUN,
     assert_continues_exactly,
     assert_same_final_weights,
+    bad_input_errors,
     flag_refusal,
+    launch,
+    nudged_copy,
     read_metrics,
     train,
 )
@@ -173,3 +176,16 @@ def test_a_distilled_run_resumes_exactly_under_zero3(distilled_run, tied_base_mo
                    "--resume_from_checkpoint", "latest")
     assert f"at step {RESUME_STEP}" in result.stderr
     assert_continues_exactly(full, tmp_path, RESUME_STEP, last_step=STEPS)
+
+
+def test_a_resume_from_another_teacher_is_refused_in_one_line(distilled_run, tied_base_model, tmp_path) -> None:
+    """A checkpoint records its teacher (teacher_model.json: source, configuration, weights' SHA-256): another
+    teacher of the same config would silently change the loss (issue 69)."""
+    checkpoint = distilled_run("deepspeed_zero3") / "checkpoints" / f"step_{RESUME_STEP}"
+    other = nudged_copy(tied_base_model, tmp_path / "other")
+    result = launch("deepspeed_zero3", "train.py", *TINY_RUN, "--output_dir", str(tmp_path / "out"),
+                    *student_args("deepspeed_zero3"), *teacher_args(other), "--resume_from_checkpoint", str(checkpoint))
+    errors = bad_input_errors(result)
+    assert errors == [f"error: {checkpoint} was trained against another teacher model {tied_base_model} -> {other} "
+                      f"(its weights differ); resume with --teacher_model_name_or_path {tied_base_model}, or name the "
+                      "change on purpose: --allow_config_changes teacher_model"], errors

@@ -19,7 +19,18 @@ from parts.dpo.loss import answer_log_probs, dpo_loss
 from parts.dpo.reference import TABLE_FILE
 from parts.dpo.task import FIGURES, PairCollator, check_pair, pair_sums, tokenize_pairs
 from scripts.compare_metrics import compare, worst_difference
-from tests.harness import REPO, TINY_RUN, assert_continues_exactly, flag_refusal, read_metrics, train, with_processes
+from tests.harness import (
+    REPO,
+    TINY_RUN,
+    assert_continues_exactly,
+    bad_input_errors,
+    flag_refusal,
+    launch,
+    nudged_copy,
+    read_metrics,
+    train,
+    with_processes,
+)
 from training.arguments import parse_args
 
 pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
@@ -276,6 +287,21 @@ def test_a_run_resumed_from_a_mid_run_checkpoint_continues_exactly(tuned, cached
     expected, actual = ({m["step"]: m["rewards/accuracies"] for m in read_metrics(r) if "rewards/accuracies" in m}
                         for r in (uninterrupted, tmp_path / "resumed"))
     assert all(actual[step] == pytest.approx(expected[step], abs=1e-6) for step in range(RESUME_STEP + 1, STEPS + 1))
+
+
+def test_a_resume_against_another_reference_is_refused_in_one_line(tuned, base_model, tmp_path) -> None:
+    """Resumed with another --model_name_or_path of the same config, DPO continued against another reference, with no
+    line (issue 69): the checkpoint records its reference (reference_model.json), and another one is refused."""
+    checkpoint = tuned("ddp") / "checkpoints" / f"step_{RESUME_STEP}"
+    recorded = json.loads((checkpoint / "reference_model.json").read_text())
+    assert recorded["source"] == str(base_model) and len(recorded["weights"]) == 64
+    other = nudged_copy(base_model, tmp_path / "other")
+    result = launch("ddp", "train.py", *TINY_RUN, "--output_dir", str(tmp_path / "out"),
+                    *dpo_args("ddp", other), "--resume_from_checkpoint", str(checkpoint))
+    errors = bad_input_errors(result)
+    assert errors == [f"error: {checkpoint} was trained against another reference model {base_model} -> {other} (its "
+                      f"weights differ); resume with --model_name_or_path {base_model}, or name the change on purpose: "
+                      "--allow_config_changes reference_model"], errors
 
 
 def test_precomputed_reference_scores_train_what_the_live_reference_trains_and_resume_with_them(

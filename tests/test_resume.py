@@ -3,6 +3,7 @@ is restarted by torchrun and the run ends as if it had not crashed; a non-finite
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -36,7 +37,7 @@ from tests.harness import (
     train,
     wait_for,
 )
-from training.checkpoints.files import complete_checkpoints
+from training.checkpoints.files import complete_checkpoints, file_sha256
 from training.checkpoints.tensors import MODEL_STATE
 from training.parts import installed
 
@@ -74,6 +75,23 @@ def of_another_run(file: Path, runs: Callable[[str], Path]) -> None:
     shutil.copy(runs("another") / "checkpoints" / "step_6" / MODEL_STATE / file.name, file)
 
 
+def manifest_deleted(file: Path, runs: Callable[[str], Path]) -> None:
+    (file.parents[1] / "manifest.json").unlink()
+
+
+def manifest_emptied(file: Path, runs: Callable[[str], Path]) -> None:
+    (file.parents[1] / "manifest.json").write_text("{}")
+
+
+def of_another_run_manifest_edited(file: Path, runs: Callable[[str], Path]) -> None:
+    """Another run's rank file, and the manifest's size and SHA-256 of it edited to match: only the file's own stamp
+    tells."""
+    of_another_run(file, runs)
+    manifest = json.loads((file.parents[1] / "manifest.json").read_text())
+    manifest["files"][f"{MODEL_STATE}/{file.name}"] |= {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
+    (file.parents[1] / "manifest.json").write_text(json.dumps(manifest))
+
+
 # What a resume refuses in one line on every rank, nothing trained: damage the size shows (before the process group),
 # a rank file of another run or step that only its bytes show (FSDP2's shards of one model are the same size in every
 # checkpoint: each rank checks its share of the files after `prepare`), another model of the same shapes (an
@@ -88,6 +106,15 @@ REFUSED = {
                                           "/model_state/rank1.safetensors was saved at step 4, this checkpoint at step 8"),
     "fsdp, rank1.safetensors of another run": ("fsdp-2x2x2", "rank1.safetensors", of_another_run, (),
                                                "/model_state/rank1.safetensors belongs to run "),
+    "zero3, manifest.json deleted": ("zero3-2x4x1", "rank0.safetensors", manifest_deleted, (),
+                                     " has no manifest.json, so nothing proves its files whole and of one run; resume a "
+                                     "checkpoint saved with its manifest, or this one unchecked on purpose with "
+                                     "--resume_unchecked"),
+    "zero3, rank1.safetensors of another run, the manifest edited to match": (
+        "zero3-2x4x1", "rank1.safetensors", of_another_run_manifest_edited, (),
+        "/model_state/rank1.safetensors belongs to run "),
+    "fsdp, manifest.json emptied": ("fsdp-2x2x2", "rank0.safetensors", manifest_emptied, (),
+                                    "/manifest.json does not list trainer_state.json, which every save lists"),
     "fsdp, another activation and norm epsilon": (
         "fsdp-2x2x2", None, None, ("--config_overrides", "hidden_act=gelu,rms_norm_eps=0.1"),
         " holds a model configured otherwise: hidden_act ('silu' -> 'gelu'), rms_norm_eps (1e-06 -> 0.1); resume with "
@@ -106,7 +133,8 @@ def test_a_checkpoint_damaged_of_another_step_or_model_stops_every_rank_in_one_l
     run, copy = split_run(name), tmp_path / "checkpoints" / f"step_{RESUME_STEP}"
     shutil.copytree(run / "checkpoints" / f"step_{RESUME_STEP}", copy)
     if damage:
-        damage(copy / MODEL_STATE / file, lambda which: run if which == "this" else strategy_run("fsdp"))
+        foreign = "deepspeed_zero3" if name.startswith("zero3") else "fsdp"  # (the suite's parity run of that config)
+        damage(copy / MODEL_STATE / file, lambda which: run if which == "this" else strategy_run(foreign))
     result = launch(SPLITS[name][0], "train.py", *TINY_RUN, "--output_dir", str(tmp_path), *split_run_args(uneven_data, name),
                     *flags, "--resume_from_checkpoint", "latest")
     errors = bad_input_errors(result)

@@ -111,6 +111,40 @@ def test_every_character_of_the_answer_is_scored_wherever_the_prompt_ends(tokeni
     assert pieces["shared"] == [True]
 
 
+def byte_level_tokenizer(trim_offsets: bool):
+    """A byte-level BPE as GPT-2 and RoBERTa build theirs, trained here on a few sentences, with or without
+    `trim_offsets` (whose offsets leave out the whitespace a token holds)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([*WRITTEN_AS_USERS_WRITE, *SPACED] * 20, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend.post_processor = processors.ByteLevel(trim_offsets=trim_offsets)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+
+
+SPACED = ["Q:  12 +  34 =  46 .", "a  b", "Say  yes :   yes"]  # lone and doubled spaces, which trimming drops
+
+
+def test_trimmed_offsets_of_a_byte_level_tokenizer_mask_what_untrimmed_ones_mask() -> None:
+    """With `trim_offsets`, a prompt's lone space read (5, 5) and was scored as the answer's, and " 46" read (5, 7) and
+    was not counted as shared (issue 69). Every cut of every text: the labels and the shared flag are those of the same
+    tokenizer without trimming, whose offsets hold each token's whitespace."""
+    trimming, untrimmed = byte_level_tokenizer(True), byte_level_tokenizer(False)
+    for text in [*WRITTEN_AS_USERS_WRITE, *SPACED]:
+        for cut in range(1, len(text)):
+            batch = {"prompt": [text[:cut]], "completion": [text[cut:]]}
+            got, truth = (tokenize_conversations(batch, tokenizer, "prompt-completion", True, max_length=1000,
+                                                 truncation_mode="keep_start") for tokenizer in (trimming, untrimmed))
+            assert (got["labels"], got["shared"]) == (truth["labels"], truth["shared"]), batch
+            offsets = untrimmed(text + "<|endoftext|>", return_offsets_mapping=True)["offset_mapping"]
+            scored = [(begin, end) for (begin, end), label in zip(offsets, truth["labels"][0]) if label != IGNORE_INDEX]
+            assert all(end > cut for _, end in scored) and truth["shared"] == [any(b < cut < e for b, e in offsets)]
+
+
 # Hub-style templates without {% generation %} markers: a BOS and a default system prompt written by the
 # template (Llama 3 style), and EOS closing the conversation where the next turn would follow (Phi-3 style).
 HUB_TEMPLATES = {

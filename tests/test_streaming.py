@@ -172,6 +172,9 @@ REFUSED = {  # flags -> what the one line says
     "epochs": (["--streaming", "--max_steps", "5", "--save_strategy", "epoch"], "use steps with --streaming"),
     "unbounded eval": (["--streaming", "--max_steps", "5", "--max_eval_samples", None], "add --max_eval_samples N"),
     "buffer without stream": (["--shuffle_buffer_size", "8"], "--shuffle_buffer_size is for --streaming"),
+    # given at its default it is given all the same (issue 69: 1000 passed, 999 was refused)
+    "default buffer without stream": (["--shuffle_buffer_size", "1000"], "--shuffle_buffer_size is for --streaming"),
+    "bad shards without stream": (["--skip_bad_shards"], "--skip_bad_shards is for --streaming"),
     "stream of shards": (["--streaming", "--max_steps", "5", "--dataset_path", "x"],
                          "--dataset_path with --streaming is not supported: give one source of training text"),
     "image task": pytest.param(["--task", "image-classification", "--model_config", "resnet-tiny", "--streaming"],

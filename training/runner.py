@@ -63,11 +63,14 @@ class ModelRunner:
 
     def load(self, model: torch.nn.Module, optimizer, scheduler, directory: Path) -> None:
         """Every rank: the weights and optimizer state from the checkpoint a run resumes, however it was laid out
-        (a checkpoint before model_state/ was loaded whole by accelerate's `load_state`)."""
+        (a checkpoint before model_state/ was loaded whole by accelerate's `load_state`); `optimizer` None: the
+        weights alone (an evaluation, under any --optim)."""
         if (directory / MODEL_STATE).is_dir():
-            base = base_optimizer(optimizer)  # (made and linked once: ZeRO's state, training/checkpoints/tensors.py)
+            # (made and linked once: ZeRO's state, training/checkpoints/tensors.py)
+            base = base_optimizer(optimizer) if optimizer is not None else None
             load_model_state(self.accelerator, model, base, directory)
-            set_next_rate(base, getattr(scheduler, "scheduler", scheduler))
+            if base is not None:
+                set_next_rate(base, getattr(scheduler, "scheduler", scheduler))
 
     def export(self, model: torch.nn.Module, task: Task, final_dir: Path) -> Path:
         """Every rank: the whole model in `final_dir`, as `transformers` (or, for a plain module, `load_plain_model`)

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 
 from parts.pipeline.layout import SCHEDULES, stage_count
 from parts.pipeline.stages import split_into_stages
+from training.checkpoints.tensors import set_next_rate
 from training.loss import IGNORE_INDEX
 from training.runner import ModelRunner
 
@@ -237,12 +238,16 @@ class StageModules(nn.ModuleList, ModelRunner):
         torch.save(self.optimizer.state_dict(), directory / STAGE_OPTIMIZER.format(rank=self.stage_rank))
 
     def load(self, model: nn.Module, optimizer, scheduler, directory: Path) -> None:
-        """Every replica restores its stages' weights and optimizer state."""
+        """Every replica restores its stages' weights and (`optimizer` None: an evaluation, not) their optimizer
+        state, under this run's settings (its groups' rates, decay, betas), at the rate of the step to come."""
         for stage, index in zip(self, self.indices):
             saved = load_file(directory / STAGE_WEIGHTS.format(index=index))
             stage.load_state_dict({name: saved[stage.full_name(name)] for name in stage.state_dict()})
-        self.optimizer.load_state_dict(torch.load(directory / STAGE_OPTIMIZER.format(rank=self.stage_rank),
-                                                  weights_only=True))
+        if optimizer is None:
+            return
+        saved = torch.load(directory / STAGE_OPTIMIZER.format(rank=self.stage_rank), weights_only=True)
+        self.optimizer.load_state_dict(saved | {"param_groups": self.optimizer.state_dict()["param_groups"]})
+        set_next_rate(self.optimizer, getattr(scheduler, "scheduler", scheduler))
 
     def export(self, model: nn.Module, task, final_dir: Path) -> Path:
         """The whole model in `final_dir` as `transformers` saves it: every stage's weights gathered to rank 0."""

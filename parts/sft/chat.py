@@ -133,12 +133,37 @@ def tokenize_with_mask(
     it), -100 elsewhere; and whether such a shared token was found. A template writes its own special tokens (BOS);
     plain text gets the tokenizer's."""
     encoded = tokenizer(text, add_special_tokens=plain_text, return_offsets_mapping=True)
+    offsets = encoded["offset_mapping"]
+    if trims_offsets(tokenizer):
+        offsets = untrimmed(text, offsets)
     labels, shared = [], False
-    for token, (begin, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+    for token, (begin, end) in zip(encoded["input_ids"], offsets):
         straddles = any(begin < start < end for start, _ in spans)
         shared |= straddles
         labels.append(token if straddles or any(start <= begin < stop for start, stop in spans) else IGNORE_INDEX)
     return encoded["input_ids"], labels, shared
+
+
+def trims_offsets(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's offsets leave out whitespace its tokens hold (a byte-level BPE's `trim_offsets`)."""
+    from tokenizers import processors
+
+    processor = getattr(getattr(tokenizer, "backend_tokenizer", None), "post_processor", None)
+    members = list(processor) if isinstance(processor, processors.Sequence) else [processor]
+    return any(getattr(member, "trim_offsets", False) for member in members)
+
+
+def untrimmed(text: str, offsets: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Trimmed offsets with the whitespace given back to the token that holds it: a byte-level token begins where the
+    one before it ended, where only whitespace lies between (trimmed, a lone space of a prompt's end, (4, 5), reads
+    (5, 5) and would be the answer's; " 46", (4, 7), reads (5, 7) and would not be seen to straddle the two)."""
+    given_back, end = [], 0
+    for begin, stop in offsets:
+        if end <= begin and text[end:begin].isspace():
+            begin = end
+        given_back.append((begin, stop))
+        end = max(end, stop)
+    return given_back
 
 
 def shared_tokens(examples: int) -> str:

@@ -61,7 +61,9 @@ def check_frozen_identity(directory: Path, role: str, identity: dict[str, Any], 
             logger.warning(f"{role.replace('_', ' ')}: {saved.get('source')} -> {identity['source']}, the same weights "
                            "and configuration", main_process_only=True)
         return
-    what = f"{role.replace('_', ' ')} {saved.get('source')} -> {identity['source']} (its {' and '.join(differ)} differ)"
+    named = " and ".join({"weights": "weights", "config": "configuration"}[key] for key in differ)
+    what = (f"{role.replace('_', ' ')} {saved.get('source')} -> {identity['source']} (its {named} "
+            f"{'differ' if 'weights' in differ else 'differs'})")
     if role in {name.strip() for name in (allowed or "").split(",")}:
         logger.warning(f"resuming with another {what} (--allow_config_changes {role})", main_process_only=True)
         return

@@ -115,10 +115,11 @@ def config_differences(saved: dict[str, Any], this_run: dict[str, Any]) -> dict[
 
 
 def check_same_model(path: Path, saved: dict[str, Any], this_run: dict[str, Any], allowed: str | None,
-                     other_shapes: str | None = None) -> None:
+                     other_shapes: str | None = None, trained_with: str = "") -> None:
     """Refuse a checkpoint of another model (another activation, norm epsilon, RoPE theta...: the same shapes load
     and train silently otherwise), unless `allowed` (--allow_config_changes) names each differing field; where the
-    tensors' shapes differ too (`other_shapes`: the first, `shapes_differ`), no field may change. Compared: what the
+    tensors' shapes differ too (`other_shapes`: the first, `shapes_differ`), no field may change (`trained_with`: the
+    model flags the checkpoint's run gave, named in the line). Compared: what the
     model computes (its config less how it was named and run, an adapter's settings, a plain module's arguments), not
     the task's data settings (a block size: logged by `check_changes`)."""
     saved, this_run = ({section: values for section, values in described.items() if section != "settings"}
@@ -127,7 +128,8 @@ def check_same_model(path: Path, saved: dict[str, Any], this_run: dict[str, Any]
         differing = ", ".join(f"{field} ({old!r} -> {new!r})" for (_, field), (old, new) in
                               list(config_differences(saved, this_run).items())[:4])
         raise ResumeError(f"{path} holds another model ({other_shapes}{'; ' + differing if differing else ''}); use "
-                          "the --model_config, --config_overrides or --model_name_or_path it was trained with")
+                          f"the --model_config, --config_overrides or --model_name_or_path it was trained with"
+                          f"{f' ({trained_with})' if trained_with else ''}")
     if not saved:  # (checkpoints before 2026-12-04 record none)
         return
     allowed_fields = {field.strip() for field in (allowed or "").split(",") if field.strip()}
@@ -177,9 +179,12 @@ def verify_checkpoint(accelerator: Accelerator | None, path: Path, unchecked: bo
     if listed is None and not unchecked:
         raise ResumeError(f"{path} has no {MANIFEST}, so nothing proves its files whole and of one run; resume a "
                           "checkpoint saved with its manifest, or this one unchecked on purpose with --resume_unchecked")
-    if listed is not None and TRAINER_STATE not in listed and not unchecked:  # (every save lists it: emptied, edited)
-        raise ResumeError(f"{path / MANIFEST} does not list {TRAINER_STATE}, which every save lists: it is damaged or "
-                          "edited; resume an earlier checkpoint, or this one unchecked on purpose with --resume_unchecked")
+    if listed is not None and TRAINER_STATE not in listed:  # (every save lists it: emptied, edited)
+        if not unchecked:
+            raise ResumeError(f"{path / MANIFEST} does not list {TRAINER_STATE}, which every save lists: it is damaged "
+                              "or edited; resume an earlier checkpoint, or this one unchecked on purpose with "
+                              "--resume_unchecked")
+        listed = None  # (unchecked: as a checkpoint without one)
     if unchecked and (listed is None or any("sha256" not in entry for entry in listed.values())):
         logger.warning(f"resuming {path} unchecked (--resume_unchecked): its files are not proven whole nor of one "
                        "run", main_process_only=True)
@@ -206,10 +211,8 @@ def listed_only(path: Path, unlisted: list[str]) -> Iterator[Path]:
     scratch = Path(tempfile.mkdtemp(prefix="listed-files-"))
     view = scratch / path.name  # (named as the checkpoint: messages name its step)
     try:
-        for name in manifest_files(path):
+        for name in [*manifest_files(path), MANIFEST]:
             (view / name).parent.mkdir(parents=True, exist_ok=True)
-            (view / name).symlink_to((path / name).resolve())
-        for name in (TRAINER_STATE, MANIFEST):
             (view / name).symlink_to((path / name).resolve())
         yield view
     finally:
@@ -254,8 +257,10 @@ def load_checkpoint(accelerator: Accelerator | None, path: Path, this_run: Train
         raise ResumeError(f"{path} holds a model laid out as {shown(state.layout)} and this run lays it out as "
                           f"{shown(this_run.layout)}; resume with the flags that laid it out so, or start a new run "
                           "from that run's final/ with --model_name_or_path (the optimizer state is not carried over)")
-    check_same_model(path, state.model, this_run.model, allowed_changes,
-                     None if this_run.layout else shapes_differ(path, accelerator, model))  # (stages hold some)
+    trained_with = " ".join(f"--{flag} {state.flags[flag]}" for flag in ("model_name_or_path", "model_config",
+                                                                          "config_overrides") if state.flags.get(flag))
+    check_same_model(path, state.model, this_run.model, allowed_changes,  # (a pipeline's stages hold some tensors)
+                     None if this_run.layout else shapes_differ(path, accelerator, model), trained_with)
     if not evaluating:
         check_changes(path, state, this_run)
     if (path / DEEPSPEED_DIR).is_dir() and state.num_processes != accelerator.num_processes:
@@ -277,7 +282,7 @@ def load_checkpoint(accelerator: Accelerator | None, path: Path, this_run: Train
                 accelerator.load_state(str(readable))
             restore_rates(scheduler, rates)
             if runner is not None:
-                runner.load(model, optimizer, scheduler, readable)
+                runner.load(model, None if evaluating else optimizer, scheduler, readable)
             parts().load_state(CheckpointFiles(accelerator, readable))  # the parts' own
     except pickle.UnpicklingError:
         raise ResumeError(f"{path} holds pickled objects that are not plain tensors or data; refused to load them, "

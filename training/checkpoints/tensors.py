@@ -127,7 +127,7 @@ def set_full_state(tensor: torch.Tensor, saved: TensorState, optimizer: torch.op
     if stepped_by_zero(tensor):
         if tensor.requires_grad and saved.elementwise:
             _set_zero_state(tensor, saved)
-        for stepped in optimizer.state.values():  # ZeRO steps flat partitions: one count for all
+        for stepped in optimizer.state.values() if saved.other else ():  # ZeRO steps flat partitions: one count
             for key, count in saved.other.items():
                 if key in stepped:
                     number = count.item() if torch.is_tensor(count) else count
@@ -328,10 +328,10 @@ class ModelState:
         return piece.view(dtype) if dtype in AS_BYTES and piece.dtype == torch.uint8 else piece
 
 
-def load_model_state(accelerator: Accelerator, model: torch.nn.Module, base: torch.optim.Optimizer,
+def load_model_state(accelerator: Accelerator, model: torch.nn.Module, base: torch.optim.Optimizer | None,
                      checkpoint: Path) -> None:
     """The checkpoint's `save_model_state` tensors into this run's model and optimizer (`base`: the one inside the
-    wrappers, `base_optimizer`), however they are laid out."""
+    wrappers, `base_optimizer`; None: the weights alone), however they are laid out."""
     tensors = model_tensors(bare_model(accelerator, model))
     with contextlib.ExitStack() as files:
         saved = ModelState(checkpoint, files)
@@ -346,8 +346,10 @@ def load_model_state(accelerator: Accelerator, model: torch.nn.Module, base: tor
             if saved.shapes[name] != (shape := whole_shape(tensor)):
                 raise ResumeError(f"{checkpoint} holds {name} of shape {saved.shapes[name]}, this model's is "
                                   f"{shape}; resume with the model it was trained with")
-            set_full_state(tensor, saved.whole(name), base, torch_states)
-        load_optimizer_states(base, torch_states)
+            whole = saved.whole(name)
+            set_full_state(tensor, whole if base is not None else TensorState(whole.value), base, torch_states)
+        if base is not None:
+            load_optimizer_states(base, torch_states)
 
 
 def set_next_rate(optimizer: torch.optim.Optimizer, scheduler) -> None:
