@@ -164,7 +164,7 @@ def shapes_differ(path: Path, accelerator: Accelerator | None, model: torch.nn.M
     for name in sorted(recorded.keys() | held.keys()):
         saved, here = recorded.get(name, {}).get("shape"), held.get(name)
         if saved != here:
-            return f"{name} of shape {saved if saved is not None else 'none'} there, {here if here is not None else 'none'} here"
+            return f"{name}: {saved if saved is not None else 'absent'} there, {here if here is not None else 'absent'} here"
     return None
 
 
