@@ -142,6 +142,10 @@ def test_a_run_that_only_evaluates_scores_a_checkpoint_or_a_model_under_any_conf
     (["--ema_decay", "0.9", "--ema_update_every", "0"], r"--ema_update_every >= 1"),
     (["--ema_decay", "0.9", "--ema_export", "--do_train", "false"], "--ema_export with --do_train false: an "
                                                                      "evaluation exports nothing"),
+    # (issue 69: reported eval_ema_* equal to the weights' own)
+    (["--ema_decay", "0.9", "--do_train", "false"], "--ema_decay with --do_train false evaluates the average a "
+                                                    "checkpoint holds, and a model holds none: give "
+                                                    "--resume_from_checkpoint"),
     pytest.param(["--ema_decay", "0.9", "--pipeline_parallel_size", "2"],
                  "--ema_decay 0.9 with --pipeline_parallel_size is not supported: pipeline stages keep no average", marks=pytest.mark.parts("pipeline")),
 ])
