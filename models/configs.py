@@ -51,8 +51,11 @@ def build_named_config(name: str, tokenizer: PreTrainedTokenizerBase, overrides:
     items = [item for item in overrides.split(",") if item.strip()]
     nested = [item for item in items if "." in item.split("=", 1)[0]]
     try:
-        config.update_from_string(",".join(item for item in items if item not in nested))
-        for item in nested:  # a field of a dict field: rope_parameters.rope_theta=500000
+        if plain := [item for item in items if item not in nested]:
+            config.update_from_string(",".join(plain))
+        for item in nested:  # an entry of a dict field: rope_parameters.rope_theta=500000
+            if "=" not in item:
+                raise ValueError(f"{item.strip()} has no value; give it as key=value")
             set_nested(config, *item.split("=", 1))
     except ValueError as error:
         hint = "; RoPE's settings are fields of rope_parameters, e.g. rope_parameters.rope_theta=500000" if \
@@ -72,23 +75,29 @@ def build_named_config(name: str, tokenizer: PreTrainedTokenizerBase, overrides:
 
 
 def set_nested(config: PretrainedConfig, key: str, value: str) -> None:
-    """`field.key=value` of --config_overrides: one entry of a dict field, its value typed as the entry it replaces
-    (as transformers' update_from_string types a top-level field)."""
+    """`field.entry=value` of --config_overrides: one entry of a dict field set or added (rope_parameters.factor=4.0),
+    its value typed as the entry it replaces, else read as a number, true/false or text."""
     field, entry = key.strip().split(".", 1)
     held = getattr(config, field, None)
-    if not isinstance(held, dict) or entry not in held:
-        raise ValueError(f"key {key.strip()} isn't in the original config dict ({field} holds "
-                         f"{sorted(held) if isinstance(held, dict) else 'no entries'})")
-    old = held[entry]
-    kind = type(old) if isinstance(old, bool | int | float) else str
-    if kind is bool:
-        parsed = value.strip().lower() in ("true", "1", "y", "yes")
+    if not isinstance(held, dict):
+        raise ValueError(f"key {key.strip()} isn't in the original config dict ({field} is not a dict field)")
+    old, text = held.get(entry), value.strip()
+    if isinstance(old, bool) or (old is None and text.lower() in ("true", "false")):
+        parsed = text.lower() in ("true", "1", "y", "yes")
     else:
-        try:
-            parsed = kind(value)
-        except ValueError:
-            raise ValueError(f"{key.strip()}={value}: {entry} is a {kind.__name__}") from None
+        parsed = next((kind(text) for kind in ((type(old),) if isinstance(old, int | float) else (int, float))
+                       if _parses(kind, text)), text)
+        if isinstance(old, int | float) and not isinstance(parsed, type(old)):
+            raise ValueError(f"{key.strip()}={value}: {entry} is a {type(old).__name__}")
     setattr(config, field, {**held, entry: parsed})
+
+
+def _parses(kind: type, text: str) -> bool:
+    try:
+        kind(text)
+        return True
+    except ValueError:
+        return False
 
 
 def overridden(overrides: str | None) -> set[str]:

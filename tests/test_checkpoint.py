@@ -67,6 +67,16 @@ def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path) -> None:
     parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])  # continuing it is fine
 
 
+def test_rotation_removes_a_link_and_keeps_what_it_points_to(tmp_path) -> None:
+    """A step_N link of the same run made rotation's rmtree raise on the main process alone (the others waiting)."""
+    for name in ("step_2", "step_4"):
+        make_checkpoint(tmp_path, name, complete=True)
+    (tmp_path / "checkpoints" / "step_3").symlink_to(tmp_path / "checkpoints" / "step_4", target_is_directory=True)
+    rotate_checkpoints(str(tmp_path), tmp_path / "checkpoints" / "step_4", 1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_4"]
+    assert (tmp_path / "checkpoints" / "step_4" / TRAINER_STATE).is_file()
+
+
 @pytest.mark.parametrize(("limit", "kept"), [(1, ["step_6"]), (2, ["step_6", "step_8"]), (3, ["step_4", "step_6", "step_8"])])
 def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path, limit, kept) -> None:
     """Resumed from step_4 while step_8 of the earlier run remains: the new step_6 survives any limit."""
@@ -429,11 +439,24 @@ def test_a_checkpoint_cannot_vouch_for_itself_with_a_manifest_missing_emptied_or
         verify_checkpoint(None, checkpoint)
     if unchecked_resumes:
         assert verify_checkpoint(None, checkpoint, unchecked=True) == []
+        shutil.copy(foreign / "model_state" / "rank0.safetensors", checkpoint / "model_state" / "rank0.safetensors")
+        with pytest.raises(ResumeError, match="rank0.safetensors belongs to run run-b, this checkpoint to run run-a"):
+            verify_checkpoint(None, checkpoint, unchecked=True)  # unchecked: what a file says of itself still counts
     else:
         with pytest.raises(ResumeError, match=message):
             verify_checkpoint(None, checkpoint, unchecked=True)
         with pytest.raises(ResumeError, match=message):  # before the process group too: the file's stamp is its header
             require_complete_checkpoint(checkpoint)
+
+
+def test_a_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path) -> None:
+    checkpoint = stamped_checkpoint(tmp_path, "run-a", 2, seed=0)
+    manifest = manifest_of(checkpoint)
+    manifest["files"]["../../elsewhere"] = manifest["files"]["random_states_0.pkl"]
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ResumeError, match=r"manifest.json lists ../../elsewhere, outside the checkpoint: it is damaged "
+                                          "or edited"):
+        verify_checkpoint(None, checkpoint)
 
 
 def test_only_what_the_manifest_lists_is_read(tmp_path) -> None:
@@ -458,6 +481,9 @@ def test_only_what_the_manifest_lists_is_read(tmp_path) -> None:
     assert not readable.exists()
     with listed_only(checkpoint, []) as readable:
         assert readable == checkpoint
+    with pytest.raises(ResumeError, match=f"^{checkpoint}/model_state is bad$"):  # named as the user knows it
+        with listed_only(checkpoint, unlisted) as readable:
+            raise ResumeError(f"{readable}/model_state is bad")
 
 
 def test_a_symlinked_or_misnamed_step_and_a_damaged_state_are_refused_before_training(tmp_path) -> None:

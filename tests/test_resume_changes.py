@@ -45,12 +45,17 @@ CHANGES = {
         "gradient_accumulation_steps 1 -> 2 from step 4",
     ("--seed", "7"): ResumeError("was trained with --seed 42 and this run gives --seed 7, which a resume cannot change "
                                  "(the data order of the epoch it resumes in"),
-    ("--lr_scheduler_type", "reduce_lr_on_plateau"): ResumeError("was trained with --lr_scheduler_type cosine and this "
-                                                                 "run gives --lr_scheduler_type reduce_lr_on_plateau"),
+    ("--lr_scheduler_type", "reduce_lr_on_plateau"): ResumeError(
+        "was trained with --lr_scheduler_type cosine and this run gives --lr_scheduler_type reduce_lr_on_plateau, which a "
+        "resume cannot change (reduce_lr_on_plateau keeps the rate and its settings in state of its own"),
     ("--output_dir", "elsewhere", "--report_to", "tensorboard", "--run_name", "again"): None,  # where it runs: silent
 }
 if installed("ema"):
     CHANGES[("--ema_decay", "0.99")] = "ema_decay 0.0 -> 0.99 from step 4"
+if installed("compression"):
+    CHANGES[("--ddp_comm_hook", "power_sgd")] = ResumeError(
+        "was trained with --ddp_comm_hook None and this run gives --ddp_comm_hook power_sgd, which a resume cannot "
+        "change (PowerSGD's saved state is the hook's own")
 if installed("streaming"):
     CHANGES[("--streaming", "--max_steps", "10", "--max_eval_samples", "8")] = ResumeError(
         "was trained with --streaming False and this run gives --streaming True, which a resume cannot change (a "
@@ -59,12 +64,10 @@ if installed("streaming"):
 
 @pytest.mark.quick
 @pytest.mark.parametrize("given", CHANGES, ids=" ".join)
-def test_a_flag_changed_on_resume_is_honoured_and_logged_once_or_refused(given, tmp_path, caplog) -> None:
+def test_a_flag_changed_on_resume_is_honoured_and_logged_once_or_refused(given, tmp_path) -> None:
     """A run at 1e-3 resumed with --learning_rate 5e-4 trained on at 1e-3 with no line (issue 69): every flag is now
-    compared with the checkpoint's, and each change is a line, or a refusal naming the flag."""
-    from accelerate import PartialState
-
-    PartialState()
+    compared with the checkpoint's, and each change is a line (logged once the resume has loaded), or a refusal
+    naming the flag."""
     saved = state_of(tmp_path, "--learning_rate", "1e-3")
     given = tuple(str(tmp_path / word) if word == "elsewhere" else word for word in given)
     this_run = state_of(tmp_path, "--learning_rate", "1e-3", *given)
@@ -73,13 +76,23 @@ def test_a_flag_changed_on_resume_is_honoured_and_logged_once_or_refused(given, 
         with pytest.raises(ResumeError, match="^" + re.escape(f"step_4 {expected}")):
             check_changes(Path("step_4"), saved, this_run)
         return
-    with caplog.at_level(logging.WARNING):
-        check_changes(Path("step_4"), saved, this_run)
-    lines = [record.getMessage() for record in caplog.records if "changed on resume" in record.getMessage()]
+    lines = check_changes(Path("step_4"), saved, this_run)
     if expected is None:
         assert lines == []
         return
     assert expected in "\n".join(lines) and len(lines) == len(set(lines)) == len([f for f in given if f[:2] == "--"])
+
+
+@pytest.mark.quick
+def test_a_stateful_schedule_keeps_its_settings(tmp_path) -> None:
+    """reduce_lr_on_plateau restores its factor and patience from the checkpoint's state: a change would be dropped."""
+    plateau = ("--lr_scheduler_type", "reduce_lr_on_plateau")
+    for changed in (("--lr_scheduler_kwargs", '{"patience": 3}'), ("--learning_rate", "5e-4")):
+        with pytest.raises(ResumeError, match=f"this run gives {changed[0]} .*reduce_lr_on_plateau keeps the rate"):
+            check_changes(Path("step_4"), state_of(tmp_path, *plateau), state_of(tmp_path, *plateau, *changed))
+    assert check_changes(Path("step_4"), state_of(tmp_path, *plateau), state_of(tmp_path, *plateau, "--seed", "42",
+                                                                                  "--eval_steps", "5")) == [
+        "eval_steps 100 -> 5 from step 4 (changed on resume)"]
 
 
 @pytest.mark.quick
@@ -102,6 +115,7 @@ RECIPES = {
                                           "--gradient-accumulation-steps: invalid int value: 'two'",
     "eval_strategy: sometimes\n": "recipe {path}: argument --eval_strategy/--eval-strategy: invalid choice: "
                                   "'sometimes'",
+    "learning_rate: [0.1, 0.2]\n": "recipe {path}: learning_rate takes one value, got [0.1, 0.2]",
 }
 
 
@@ -133,12 +147,16 @@ def test_recipe_values_as_users_write_them_parse_as_on_the_command_line(tmp_path
 def test_the_model_is_compared_by_what_it_computes_not_how_it_was_named(tmp_path) -> None:
     """A run begun from --model_name_or_path final/ and resumed with the same model through --model_config was
     refused over `architectures` (issue 69); the docs' RoPE example names real fields, and is refused unless named."""
+    from types import SimpleNamespace
+
+    from accelerate import PartialState
     from transformers import AutoModelForCausalLM
 
     from models.configs import build_named_config
     from models.language import build_tokenizer
     from training.checkpoints.resume import check_same_model, model_description
-    from types import SimpleNamespace
+
+    PartialState()  # (a change named on purpose is logged)
 
     task, tokenizer = SimpleNamespace(model_kwargs=None), build_tokenizer(None, None)
     built = AutoModelForCausalLM.from_config(build_named_config("llama-tiny", tokenizer))
@@ -157,6 +175,15 @@ def test_the_model_is_compared_by_what_it_computes_not_how_it_was_named(tmp_path
     with pytest.raises(ValueError, match="key rope_theta isn't in the original config dict; RoPE's settings are fields "
                                          "of rope_parameters, e.g. rope_parameters.rope_theta=500000"):
         build_named_config("llama-tiny", tokenizer, "rope_theta=500000")
+    alone = build_named_config("llama-tiny", tokenizer, "rope_parameters.rope_theta=500000")  # (a dotted key alone)
+    yarn = build_named_config("llama-tiny", tokenizer, "rope_parameters.rope_type=yarn,rope_parameters.factor=4.0")
+    assert alone.rope_parameters["rope_theta"] == 500000.0 and alone.max_position_embeddings == built.config.max_position_embeddings
+    assert yarn.rope_parameters == {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0}
+    for bad, message in (("rope_parameters.rope_theta=high", "rope_theta is a float"),
+                         ("rope_parameters.rope_theta", "has no value; give it as key=value"),
+                         ("vocab_size.x=1", "vocab_size is not a dict field")):
+        with pytest.raises(ValueError, match=message):
+            build_named_config("llama-tiny", tokenizer, bad)
 
 
 RESUMED_AT = 8  # the split runs' mid-epoch checkpoint (tests/harness.py split_args: saved every 4 steps of 10)
@@ -247,3 +274,9 @@ def test_a_frozen_model_is_known_by_its_weights_and_configuration_not_its_path(t
         check_frozen_identity(checkpoint, "teacher_model", frozen_identity(str(moved), tiny_model), "teacher", None)
     hub = frozen_identity("org/model", tiny_model)
     assert hub["weights"] == "revision None" and frozen_identity("org/model")["weights"] is None
+    # a Hub reference whose scores a checkpoint kept (nothing loaded to compare): known by its id; the record carried
+    save_frozen_identity(checkpoint, "reference_model", hub)
+    with pytest.raises(ResumeError, match=r"reference model org/model -> org/other \(its source differs\)"):
+        check_frozen_identity(checkpoint, "reference_model", frozen_identity("org/other"), "model_name_or_path", None)
+    kept = check_frozen_identity(checkpoint, "reference_model", frozen_identity("org/model"), "model_name_or_path", None)
+    assert kept == hub  # (saved again: a later resume that loads the model compares all of it)

@@ -7,6 +7,7 @@ import difflib
 import json
 import sys
 from collections.abc import Iterable
+from itertools import chain
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
@@ -76,11 +77,14 @@ def read_flags(argv: list[str]) -> tuple[ModelArguments, DataArguments, TrainArg
     pre_args, _ = parser.parse_known_args(argv)
     recipe = load_recipe(pre_args.config) if pre_args.config else {}
     words = recipe_words(recipe, pre_args.config)
-    try:
-        parser.parse_known_args(words)  # the recipe's values alone, so that an error names the file
-    except ArgumentError as error:
-        raise ArgumentError(f"recipe {pre_args.config}: {error}") from None
-    namespace, unknown = parser.parse_known_args(words + argv)  # the command line after the recipe: it wins
+    for key, given in words.items():  # each value alone, so that an error names the file and the key
+        try:
+            _, left = parser.parse_known_args(given)
+        except ArgumentError as error:
+            raise ArgumentError(f"recipe {pre_args.config}: {error}") from None
+        if left:
+            raise ArgumentError(f"recipe {pre_args.config}: {key} takes one value, got {recipe[key]!r}")
+    namespace, unknown = parser.parse_known_args([*chain.from_iterable(words.values()), *argv])  # the command line wins
     if unknown:
         flags = [item.lstrip("-").split("=")[0] for item in unknown if item.startswith("--")]
         _check_known(flags or unknown, "the command line")
@@ -88,21 +92,19 @@ def read_flags(argv: list[str]) -> tuple[ModelArguments, DataArguments, TrainArg
     return arguments_of(vars(namespace), frozenset(recipe) | named_on_command_line(argv))
 
 
-def recipe_words(recipe: dict[str, Any], path: str | None) -> list[str]:
+def recipe_words(recipe: dict[str, Any], path: str | None) -> dict[str, list[str]]:
     """The recipe as command-line words, so that its values get exactly the command line's parsing and errors (an
-    integer flag given 2.5 is refused, not passed on). A key left empty means its default where that is none (or no
-    tracker); elsewhere it is refused."""
-    words = []
+    integer flag given 2.5 is refused, not passed on), by key. A key left empty means its default where that is none
+    (or no tracker); elsewhere it is refused."""
+    words = {}
     for key, value in recipe.items():
         if value is None or value == []:
             if FIELD_DEFAULTS[key] is not None and key != "report_to":
                 raise ArgumentError(f"recipe {path}: {key} is empty; give it a value (as on the command line), or "
                                     "delete the key to keep its default")
             continue
-        if isinstance(value, list):
-            words += [f"--{key}", *(str(item) for item in value)]
-        else:
-            words.append(f"--{key}={json.dumps(value) if isinstance(value, dict) else value}")
+        words[key] = [f"--{key}", *(str(item) for item in value)] if isinstance(value, list) else [
+            f"--{key}={json.dumps(value) if isinstance(value, dict) else value}"]
     return words
 
 

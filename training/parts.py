@@ -30,7 +30,7 @@ import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, is_dataclass
+from dataclasses import dataclass, field, is_dataclass
 from enum import Enum
 from pathlib import Path
 from types import SimpleNamespace
@@ -268,6 +268,8 @@ class CheckpointFiles:
 
     accelerator: Accelerator
     directory: Path
+    # being written: the run and step its files belong to, for a safetensors file's metadata (a resume compares them)
+    stamp: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,9 @@ class Compression(Part):
     description = "DDP gradient compression: fp16, bf16 and PowerSGD hooks, bytes counted (--ddp_comm_hook)"
     flags = CompressionFlags
     files = ("docs/compression.png",)
+    # PowerSGD's saved state (each bucket's low-rank factors, its error feedback) is shaped by the hook and its rank
+    fixed_on_resume = {"ddp_comm_hook": "PowerSGD's saved state is the hook's own, shaped by its kind and rank",
+                       "power_sgd_rank": "PowerSGD's saved low-rank factors and warm start are of this rank"}
 
     def __init__(self) -> None:
         self.traffic = None  # the bytes the hook sent, counted (parts/compression/hooks.py)

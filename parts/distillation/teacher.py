@@ -167,7 +167,7 @@ def build_distillation(accelerator: Accelerator, task: Task, strategy: Strategy,
     planned = teacher_bytes_per_rank(strategy, parameters, accelerator.num_processes, compute_bytes, stage)
     if warning := memory_warning(path, planned, free_memory_bytes(accelerator.device), accelerator.device):
         logger.warning(warning, main_process_only=True)
-    identity = frozen_identity(path, teacher)  # (recorded in checkpoints: a resume checks it)
+    identity = frozen_identity(path, teacher, accelerator)  # (recorded in checkpoints: a resume checks it)
     teacher = place_frozen_model(accelerator, teacher)
     held = storage_bytes(teacher.parameters(), set())  # the frozen weights this rank holds
     logger.info(f"teacher {path}: {parameters:,} parameters, frozen, placed as {type(teacher).__name__} "

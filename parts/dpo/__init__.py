@@ -85,7 +85,8 @@ class Dpo(Part):
         if self.task.reference_table is not None:
             from safetensors.torch import save_file
 
-            save_file({"table": self.task.reference_table.cpu()}, checkpoint.directory / TABLE_FILE)
+            save_file({"table": self.task.reference_table.cpu()}, checkpoint.directory / TABLE_FILE,
+                      metadata=dict(checkpoint.stamp))
 
     def load_state(self, checkpoint: CheckpointFiles) -> None:
         """The reference this run reads checked against the checkpoint's (refused if another), and under
@@ -97,10 +98,12 @@ class Dpo(Part):
 
         args, path = self.training.args, self.task.model_args.model_name_or_path
         pending = self.task.dpo.precompute_ref_log_probs and self.task.reference_table is None
-        identity = self.task.reference_identity or (frozen_identity(path) if pending and path else None)
-        if identity is not None:
-            check_frozen_identity(checkpoint.directory, IDENTITY, identity, "model_name_or_path",
-                                  args.allow_config_changes)
+        identity = self.task.reference_identity or (frozen_identity(path, None, checkpoint.accelerator)
+                                                    if pending and path else None)
+        if identity is not None:  # (the record kept: the checkpoint's, where the scores stand for the reference)
+            identity = check_frozen_identity(checkpoint.directory, IDENTITY, identity, "model_name_or_path",
+                                             args.allow_config_changes)
+            self.task.reference_identity = identity
         if not pending:
             return
         if (checkpoint.directory / TABLE_FILE).exists():
@@ -108,7 +111,6 @@ class Dpo(Part):
 
             self.task.reference_table = load_file(checkpoint.directory / TABLE_FILE)["table"].to(
                 checkpoint.accelerator.device)
-            self.task.reference_identity = identity
         else:  # (listed in no manifest: not read)
             set_up_reference(checkpoint.accelerator, self.task, self.training.model, args)
 

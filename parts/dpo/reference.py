@@ -44,7 +44,7 @@ def reference_log_probs(accelerator: Accelerator, task: Task, policy: torch.nn.M
     with torch.random.fork_rng(devices=[]):  # loading draws nothing from the run's random numbers
         reference = frozen(task.auto_model.from_pretrained(path, dtype=torch.float32,
                                                            trust_remote_code=task.model_args.trust_remote_code))
-    task.reference_identity = frozen_identity(path, reference)  # (recorded in checkpoints: a resume checks it)
+    task.reference_identity = frozen_identity(path, reference, accelerator)  # (recorded in checkpoints: a resume checks it)
     reference = place_frozen_model(accelerator, reference)
     held = storage_bytes(reference.parameters(), set())
     logger.info(f"DPO reference: {path}, frozen, placed as {type(reference).__name__} ({held / 2**20:,.1f} MiB of "

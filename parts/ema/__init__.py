@@ -99,7 +99,7 @@ class Ema(Part):
     def save_state(self, checkpoint: CheckpointFiles) -> None:
         """Each rank's share of the average, in the tensor format of model_state/ (ema/)."""
         if self.average is not None:
-            self.average.save(checkpoint.directory)
+            self.average.save(checkpoint.directory, checkpoint.stamp)
 
     def load_state(self, checkpoint: CheckpointFiles) -> None:
         """The average as saved, whatever strategy and process count saved it (a checkpoint without one: the

@@ -4,7 +4,7 @@ weights the forward reads and back; saved and loaded in the tensor format of mod
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -73,9 +73,9 @@ class WeightAverage:
         finally:
             write_shares(self.accelerator, self.model, trained)
 
-    def save(self, checkpoint: Path) -> None:
-        """This rank's shares into `checkpoint`/ema/ (the manifest hashes the files)."""
-        save_shares(self.accelerator, checkpoint / FOLDER, self.shares, self.shapes)
+    def save(self, checkpoint: Path, stamp: Mapping[str, str]) -> None:
+        """This rank's shares into `checkpoint`/ema/, stamped with the run and step (the manifest hashes the files)."""
+        save_shares(self.accelerator, checkpoint / FOLDER, self.shares, self.shapes, dict(stamp))
 
     def load(self, checkpoint: Path, required: bool = False) -> None:
         """The saved average cut to this run's shares; a checkpoint without one leaves the average at the resumed

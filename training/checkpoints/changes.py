@@ -31,6 +31,7 @@ REFUSED = {
 
 # schedules that keep state of their own (the best loss seen, a patience count), which no other schedule continues
 STATEFUL_SCHEDULES = frozenset({"reduce_lr_on_plateau", "greedy"})
+SCHEDULE_SETTINGS = ("lr_scheduler_type", "learning_rate", "lr_scheduler_kwargs")  # what such a schedule keeps
 
 
 def recorded_flags(values: dict[str, Any]) -> dict[str, Any]:
@@ -43,9 +44,10 @@ def refused_on_resume() -> dict[str, str]:
     return REFUSED | {flag: why for part in installed_parts() for flag, why in part.fixed_on_resume.items()}
 
 
-def check_changes(path: Path, saved: TrainerState, this_run: TrainerState) -> None:
+def check_changes(path: Path, saved: TrainerState, this_run: TrainerState) -> list[str]:
     """Every rank, before anything loads: refuse what the state cannot follow (another number of optimizer groups, a
-    stateful schedule changed, a flag of `refused_on_resume`), and log each other flag changed, once."""
+    stateful schedule's settings changed, a flag of `refused_on_resume`); the line of each other flag changed, which
+    `log_changes` logs once the resume has loaded."""
     if saved.optimizer_groups and saved.optimizer_groups != this_run.optimizer_groups:
         raise ResumeError(f"{path} holds an optimizer of {saved.optimizer_groups} parameter groups and this run's has "
                           f"{this_run.optimizer_groups} (the groups a part's flags or the model's trainable parameters "
@@ -54,18 +56,22 @@ def check_changes(path: Path, saved: TrainerState, this_run: TrainerState) -> No
     before, after = saved.flags, this_run.flags
     changed = {flag: (before[flag], value) for flag, value in after.items()
                if flag in before and flag not in LAUNCH and before[flag] != value}
-    schedule = before.get("lr_scheduler_type"), after.get("lr_scheduler_type")
-    if STATEFUL_SCHEDULES & set(schedule) and ("lr_scheduler_type" in changed or "learning_rate" in changed):
-        flag = "lr_scheduler_type" if "lr_scheduler_type" in changed else "learning_rate"
-        raise _refused(path, flag, changed[flag], f"{STATEFUL_SCHEDULES & set(schedule)} keeps the rate in state of "
-                                                  "its own, which no other setting continues")
+    stateful = sorted(STATEFUL_SCHEDULES & {before.get("lr_scheduler_type"), after.get("lr_scheduler_type")})
+    if stateful and (flag := next((name for name in SCHEDULE_SETTINGS if name in changed), None)):
+        raise _refused(path, flag, changed[flag], f"{stateful[0]} keeps the rate and its settings in state of its own, "
+                                                  "which no other setting continues")
     refused = refused_on_resume()
     for flag, values in changed.items():
         if flag in refused:
             raise _refused(path, flag, values, refused[flag])
-    for flag, (old, new) in changed.items():
-        logger.warning(f"{flag} {_shown(old)} -> {_shown(new)} from step {saved.completed_steps} (changed on resume)",
-                       main_process_only=True)
+    return [f"{flag} {_shown(old)} -> {_shown(new)} from step {saved.completed_steps} (changed on resume)"
+            for flag, (old, new) in changed.items()]
+
+
+def log_changes(lines: list[str]) -> None:
+    """`check_changes`' lines, once the resume has loaded (a resume refused later changed nothing)."""
+    for line in lines:
+        logger.warning(line, main_process_only=True)
 
 
 def _refused(path: Path, flag: str, values: tuple[Any, Any], why: str) -> ResumeError:

@@ -182,11 +182,14 @@ def manifest_files(path: Path) -> dict[str, dict[str, Any]] | None:
         return None
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        if "files" not in manifest:
-            return {name: {"bytes": int(size)} for name, size in manifest.items()}
-        return {name: dict(entry) for name, entry in manifest["files"].items()}
+        files = ({name: {"bytes": int(size)} for name, size in manifest.items()} if "files" not in manifest
+                 else {name: dict(entry) for name, entry in manifest["files"].items()})
     except (ValueError, TypeError, AttributeError):
         raise ResumeError(f"{path / MANIFEST} is damaged; resume an earlier checkpoint") from None
+    if outside := [name for name in files if Path(name).is_absolute() or ".." in Path(name).parts]:
+        raise ResumeError(f"{path / MANIFEST} lists {outside[0]}, outside the checkpoint: it is damaged or edited; "
+                          "resume an earlier checkpoint")
+    return files
 
 
 def unlisted_files(path: Path, listed: dict[str, dict[str, Any]]) -> list[str]:
@@ -285,4 +288,7 @@ def rotate_checkpoints(output_dir: str, newest: Path, limit: int) -> None:
     """Keep `newest` (even below higher steps left by a resumed run) and the `limit - 1` highest others of its run."""
     others = [path for path in complete_checkpoints(output_dir) if path != newest and run_of(path) == run_of(newest)]
     for old in others[: max(len(others) - (limit - 1), 0)]:
-        shutil.rmtree(old)
+        if old.is_symlink():  # a link put there by hand: what it points to is kept
+            old.unlink()
+        else:
+            shutil.rmtree(old)

@@ -21,7 +21,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from torch.utils.data import DataLoader
 
-from training.checkpoints.changes import check_changes, restore_rates, this_runs_rates
+from training.checkpoints.changes import check_changes, log_changes, restore_rates, this_runs_rates
 from training.checkpoints.files import (
     DEEPSPEED_DIR,
     MANIFEST,
@@ -31,7 +31,10 @@ from training.checkpoints.files import (
     identity_problem,
     latest_checkpoint,
     manifest_files,
+    checkpoint_files,
+    recorded_identity,
     require_complete_checkpoint,
+    stamp_problem,
     unlisted_files,
 )
 from training.checkpoints.save import without_model_and_optimizer
@@ -188,10 +191,14 @@ def verify_checkpoint(accelerator: Accelerator | None, path: Path, unchecked: bo
     if unchecked and (listed is None or any("sha256" not in entry for entry in listed.values())):
         logger.warning(f"resuming {path} unchecked (--resume_unchecked): its files are not proven whole nor of one "
                        "run", main_process_only=True)
-    files = sorted((listed or {}).items())
     rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    problems = [problem for name, entry in files[rank::processes]
-                if (problem := file_problem(path, name, entry, unchecked=unchecked))]
+    if listed is None:  # (unchecked: what each file says of itself is still compared)
+        expected = recorded_identity(path)
+        problems = [problem for name in checkpoint_files(path)[rank::processes]
+                    if (problem := stamp_problem(path / name, expected))]
+    else:
+        problems = [problem for name, entry in sorted(listed.items())[rank::processes]
+                    if (problem := file_problem(path, name, entry, unchecked=unchecked))]
     if processes > 1:
         problems = gather_object(problems)
     if problems:
@@ -214,7 +221,10 @@ def listed_only(path: Path, unlisted: list[str]) -> Iterator[Path]:
         for name in [*manifest_files(path), MANIFEST]:
             (view / name).parent.mkdir(parents=True, exist_ok=True)
             (view / name).symlink_to((path / name).resolve())
-        yield view
+        try:
+            yield view
+        except ResumeError as error:  # (named as the user knows it)
+            raise ResumeError(str(error).replace(str(view), str(path))) from None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -261,8 +271,7 @@ def load_checkpoint(accelerator: Accelerator | None, path: Path, this_run: Train
                                                                           "config_overrides") if state.flags.get(flag))
     check_same_model(path, state.model, this_run.model, allowed_changes,  # (a pipeline's stages hold some tensors)
                      None if this_run.layout else shapes_differ(path, accelerator, model), trained_with)
-    if not evaluating:
-        check_changes(path, state, this_run)
+    changes = [] if evaluating else check_changes(path, state, this_run)
     if (path / DEEPSPEED_DIR).is_dir() and state.num_processes != accelerator.num_processes:
         raise ResumeError(
             f"{path} is a DeepSpeed checkpoint of {state.num_processes} processes; DeepSpeed cannot resume it on "
@@ -287,6 +296,7 @@ def load_checkpoint(accelerator: Accelerator | None, path: Path, this_run: Train
     except pickle.UnpicklingError:
         raise ResumeError(f"{path} holds pickled objects that are not plain tensors or data; refused to load them, "
                           "as unpickling can run code. Resume only checkpoints this template wrote") from None
+    log_changes(changes)
     # Resumes start at an optimizer-step boundary: the restored micro-step counter (when gradients sync) is stale if
     # accumulation or process count changed, or 0 on some ranks only (a missing rank file); mismatched syncs hang.
     accelerator.step = 0

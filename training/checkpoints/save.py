@@ -54,7 +54,7 @@ def save_checkpoint(accelerator: Accelerator, runner: ModelRunner, model: torch.
         accelerator.save_state(str(staging))
     stamp = {"run_id": state.run_id, "step": str(state.completed_steps)}  # what the runner's files say they are
     hashed = runner.save(model, optimizer, staging, stamp) or {}
-    parts().save_state(CheckpointFiles(accelerator, staging))  # the parts' own (a stream's position, PowerSGD's)
+    parts().save_state(CheckpointFiles(accelerator, staging, stamp))  # the parts' own (a stream's position, PowerSGD's)
     if accelerator.is_main_process:
         (staging / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
     accelerator.wait_for_everyone()
