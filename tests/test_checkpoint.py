@@ -159,10 +159,11 @@ class WhatUsersKeep(torch.nn.Module):
         return self.layers[2](hidden) * self.temperature
 
 
-def small_model_and_optimizer(tmp_path, optim: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def small_model_and_optimizer(tmp_path, optim: str, seed: int, *flags: str) -> tuple[torch.nn.Module,
+                                                                                     torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = WhatUsersKeep()
-    args = parse_args(["--output_dir", str(tmp_path / "out"), "--optim", optim])[2]
+    args = parse_args(["--output_dir", str(tmp_path / "out"), "--optim", optim, *flags])[2]
     groups = [{"params": [p for p in model.parameters() if p.dtype == dtype]} for dtype in
               (torch.float32, torch.float64, torch.bfloat16)]  # (one dtype a group, as training/optim.py groups them)
     return model, OPTIMIZERS[optim].build(groups, args)
@@ -208,6 +209,23 @@ def test_any_optimizers_state_round_trips_exactly(optim, tmp_path) -> None:
         opt.step()
     for before, after in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("optim", sorted(OPTIMIZERS))
+def test_the_optimizers_settings_are_this_runs_after_a_resume(optim, tmp_path) -> None:
+    """What the resume table (docs/train-py.md) says is honoured is: the state comes back, the groups' settings (rate,
+    weight decay, betas, epsilon) stay as this run's flags set them."""
+    from accelerate import Accelerator
+
+    checkpoint, _, optimizer = saved_model_state(tmp_path, optim)
+    changed = ("--learning_rate", "5e-4", "--adam_beta1", "0.8", "--adam_beta2", "0.99", "--adam_epsilon", "1e-6")
+    model, restored = small_model_and_optimizer(tmp_path / "resumed", optim, 1, *changed)
+    expected = [{key: value for key, value in group.items() if key != "params"} for group in restored.param_groups]
+    load_model_state(Accelerator(cpu=True), model, restored, checkpoint)
+    assert [{key: value for key, value in group.items() if key != "params"} for group in restored.param_groups] == expected
+    assert expected[0]["lr"] == 5e-4 and expected != [{key: value for key, value in group.items() if key != "params"}
+                                                       for group in optimizer.param_groups]
+    assert sum(len(state) for state in restored.state.values()) == sum(len(state) for state in optimizer.state.values())
 
 
 def test_a_rank_file_missing_from_a_checkpoint_without_a_manifest_is_one_line(tmp_path) -> None:
