@@ -5,8 +5,8 @@
     python scripts/new_project.py ../my-project --keep sft,lora   # the core and two parts
 
 A part owns `parts/<name>/`, `tests/test_<name>.py`, `docs/<name>.md` and the files its `Part.files` names
-(training/parts.py), and is kept only with the parts it builds on (`Part.needs`); a part left out takes them along, and
-so do:
+(training/parts.py), and is kept only with the parts it builds on (`Part.needs`); a part left out takes them along
+(a file several parts name, only when all of them are left out), and so do:
 - the requirements only it needs (`Part.requirements`), from requirements.txt;
 - in every page kept, the table rows, list items, sentences and command lines that name it (its files, its
   flags, its page), and the Makefile targets that run its files;
@@ -166,7 +166,8 @@ def new_project(destination: Path, keep: list[str], repo: Path = REPO) -> list[s
     if destination.exists():
         raise SystemExit(f"error: {destination} exists; give a new directory")
     left_out = [part for name, part in parts.items() if name not in keep]
-    owned = [path for part in left_out for path in owned_files(part)]
+    kept_files = {path for name in keep for path in owned_files(parts[name])}  # a file two parts own stays with either
+    owned = [path for part in left_out for path in owned_files(part) if path not in kept_files]
     files = [path for path in template_files(repo) if path not in TEMPLATE_ONLY and not any(
         path == own or path.startswith(own) for own in owned if own.endswith("/") or path == own)]
     destination.mkdir(parents=True)

@@ -105,3 +105,16 @@ def test_a_part_comes_with_the_parts_it_builds_on(tmp_path) -> None:
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and not (tmp_path / "dpo").exists()
     assert result.stderr.strip() == "error: the parts kept build on sft (`Part.needs`); keep it too (--keep dpo,sft)"
+
+
+@pytest.mark.quick
+@pytest.mark.parts("dpo", "distillation")
+def test_a_file_two_parts_own_stays_while_either_is_kept(tmp_path) -> None:
+    """The frozen model's placement and record serve DPO's reference and distillation's teacher (both name them in
+    `Part.files`): a project keeping one of the two keeps them, the core alone has neither."""
+    shared = ("training/strategy/frozen.py", "training/checkpoints/frozen.py")
+    assert all(path in part.files for part in installed_parts() if part.name in ("dpo", "distillation")
+               for path in shared)
+    teacher, core = make(tmp_path / "teacher", "distillation"), make(tmp_path / "core")
+    assert all((teacher / path).is_file() and not (core / path).exists() for path in shared)
+    assert not (teacher / "parts" / "dpo").exists()

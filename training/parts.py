@@ -322,7 +322,9 @@ class Part:
     # its flags a resume cannot change (flag -> why: refused in one line); any other changed flag is honoured and logged
     fixed_on_resume: ClassVar[Mapping[str, str]] = {}
     # what scripts/new_project.py leaves out with it, beyond parts/<name>/, tests/test_<name>.py, docs/<name>.md
-    files: ClassVar[tuple[str, ...]] = ()  # other files it owns (scripts, figures, tests under other names)
+    # other files it owns (scripts, figures, tests under other names, core modules only parts use: those several parts
+    # name stay while one of them is kept)
+    files: ClassVar[tuple[str, ...]] = ()
     requirements: ClassVar[tuple[str, ...]] = ()  # packages of requirements.txt only it needs
     after: ClassVar[tuple[str, ...]] = ()  # parts whose hooks run before this one's (a chain's inner wrappers)
     needs: ClassVar[tuple[str, ...]] = ()  # parts whose modules it builds on: a project keeps them with it

@@ -36,7 +36,7 @@ class Distillation(Part):
     description = "knowledge distillation from a frozen teacher (--teacher_model_name_or_path)"
     flags = DistillationFlags
     run_inputs = ("teacher_model_name_or_path",)
-    files = ("docs/distillation.png",)
+    files = ("docs/distillation.png", "training/strategy/frozen.py", "training/checkpoints/frozen.py")  # (DPO's reference shares them)
 
     def __init__(self) -> None:
         self.teacher_figures = None  # () -> the teacher's bytes per rank, a collective (set with a teacher)

@@ -20,6 +20,7 @@ class Dpo(Part):
     description = "preference tuning: DPO against a frozen reference, TRL's data, flags and metrics (--task dpo)"
     flags = DpoFlags
     needs = ("sft",)  # the chat formats, the chat template and the answer mask
+    files = ("training/strategy/frozen.py", "training/checkpoints/frozen.py")  # (distillation's teacher shares them)
     conflicts = (Conflict("precompute_ref_log_probs", "reference_free", ": there is no reference to score"),)
     resume = None  # the checkpoint this run resumes (`resuming`)
     task = None  # the DPO task of this run, once prepared
