@@ -25,8 +25,24 @@ INTERVALS = ["steps", "epoch", "no"]
 SAMPLE_BY = ("document", "paragraph", "line")  # what one document of a .txt file is (datasets' text builder)
 
 
+def installed_part_flags() -> PartFlags:
+    """Every installed part's flags at their defaults (`parse_args` fills them from the command line)."""
+    return PartFlags(**{name: flags() for name, flags in part_flags().items()})
+
+
 @dataclass
-class CoreModelArguments:
+class Parsed:
+    """What parsing adds to the three argument objects, the same on all three (init=False: the parser skips them)."""
+
+    parts: PartFlags = field(default_factory=installed_part_flags, init=False, repr=False, compare=False)
+    # the flags named on the command line or in the recipe file, whatever their value (`flags_given`)
+    given: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
+
+
+@dataclass
+class ModelArguments(Parsed):
+    """The core's model flags, and each installed part's flags (`parts`)."""
+
     task: str = field(default="causal-lm", metadata={"help": "What to learn: the core's next-token text, a task an "
         "installed part adds, or your own Task subclass as module:Class (recipes/).", "choices": TaskChoices(tasks())})
     model_name_or_path: str | None = field(default=None, metadata={
@@ -42,7 +58,9 @@ class CoreModelArguments:
 
 
 @dataclass
-class CoreDataArguments:
+class DataArguments(Parsed):
+    """The core's data flags, and each installed part's flags (`parts`)."""
+
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset id or local dataset directory."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
     train_file: str | None = field(default=None, metadata={"help": "Local txt, json/jsonl, csv or parquet file."})
@@ -68,7 +86,9 @@ class CoreDataArguments:
 
 
 @dataclass
-class CoreTrainArguments:
+class TrainArguments(Parsed):
+    """The core's training flags, and each installed part's flags (`parts`)."""
+
     output_dir: str = field(default="outputs/default", metadata={"help": "Checkpoints, metrics and the final model."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh in an output_dir that holds a "
         "run: its checkpoints, final model, metrics and tracker logs are deleted just before training starts."})
@@ -133,35 +153,6 @@ class CoreTrainArguments:
                 "global batch, steps, memory per rank) without training: rank 0 alone, no process group."})
     run_name: str | None = field(default=None, metadata={
         "help": "The run's name in the trackers (wandb project, ...). Default: output_dir's name."})
-
-
-def installed_part_flags() -> PartFlags:
-    """Every installed part's flags at their defaults (`parse_args` fills them from the command line)."""
-    return PartFlags(**{name: flags() for name, flags in part_flags().items()})
-
-
-@dataclass
-class Parsed:
-    """What parsing adds to the three argument objects, the same on all three (init=False: the parser skips them)."""
-
-    parts: PartFlags = field(default_factory=installed_part_flags, init=False, repr=False, compare=False)
-    # the flags named on the command line or in the recipe file, whatever their value (`flags_given`)
-    given: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
-
-
-@dataclass
-class ModelArguments(CoreModelArguments, Parsed):
-    """The core's model flags, and each installed part's flags (`parts`)."""
-
-
-@dataclass
-class DataArguments(CoreDataArguments, Parsed):
-    """The core's data flags, and each installed part's flags (`parts`)."""
-
-
-@dataclass
-class TrainArguments(CoreTrainArguments, Parsed):
-    """The core's training flags, and each installed part's flags (`parts`)."""
 
 
 ALL_ARGUMENT_CLASSES = (ModelArguments, DataArguments, TrainArguments)
