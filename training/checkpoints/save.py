@@ -27,7 +27,7 @@ from training.checkpoints.files import (
     rotate_checkpoints,
     write_manifest,
 )
-from training.checkpoints.tensors import MODEL_STATE, tensor_records
+from training.checkpoints.tensors import MODEL_STATE, own_storage, tensor_records
 from training.strategy.shares import model_tensors, whole_shape
 from training.errors import ModelError
 from training.parts import CheckpointFiles, parts
@@ -139,12 +139,6 @@ def whole_state_dict(accelerator: Accelerator, model, unwrapped: torch.nn.Module
         raise ModelError(f"the gathered model lacks {', '.join(missing[:3])} ({len(missing)} of its {len(declared)} "
                          "tensors): final/ would be incomplete, and was not written")
     return {name: own_storage(gathered[name].reshape(shape)) for name, shape in declared.items() if name in gathered}
-
-
-def own_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`, copied where it is a view into a larger buffer (ZeRO-3 gathers layers into flat buffers), which a
-    safetensors file refuses."""
-    return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() else tensor
 
 
 def load_plain_model(final_dir: str | Path) -> torch.nn.Module:

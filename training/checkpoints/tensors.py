@@ -21,6 +21,7 @@ from training.errors import ResumeError
 from training.strategy import bare_model
 from training.strategy.shares import (
     Share,
+    _local,
     model_tensors,
     other_optimizer_state,
     shard_like,
@@ -111,9 +112,13 @@ def held_pieces(tensor: torch.Tensor, optimizer: torch.optim.Optimizer, rank: in
 
 
 def _on_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A share's values on the host, in their own dtype (never rounded: an int64 counter past 2**24 stays exact), in
-    storage of their own (ZeRO's are views of one flat buffer, which a safetensors file cannot hold twice)."""
-    tensor = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach().cpu()
+    """A share's values on the host, in their own dtype (never rounded: an int64 counter past 2**24 stays exact)."""
+    return own_storage(_local(tensor).detach().cpu())
+
+
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied where it is a view into a larger buffer (ZeRO's flat buffers, ZeRO-3's gathered layers), which
+    a safetensors file refuses."""
     return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() else tensor
 
 
