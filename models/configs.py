@@ -3,6 +3,7 @@ classes are imported only when a config is made: `train.py --help` lists the nam
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
@@ -85,19 +86,14 @@ def set_nested(config: PretrainedConfig, key: str, value: str) -> None:
     if isinstance(old, bool) or (old is None and text.lower() in ("true", "false")):
         parsed = text.lower() in ("true", "1", "y", "yes")
     else:
-        parsed = next((kind(text) for kind in ((type(old),) if isinstance(old, int | float) else (int, float))
-                       if _parses(kind, text)), text)
+        parsed = text
+        for kind in (type(old),) if isinstance(old, int | float) else (int, float):
+            with contextlib.suppress(ValueError):
+                parsed = kind(text)
+                break
         if isinstance(old, int | float) and not isinstance(parsed, type(old)):
             raise ValueError(f"{key.strip()}={value}: {entry} is a {type(old).__name__}")
     setattr(config, field, {**held, entry: parsed})
-
-
-def _parses(kind: type, text: str) -> bool:
-    try:
-        kind(text)
-        return True
-    except ValueError:
-        return False
 
 
 def overridden(overrides: str | None) -> set[str]:
