@@ -127,11 +127,7 @@ def cache_key(split: Dataset, embedded: str, tokenizer: PreTrainedTokenizerBase,
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
-def no_hint(columns: set[str]) -> str | None:
-    return None
-
-
-def check_plain_text(split: Dataset, text_column: str, task_hint: Callable[[set[str]], str | None] = no_hint) -> None:
+def check_plain_text(split: Dataset, text_column: str, task_hint: Callable[[set[str]], str | None]) -> None:
     """The text column holds strings: chat conversations (lists of {role, content}) cannot be packed as text."""
     values = [value for value in split[:100][text_column] if value is not None]
     if not values or all(isinstance(value, str) for value in values):
@@ -146,7 +142,7 @@ def check_plain_text(split: Dataset, text_column: str, task_hint: Callable[[set[
 def build_lm_datasets(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, text_column: str, block_size: int,
                       main_process_first: AbstractContextManager | None = None, packing: bool = True,
                       num_proc: int | None = None,
-                      task_hint: Callable[[set[str]], str | None] = no_hint) -> tuple[Dataset, Dataset]:
+                      task_hint: Callable[[set[str]], str | None] = lambda columns: None) -> tuple[Dataset, Dataset]:
     """Both splits as sequences of at most `block_size` tokens, cached by the main process first (any `num_proc`).
     `task_hint(columns)`: what to do with another task's data (training/tasks.py names the installed task)."""
     for split in raw.values():
