@@ -11,12 +11,8 @@ from pathlib import Path
 
 def first_bad_line(path: str, builder: str) -> tuple[int, str] | None:
     """(line, reason) of the first line `builder` ("json" or "csv") cannot parse; None if none, or for other formats."""
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
-    if builder == "json":
-        return _json_error(text)
-    if builder == "csv":
-        return _csv_error(text)
-    return None
+    parse = {"json": _json_error, "csv": _csv_error}.get(builder)
+    return parse(Path(path).read_text(encoding="utf-8", errors="replace")) if parse else None
 
 
 def _json_error(text: str) -> tuple[int, str] | None:
