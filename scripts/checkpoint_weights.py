@@ -17,8 +17,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from training.checkpoints.tensors import ModelState  # noqa: E402
-from training.checkpoints.tensors import MODEL_STATE
+from training.checkpoints.tensors import MODEL_STATE, ModelState  # noqa: E402
 
 
 def checkpoint_weights(checkpoint: Path) -> dict:
