@@ -46,10 +46,8 @@ def checkpoints_root(output_dir: str) -> Path:
 
 def complete_checkpoints(output_dir: str) -> list[Path]:
     """Complete checkpoints, oldest first."""
-    root = checkpoints_root(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / TRAINER_STATE).is_file()]
+    found = [(int(m.group(1)), p) for p in checkpoints_root(output_dir).glob("step_*")
+             if (m := STEP_DIR.match(p.name)) and (p / TRAINER_STATE).is_file()]
     return [path for _, path in sorted(found)]
 
 
@@ -245,7 +243,13 @@ def file_problem(checkpoint: Path, name: str, entry: dict[str, Any], read_bytes:
 
 def stamp_problem(file: Path, expected: dict[str, Any]) -> str | None:
     """A file that says of itself (its stamp: a safetensors file's metadata) that it is of another run or step."""
-    own = stamp_of(file)
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, "pt") as handle:
+            own = handle.metadata() or {}
+    except (SafetensorError, OSError, ValueError):
+        return None
     if own.get("run_id", expected["run_id"]) != expected["run_id"]:
         return f"{file} belongs to run {own['run_id']}, this checkpoint to run {expected['run_id']}"
     if str(own.get("step", expected["step"])) != str(expected["step"]):
@@ -270,18 +274,6 @@ def identity_problem(checkpoint: Path) -> str | None:
         return (f"{checkpoint / TRAINER_STATE} belongs to run {expected['run_id']} at step {expected['step']}, its "
                 f"{MANIFEST} to run {saved[0]} at step {saved[1]}: the checkpoint mixes two")
     return None
-
-
-def stamp_of(file: Path) -> dict[str, str]:
-    """The run and step a safetensors file of the template says it belongs to (nothing for other files)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(file, "pt") as handle:
-            metadata = handle.metadata() or {}
-    except (SafetensorError, OSError, ValueError):
-        return {}
-    return {key: metadata[key] for key in ("run_id", "step") if key in metadata}
 
 
 def rotate_checkpoints(output_dir: str, newest: Path, limit: int) -> None:
