@@ -40,7 +40,7 @@ from training.collectives import end_collectives, gather_scalars
 from training.console import only_the_training_bar, quiet_third_party_output
 from training.dry_run import dry_run
 from training.errors import EXIT_UNEXPECTED, Preempted, ending
-from training.metrics import MetricsLogger, print_evaluation, print_summary, write_summary
+from training.metrics import MetricsLogger, learning_rates, print_evaluation, print_summary, write_summary
 from training.parts import Evaluating, Exporting, Finished, Loop, StepEnd, parts
 from training.prelude import after_imports
 from training.process_exit import exit_process
@@ -91,7 +91,7 @@ def train(run: Run) -> dict[str, float]:
         while state.completed_steps < run.max_steps:
             batches = epoch_batches(accelerator, run.train_loader, state, args.gradient_accumulation_steps)
             for window in accumulation_windows(batches, args.gradient_accumulation_steps):
-                step_loss, grad_norm, lr = optimizer_step(run, window, nonfinite)
+                step_loss, grad_norm, rates = optimizer_step(run, window, nonfinite)
                 interval_loss += step_loss
                 interval_steps += 1
                 step = state.completed_steps
@@ -116,9 +116,9 @@ def train(run: Run) -> dict[str, float]:
                     interval_loss.zero_()
                     interval_steps = 0
                     speed_now = run.speed.report_interval(ranks)
-                    metrics.log(step, loss=train_loss, lr=lr, grad_norm=float(ranks["grad_norm"].max()),
-                                **speed_now, **nonfinite.logged(ranks))
-                    progress.set_postfix({"loss": f"{train_loss:.3f}", "lr": f"{lr:.2e}",
+                    metrics.log(step, loss=train_loss, **learning_rates(rates, run.torch_optimizer.param_groups),
+                                grad_norm=float(ranks["grad_norm"].max()), **speed_now, **nonfinite.logged(ranks))
+                    progress.set_postfix({"loss": f"{train_loss:.3f}", "lr": f"{rates[0]:.2e}",
                                           f"{task.unit}_per_s": f"{speed_now[f'{task.unit}_per_sec']:,.0f}"})
                 if eval_now:
                     eval_result = evaluate(run)

@@ -37,6 +37,7 @@ from training.strategy import Strategy
 pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
 
 STEPS, SAVED = 8, 4
+FLAGS = {"pipeline_stages": 2}  # a run's flags (named with their dashes in a refusal)
 LAYOUTS = {  # name -> (processes, train.py flags): each a global batch of 8 in micro-batches of 2
     "single": (1, ("--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4")),
     "GPipe": (2, ("--pipeline_parallel_size", "2", "--pipeline_schedule", "GPipe", "--pipeline_microbatches", "2",
@@ -109,15 +110,17 @@ def test_a_pipeline_resumes_exactly_and_refuses_another_layout(pipeline_run, fou
     shutil.copytree(run / "checkpoints" / f"step_{SAVED}", tmp_path / "checkpoints" / f"step_{SAVED}")
     train("ddp", tmp_path, *layout_args(four_layer_model, "Interleaved1F1B"), "--resume_from_checkpoint", "latest")
     assert_continues_exactly(run, tmp_path, SAVED, last_step=STEPS)
-    with pytest.raises(ResumeError, match="laid out as pipeline_stages 4, pipeline_stages_per_process 2 and this run "
-                                          "lays it out as one whole model per process; resume with the flags that laid "
-                                          "it out so"):
-        load_checkpoint(None, run / "checkpoints" / f"step_{SAVED}", TrainerState(global_batch=8), max_steps=STEPS)
+    with pytest.raises(ResumeError, match="laid out otherwise: parts/pipeline: --pipeline_stages was 4, is none; "
+                                          "parts/pipeline: pipeline_stages_per_process was 2, is none; resume with the "
+                                          "flags that laid it out so"):
+        load_checkpoint(None, run / "checkpoints" / f"step_{SAVED}", TrainerState(global_batch=8, flags=FLAGS),
+                        max_steps=STEPS)
     # the same 4 stages, one per process (1F1B on 4 processes): each process saved the optimizer of its own stages
-    with pytest.raises(ResumeError, match="laid out as pipeline_stages 4, pipeline_stages_per_process 2 and this run "
-                                          "lays it out as pipeline_stages 4;"):
+    with pytest.raises(ResumeError, match="laid out otherwise: parts/pipeline: pipeline_stages_per_process was 2, is "
+                                          "none; resume with"):
         load_checkpoint(None, run / "checkpoints" / f"step_{SAVED}",
-                        TrainerState(global_batch=8, layout={"pipeline_stages": 4}), max_steps=STEPS)
+                        TrainerState(global_batch=8, layout={"pipeline": {"pipeline_stages": 4}}, flags=FLAGS),
+                        max_steps=STEPS)
 
 
 @pytest.mark.quick
@@ -126,8 +129,15 @@ def test_a_checkpoint_of_an_earlier_version_keeps_its_pipeline_layout(tmp_path) 
     earlier = {"completed_steps": 4, "epoch": 0, "steps_in_epoch": 4, "global_batch": 8, "num_processes": 2,
                "pipeline_stages": 4, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
     (tmp_path / "trainer_state.json").write_text(json.dumps(earlier))
-    with pytest.raises(ResumeError, match="laid out as pipeline_stages 4 and this run lays it out as pipeline_stages 2;"):
-        load_checkpoint(None, tmp_path, TrainerState(global_batch=8, layout={"pipeline_stages": 2}), max_steps=STEPS)
+    two_stages = TrainerState(global_batch=8, layout={"pipeline": {"pipeline_stages": 2}}, flags=FLAGS)
+    with pytest.raises(ResumeError, match="laid out otherwise: parts/pipeline: --pipeline_stages was 4, is 2; resume"):
+        load_checkpoint(None, tmp_path, two_stages, max_steps=STEPS)
+    # until 2026-12-08 the layout was one mapping, the pipeline's alone
+    (tmp_path / "trainer_state.json").write_text(json.dumps(earlier | {"pipeline_stages": 1, "layout": {
+        "pipeline_stages": 4, "pipeline_stages_per_process": 2}}))
+    with pytest.raises(ResumeError, match="parts/pipeline: --pipeline_stages was 4, is 2; parts/pipeline: "
+                                          "pipeline_stages_per_process was 2, is none; resume"):
+        load_checkpoint(None, tmp_path, two_stages, max_steps=STEPS)
 
 
 @pytest.mark.parts("images")

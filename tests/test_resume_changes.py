@@ -55,11 +55,11 @@ if installed("ema"):
 if installed("compression"):
     CHANGES[("--ddp_comm_hook", "power_sgd")] = ResumeError(
         "was trained with --ddp_comm_hook None and this run gives --ddp_comm_hook power_sgd, which a resume cannot "
-        "change (PowerSGD's saved state is the hook's own")
+        "change (parts/compression: PowerSGD's saved state is the hook's own")
 if installed("streaming"):
     CHANGES[("--streaming", "--max_steps", "10", "--max_eval_samples", "8")] = ResumeError(
-        "was trained with --streaming False and this run gives --streaming True, which a resume cannot change (a "
-        "stream resumes from its saved position")
+        "was trained with --streaming False and this run gives --streaming True, which a resume cannot change "
+        "(parts/streaming: a stream resumes from its saved position")
 
 
 @pytest.mark.quick

@@ -56,6 +56,13 @@ def read_metrics(run: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
+def learning_rates(rates: list[float], groups: list[dict]) -> dict[str, float]:
+    """`lr`: the first parameter group's rate (--learning_rate as scheduled, unless a part set the groups' rates:
+    parts/layer_lr's first is the top layer's); where the groups' rates differ, each as `lr/<group's name>` too."""
+    named = {f"lr/{group.get('name', index)}": rate for index, (group, rate) in enumerate(zip(groups, rates))}
+    return {"lr": rates[0], **(named if len(set(rates)) > 1 else {})}
+
+
 class MetricsLogger:
     """Any rank may call; the main process appends to metrics.jsonl, emptied by a `fresh` start (a resume cut it
     back to its checkpoint's step: `keep_metrics_until`)."""

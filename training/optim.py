@@ -57,20 +57,32 @@ def optimizer_for(name: str, offloaded: bool = False) -> OptimizerChoice:
     return (offloaded and OPTIMIZERS[name].offloaded) or OPTIMIZERS[name]
 
 
-def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> torch.optim.Optimizer:
-    """`args.optim` over weights that decay and biases/norm scales that do not; `offloaded`: ZeRO steps on the CPU."""
+def parameter_groups(model: torch.nn.Module, args) -> list[dict]:
+    """The trainable parameters in two groups: weights that decay, and biases/norm scales that do not."""
     import torch
     from transformers.trainer_pt_utils import get_parameter_names
 
     decay = set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY_PATTERNS))
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    # one group per dtype as well: ZeRO flattens a group into one buffer, of one dtype (a float64 parameter among
-    # float32 ones made them all float64)
-    dtypes = sorted({p.dtype for _, p in named}, key=str)
-    groups = [{"params": [p for name, p in named if (name in decay) == decays and p.dtype == dtype],
-               "weight_decay": args.weight_decay if decays else 0.0} for decays in (True, False) for dtype in dtypes]
-    # An adapter has no trainable biases/norms: DeepSpeed drops an empty group, then the scheduler steps one too many
-    groups = [group for group in groups if group["params"]]
+    return [{"params": [p for name, p in named if (name in decay) == decays],
+             "weight_decay": args.weight_decay if decays else 0.0} for decays in (True, False)]
+
+
+def build_optimizer(model: torch.nn.Module, args, offloaded: bool = False) -> torch.optim.Optimizer:
+    """`args.optim` over the core's `parameter_groups` as the parts regroup them (`Part.optimizer_groups`);
+    `offloaded`: ZeRO steps on the CPU."""
+    from training.parts import Grouping, parts
+
+    return optimizer_over(parts().optimizer_groups(parameter_groups(model, args), Grouping(model, args)), args, offloaded)
+
+
+def optimizer_over(groups: list[dict], args, offloaded: bool = False) -> torch.optim.Optimizer:
+    """`args.optim` over `groups`."""
+    # one group per dtype: ZeRO flattens a group into one buffer, of one dtype (a float64 parameter among float32 ones
+    # made them all float64). An adapter has no trainable biases/norms: DeepSpeed drops an empty group, then the
+    # scheduler steps one too many
+    groups = [group | {"params": [p for p in group["params"] if p.dtype == dtype]} for group in groups
+              for dtype in sorted({p.dtype for p in group["params"]}, key=str)]
     choice = optimizer_for(args.optim, offloaded)
     if choice is DEEPSPEED_CPU_ADAMW:
         prepare_cpu_adam(args)
@@ -102,7 +114,7 @@ def check_optimization(args) -> None:
     import torch
     from transformers import get_scheduler
 
-    optimizer = build_optimizer(torch.nn.Linear(1, 1), args)
+    optimizer = optimizer_over(parameter_groups(torch.nn.Linear(1, 1), args), args)
     get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=1, num_training_steps=10,
                   scheduler_specific_kwargs=args.lr_scheduler_kwargs)
 

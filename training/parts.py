@@ -14,10 +14,11 @@ a part names the parts it follows (`after`).
 When each runs, in the order a run meets them: `before_imports`, `check_flags`, `model_split`, `text_source`
 (parsing, no process group); `at_start`, `check_launch`, `accelerator_settings`, `ddp_settings` (the launch);
 `started`, `resuming`, `convert_model`, `adapt_model`, `wrap_model`, `model_runner`, `ranks_per_batch`,
-`loader_settings`, `train_loader` (the model and data built); `lr_multiplier`, then `prepare`, then
+`loader_settings`, `train_loader` (the model and data built); `optimizer_groups`, `lr_multiplier`, then `prepare`, then
 `training_objective`, `micro_batch`, `after_prepare`, `checkpoint_layout` (prepared, before a resumed state is
 loaded), `loading_checkpoint` and `load_state` (a resume), `logged_figures`; the loop: `around_training`, and per step
-`after_optimizer_step`, `stop_requested`, `around_evaluation` (each evaluation), `save_state` (each save); the end:
+`after_backward` (each micro-batch), `after_optimizer_step`, `stop_requested`, `around_evaluation` (each evaluation),
+`save_state` (each save); the end:
 `around_export` (writing final/), `summary`, `run_ended`. The dry run: `held_parameters`, `dry_run_line`.
 """
 
@@ -109,6 +110,7 @@ class Combine(Enum):
     CHAIN = "chain"  # a value passed through every part's in turn: value = hook(value, context)
     MERGE = "merge"  # the dicts every part's returns, merged (a later part's value for the same key wins)
     ANSWERS = "answers"  # every answer that is not None, in order
+    BY_PART = "by part"  # every answer that is not empty, by the name of the part that gave it
     ONE = "one"  # one part's answer at most, or None: two parts answering are refused in one line naming both
 
 
@@ -186,6 +188,26 @@ class Schedule:
 
 
 @dataclass(frozen=True)
+class Grouping:
+    """The optimizer's parameter groups being made, before the optimizer and its schedule."""
+
+    model: torch.nn.Module  # as built and laid out, named (under ZeRO-3 already partitioned: each parameter 1-D)
+    args: TrainArguments
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """One micro-batch's forward and backward just run, on every rank."""
+
+    accelerator: Accelerator
+    model: torch.nn.Module  # as prepared
+    batch: dict
+    targets: torch.Tensor  # the micro-batch's targets (tokens) on this rank
+    window_targets: torch.Tensor  # the window's, over every rank: the loss is the mean over them
+    sync: bool  # the window's last micro-batch: the strategy has reduced the gradients over the processes
+
+
+@dataclass(frozen=True)
 class MicroBatchSearch:
     """What preparing again for another micro-batch takes (parts/batch_size)."""
 
@@ -228,6 +250,9 @@ class OptimizerStep:
     optimizer: torch.optim.Optimizer  # the torch optimizer inside the prepared one
     scheduler: torch.optim.lr_scheduler.LRScheduler
     step: int  # the step just taken, from 1
+    # the norm of the whole gradient before clipping, as clipping measured it: a 0-dim tensor on the device (a float
+    # under DeepSpeed's CPU offload), read without a host sync
+    grad_norm: torch.Tensor | float
     # the loss scaler skipped this update (fp16 overflow: the weights did not change): a 0-dim bool tensor on the device
     # under fp16, read without a host sync (`torch.where`), False otherwise
     skipped: torch.Tensor | bool = False
@@ -370,10 +395,11 @@ class Part:
         """Processes that read the same batches (a pipeline's stages, a tensor-parallel group): their product. At
         set-up, before the data loaders and `prepare`: it sizes the global batch."""
 
-    @hook(Combine.MERGE)
-    def checkpoint_layout(self, args: TrainArguments) -> dict[str, int]:
-        """How this part cuts the model, recorded in checkpoints: a resume must match it. After `prepare`, before a
-        resume is loaded."""
+    @hook(Combine.BY_PART)
+    def checkpoint_layout(self, args: TrainArguments) -> dict[str, object]:
+        """How this part cuts the model, or settings of its own a run cannot change midway, as JSON values by name
+        (its flag's, where a flag sets it), recorded in checkpoints: a resume that differs is refused in one line naming
+        the part and the setting. After `prepare`, before a resume is loaded."""
         return {}
 
     @hook(Combine.EACH)
@@ -436,6 +462,16 @@ class Part:
         """Batches of a training set the core's DataLoader cannot read (a stream: no length); it keeps its own
         position. One part's at most. Before `prepare`."""
 
+    @hook(Combine.CHAIN)
+    def optimizer_groups(self, groups: list[dict], grouping: Grouping) -> list[dict]:
+        """The optimizer's parameter groups (`params`, `weight_decay`, optional `lr` and `name`) as the core split them
+        (weights decay; biases and norm scales do not), regrouped, before the optimizer and the schedule are built, on
+        every rank under every strategy and --optim. A group's `lr` is its base rate, which the schedule scales as it
+        scales every group's; `name` names it in the logs (`lr/<name>`). The core then splits each group by dtype
+        (ZeRO flattens a group into one buffer) and drops empty ones. Again for each micro-batch `micro_batch`
+        prepares."""
+        return groups
+
     @hook(Combine.ONE)
     def lr_multiplier(self, schedule: Schedule) -> Callable[[int], float] | None:
         """A learning-rate schedule of this part's own: the factor of --learning_rate at each step (0-based) from the
@@ -471,6 +507,15 @@ class Part:
     def around_training(self, loop: Loop) -> AbstractContextManager | None:
         """What the training loop runs within (a collective that timed out, as one error line): entered after a
         resume is loaded and the step-0 evaluation, before the first step."""
+
+    @hook(Combine.EACH)
+    def after_backward(self, micro: MicroStep) -> None:
+        """After each micro-batch's backward, on every rank, before clipping and the optimizer step; no host sync
+        here. What `.grad` holds then is the strategy's: DDP: this rank's sum over the window so far, averaged over
+        the processes once `micro.sync`; FSDP2: nothing before `micro.sync` (the sum stays inside FSDP), then this
+        rank's shard of the average (a DTensor); DeepSpeed ZeRO: nothing (it reduces into its own buffers during
+        backward). A micro-batch's own gradient on this rank, under every strategy: tensor hooks on the parameters as
+        the forward uses them (parts/gns)."""
 
     @hook(Combine.EACH)
     def after_optimizer_step(self, step: OptimizerStep) -> None:
@@ -572,6 +617,8 @@ def _combined(name: str, combine: Combine) -> Callable:
             return {key: value for answer in answers for key, value in answer.items()}
         if combine is Combine.ANSWERS:
             return [answer for answer in answers if answer is not None]
+        if combine is Combine.BY_PART:
+            return {part.name: answer for part, answer in zip(overriding, answers) if answer}
         return None
 
     every_part.__name__ = every_part.__qualname__ = name

@@ -1,7 +1,7 @@
 """One optimizer step, whole, in the order it runs: the micro-step's objective (the task's loss sums as the parts make
 them: `training_objective`), then per window of micro-batches (`accumulation_windows`): forward and backward of each
-(`forward_backward`), clipping (`clip_gradients`), the optimizer step, the scheduler step and the step counters, the
-non-finite check (`NonFiniteGuard`), and the parts' `after_optimizer_step`. train.py's loop calls `optimizer_step` once
+(`forward_backward`) and the parts' `after_backward`, clipping (`clip_gradients`), the optimizer step, the scheduler
+step and the step counters, the non-finite check (`NonFiniteGuard`), and the parts' `after_optimizer_step`. train.py's loop calls `optimizer_step` once
 per window. Under DeepSpeed the engine clips and steps inside `accelerator.backward` of the window's last micro-batch
 (accelerate calls `engine.step()` there), so `clip_gradients` reads the norm it measured and `optimizer.step()` is a
 no-op; every other strategy clips and steps in the calls that name it. A part's runner
@@ -18,7 +18,7 @@ import torch
 from accelerate import Accelerator
 
 from training.errors import NonFiniteLossError
-from training.parts import OptimizerStep, Training, parts
+from training.parts import MicroStep, OptimizerStep, Training, parts
 from training.strategy import Strategy, wrapped_strategy
 
 if TYPE_CHECKING:
@@ -48,31 +48,34 @@ def accumulation_windows(batches: Iterable[dict], size: int) -> Iterator[list[di
         raise RuntimeError(f"an incomplete accumulation window of {len(window)} micro-batches: the data was not cut to full global batches")
 
 
-def optimizer_step(run: Run, window: list[dict], nonfinite: NonFiniteGuard) -> tuple[torch.Tensor, torch.Tensor | float, float]:
+def optimizer_step(run: Run, window: list[dict], nonfinite: NonFiniteGuard) -> tuple[torch.Tensor, torch.Tensor | float,
+                                                                                   list[float]]:
     """One optimizer step over a window of micro-batches, the schedule and counters moved on; returns the step's loss
-    (on the device), the gradient norm before clipping (nan when --max_grad_norm is 0 and nothing was measured) and
-    the learning rate the update used."""
+    (on the device), the gradient norm before clipping, and the learning rate each parameter group's update used."""
     accelerator, task, model, runner = run.accelerator, run.task, run.model, run.runner
     # The loss is the mean over every target (token, or image) of the global batch: each
     # micro-batch's loss sum is divided by the count over the whole window on all ranks.
-    window_targets = accelerator.reduce(sum(task.count_targets(batch) for batch in window), "sum")
+    targets = [task.count_targets(batch) for batch in window]
+    window_targets = accelerator.reduce(sum(targets), "sum")
     clip_norm = run.args.max_grad_norm if run.args.max_grad_norm > 0 else math.inf  # inf: measure, never clip
     step_loss, grad_norm = torch.zeros((), device=accelerator.device), math.nan
-    for batch in window:
+    for batch, batch_targets in zip(window, targets):
         with accelerator.accumulate(model):
             step_loss += runner.forward_backward(model, run.objective, batch, window_targets)  # no host sync here
+            parts().after_backward(MicroStep(accelerator, model, batch, batch_targets, window_targets,
+                                             accelerator.sync_gradients))
             if accelerator.sync_gradients:
                 grad_norm = runner.clip_gradients(model, clip_norm)
             run.optimizer.step()  # (DeepSpeed stepped inside backward: a no-op)
             run.optimizer.zero_grad()
-    lr = run.scheduler.get_last_lr()[0]  # the rate this step's update used
+    rates = run.scheduler.get_last_lr()  # the rates this step's update used
     run.scheduler.step()
     run.state.completed_steps += 1
     run.state.steps_in_epoch += 1
     skipped = nonfinite.update(run.state.completed_steps, step_loss, grad_norm)
     parts().after_optimizer_step(OptimizerStep(accelerator, model, run.torch_optimizer, run.scheduler,
-                                               run.state.completed_steps, skipped))
-    return step_loss, grad_norm, lr
+                                               run.state.completed_steps, grad_norm, skipped))
+    return step_loss, grad_norm, rates
 
 
 def forward_backward(accelerator: Accelerator, objective: Callable[[torch.nn.Module, dict], torch.Tensor], model: torch.nn.Module,
@@ -90,7 +93,8 @@ def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
     """The norm before clipping, on the device (DeepSpeed clips in its step; accelerate's `.item()` would sync)."""
     if wrapped_strategy(model) is Strategy.DEEPSPEED:
         return model.get_global_grad_norm()
-    return accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.to_local() if hasattr(norm, "to_local") else norm  # FSDP2's, a replicated DTensor: the whole norm
 
 
 class NonFiniteGuard:
@@ -122,8 +126,6 @@ class NonFiniteGuard:
         return skipped
 
     def _tensor(self, value: torch.Tensor | float) -> torch.Tensor:
-        # FSDP2 returns the norm as a replicated DTensor: its local value is the whole norm.
-        value = value.to_local() if hasattr(value, "to_local") else value
         return torch.as_tensor(value, device=self.first_bad_step.device).detach().float()
 
     def local(self) -> dict[str, torch.Tensor]:

@@ -46,7 +46,7 @@ class Pipeline(Part):
         own checkpoint files, the export gathered on rank 0 (parts/pipeline/schedule.py)."""
         return model if pipelined(run.args) else None
 
-    def checkpoint_layout(self, args) -> dict[str, int]:
+    def checkpoint_layout(self, args) -> dict[str, object]:
         """The stages, and how many each process holds where more than one (each process saves its own optimizer)."""
         from parts.pipeline.layout import STAGES_PER_PROCESS, stage_count
 

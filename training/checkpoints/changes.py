@@ -40,8 +40,9 @@ def recorded_flags(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def refused_on_resume() -> dict[str, str]:
-    """The flags a resume cannot change, the core's and the installed parts', with why."""
-    return REFUSED | {flag: why for part in installed_parts() for flag, why in part.fixed_on_resume.items()}
+    """The flags a resume cannot change, the core's and the installed parts' (named), with why."""
+    return REFUSED | {flag: f"parts/{part.name}: {why}" for part in installed_parts()
+                      for flag, why in part.fixed_on_resume.items()}
 
 
 def check_changes(path: Path, saved: TrainerState, this_run: TrainerState) -> list[str]:

@@ -150,6 +150,13 @@ def check_same_model(path: Path, saved: dict[str, Any], this_run: dict[str, Any]
         logger.warning(f"resuming {path} with changed {shown(named)} (--allow_config_changes)", main_process_only=True)
 
 
+def layout_differences(saved: dict[str, dict], this_run: dict[str, dict], flags: dict[str, Any]) -> list[str]:
+    """Each setting of a part's `checkpoint_layout` the checkpoint recorded otherwise (by part: `config_differences`'
+    sections), as `parts/pipeline: --pipeline_stages was 4, is 2` (a setting a flag sets, named as the flag)."""
+    return [f"parts/{part}: {'--' * (key in flags)}{key} was {before!r}, is {after!r}"
+            for (part, key), (before, after) in config_differences(saved, this_run).items()]
+
+
 def shapes_differ(path: Path, accelerator: Accelerator | None, model: torch.nn.Module | None) -> str | None:
     """The first tensor whose shape the checkpoint's manifest records otherwise than `model` holds it (None: the same
     tensors, or nothing recorded)."""
@@ -243,6 +250,8 @@ def load_checkpoint(accelerator: Accelerator | None, path: Path, this_run: Train
         saved = json.loads((path / TRAINER_STATE).read_text())
         if (stages := saved.pop("pipeline_stages", 1)) > 1:  # how checkpoints before 2026-11-27 recorded a pipeline
             saved["layout"] = {"pipeline_stages": stages}
+        if not all(isinstance(cut, dict) for cut in saved.get("layout", {}).values()):  # flat: the pipeline's alone,
+            saved["layout"] = {"pipeline": saved["layout"]}  # before the parts' layouts were kept apart (2026-12-08)
         state = TrainerState(**saved)
     except json.JSONDecodeError:
         raise ResumeError(f"{path / TRAINER_STATE} is damaged; resume an earlier checkpoint") from None
@@ -260,13 +269,10 @@ def load_checkpoint(accelerator: Accelerator | None, path: Path, this_run: Train
         raise ResumeError(
             f"{path} was trained with a global batch of {state.global_batch}, this run has {this_run.global_batch}; "
             "keep per_device_train_batch_size x processes x gradient_accumulation_steps the same to resume")
-    if state.layout != this_run.layout:
-        def shown(cut: dict[str, int]) -> str:
-            return ", ".join(f"{key} {value}" for key, value in sorted(cut.items())) or "one whole model per process"
-
-        raise ResumeError(f"{path} holds a model laid out as {shown(state.layout)} and this run lays it out as "
-                          f"{shown(this_run.layout)}; resume with the flags that laid it out so, or start a new run "
-                          "from that run's final/ with --model_name_or_path (the optimizer state is not carried over)")
+    if differences := layout_differences(state.layout, this_run.layout, this_run.flags):
+        raise ResumeError(f"{path} holds a model laid out otherwise: {'; '.join(differences)}; resume with the flags "
+                          "that laid it out so, or start a new run from that run's final/ with --model_name_or_path "
+                          "(the optimizer state is not carried over)")
     trained_with = " ".join(f"--{flag} {state.flags[flag]}" for flag in ("model_name_or_path", "model_config",
                                                                           "config_overrides") if state.flags.get(flag))
     check_same_model(path, state.model, this_run.model, allowed_changes,  # (a pipeline's stages hold some tensors)
