@@ -8,6 +8,7 @@ import dataclasses
 import os
 from contextlib import nullcontext
 
+import torch
 from accelerate.utils import DeepSpeedPlugin, set_seed
 
 from training.strategy.accelerator import check_launch
@@ -16,7 +17,7 @@ from training.optim import global_batch_size, optimizer_for, run_length, warmup_
 from training.parts import Flags, Launch, Plan, parts
 from training.performance import compute_dtype, parameter_count
 from training.setup import data_parallel
-from training.strategy import Strategy, has_accelerator_device, requested_strategy
+from training.strategy import Strategy, requested_strategy
 from training.strategy.adapters import align_deepspeed_config
 from training.task_registry import build_task
 
@@ -41,7 +42,7 @@ def dry_run(model_args, data_args, args) -> str | None:
     # Planned on a login node for GPU machines: check as on a GPU, and say what this machine would refuse.
     check_launch(Launch(args, strategy, processes, on_cpu=False))  # the core's and the parts', as a real launch checks
     cpu_note = ""
-    if not has_accelerator_device():
+    if not torch.accelerator.is_available():
         try:
             check_launch(Launch(args, strategy, processes, on_cpu=True))
         except StrategyError as error:

@@ -37,10 +37,6 @@ def requested_strategy() -> Strategy:
     return Strategy.SINGLE
 
 
-def has_accelerator_device() -> bool:
-    return torch.accelerator.is_available()
-
-
 def check_launch_config(strategy: Strategy, on_cpu: bool) -> None:
     """Before any process group, reject what accelerate would fail on or silently run otherwise (same on every rank)."""
     if strategy is Strategy.DEEPSPEED and (path := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")):

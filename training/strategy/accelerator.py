@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
@@ -14,7 +15,7 @@ from accelerate.utils import DistributedDataParallelKwargs, DistributedType, Ini
 from training.collectives import joining_process_group, start_restarted_process_group
 from training.strategy.cpu import cpu_process_group
 from training.parts import Launch, parts
-from training.strategy import Strategy, check_launch_config, has_accelerator_device, requested_strategy
+from training.strategy import Strategy, check_launch_config, requested_strategy
 from training.strategy.adapters import optimizer_offload_device
 
 logger = get_logger(__name__)
@@ -22,7 +23,7 @@ logger = get_logger(__name__)
 
 def build_accelerator(args, **accelerator_kwargs) -> Accelerator:
     """An `Accelerator` for the configured strategy, on GPUs or, for real, on CPU."""
-    launch = Launch(args, requested_strategy(), int(os.environ.get("WORLD_SIZE", "1")), not has_accelerator_device())
+    launch = Launch(args, requested_strategy(), int(os.environ.get("WORLD_SIZE", "1")), not torch.accelerator.is_available())
     parts().at_start(launch)  # (start-up work skipped: parts/fast_start), before DeepSpeed loads
     timeout = timedelta(seconds=args.ddp_timeout)
     check_launch(launch)
