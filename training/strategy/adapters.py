@@ -117,8 +117,6 @@ def align_deepspeed_config(config: dict, max_grad_norm: float, per_device_batch:
             'set "gradient_clipping": "auto" in the JSON so the flag decides')
 
 
-
-
 def write_effective_deepspeed_config(accelerator: Accelerator, output_dir: str) -> None:
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and accelerator.is_main_process:
