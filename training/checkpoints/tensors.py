@@ -33,10 +33,8 @@ from training.strategy.shares import (
 )
 from training.strategy.whole import scalars_gathered_1d
 
-# The checkpoint's model state, one tensor at a time in the same terms under every strategy (training/checkpoints/):
-# the pieces of its value and optimizer state that this rank holds, or the whole of them set into its layout. A piece
-# is (its offset in the flattened whole, values in their own dtype). Optimizer state not shaped like its tensor (a
-# step count, Adafactor's factored moments) is kept as the optimizer holds it, a tensor or a number, under offset None.
+# A piece is (its offset in the flattened whole, values in their own dtype). Optimizer state not shaped like its tensor
+# (a step count, Adafactor's factored moments) is kept as the optimizer holds it, a tensor or a number, at offset None.
 
 MODEL_STATE = "model_state"  # rank<N>.safetensors: each rank's pieces of every tensor's value and optimizer state
 
