@@ -220,13 +220,12 @@ def flags_given(args: ModelArguments | DataArguments | TrainArguments, names: It
 
 def check_task_flags(model_args: ModelArguments, data_args: DataArguments) -> None:
     """The named config belongs to the task (default: the task's own), and no flag is meant for the other task."""
-    task, every = model_args.task, tasks()
-    chosen = task_entry(task)
+    task, chosen = model_args.task, task_entry(model_args.task)
     model_args.model_config = model_args.model_config or chosen.default_config
     if not model_args.model_name_or_path and chosen.configs and model_args.model_config not in chosen.configs:
         raise ArgumentError(f"unknown model_config {model_args.model_config!r} for --task {task}; choose one of "
                             f"{sorted(chosen.configs)}")
-    others = sorted({flag for entry in every.values() for flag in entry.own_flags} - set(chosen.own_flags))
+    others = sorted({flag for entry in tasks().values() for flag in entry.own_flags} - set(chosen.own_flags))
     if given := flags_given(model_args, others):
         owners = flag_owners(given[0])
         raise ArgumentError(f"--{given[0]} is for --task {' or '.join(owners)}, not {task}; drop it or set --task {owners[0]}")
