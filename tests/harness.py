@@ -7,6 +7,7 @@ train a run once per test run are in tests/conftest.py; a part's own, in tests/f
 
 from __future__ import annotations
 
+import ast
 import os
 
 # The suite tests CPU semantics (gloo, the CPU accommodation, the fp16 and SyncBatchNorm
@@ -452,3 +453,18 @@ def parity_args(config: str, base_model: Path) -> tuple[str, ...]:
             "--adam_beta2", "0.99", "--adam_epsilon", "1e-6", "--max_grad_norm", str(STRATEGY_CLIPPING), *PARITY_FLAGS)
 
 
+
+
+def assert_public_api_only(part: str) -> None:
+    """parts/<part> is written as a forker writes a part (issue 70): of this template it imports `training.parts`, the
+    errors and the shares API alone (no core edit needed), and no private name."""
+    imported = set()
+    for path in sorted((REPO / "parts" / part).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported |= {(node.module, alias.name) for alias in node.names}
+            elif isinstance(node, ast.Import):
+                imported |= {(alias.name, "") for alias in node.names}
+    core = {module for module, _ in imported if module.split(".")[0] in ("training", "data", "models")}
+    assert core <= {"training.parts", "training.errors", "training.strategy.shares"}, (part, core)
+    assert not [name for _, name in imported if name.startswith("_")], part

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import TINY_RUN, bad_input_errors, flag_refusal, launch, read_metrics, train
+from tests.harness import TINY_RUN, assert_public_api_only, bad_input_errors, flag_refusal, launch, read_metrics, train
 from training.checkpoints.tensors import ModelState
 from training.errors import ArgumentError
 from training.flags import TrainArguments
@@ -236,3 +236,8 @@ def test_every_optimizer_steps_each_group_at_its_rate(optim) -> None:
     assert moved["out.weight"] > 0 and moved["blocks.1.experts.0.weight"] == pytest.approx(moved["out.weight"] / 4,
                                                                                            rel=1e-3)
     assert moved["inp.weight"] == pytest.approx(moved["out.weight"] / 16, rel=1e-3)
+
+
+@pytest.mark.quick
+def test_a_forkers_part_needs_the_public_api_alone() -> None:
+    assert_public_api_only("layer_lr")

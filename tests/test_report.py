@@ -8,7 +8,7 @@ import json
 import pytest
 from matplotlib.image import imread
 
-from parts.report.drawing import CORE_PANELS, metric_panels, write_report
+from parts.report.drawing import CORE_PANELS, metric_panels, panels_of, write_report
 from tests.harness import tracked_run_args
 
 pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
@@ -42,3 +42,12 @@ def test_the_report_draws_a_panel_for_every_metric_a_task_logs(tmp_path) -> None
         "held out: accuracy", "held out: ema accuracy", "held out: top5 accuracy"]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(record) for record in other_pass))
     assert imread(write_report(tmp_path)).shape == (800, 2400, 4)  # 7 panels, 4 columns
+
+
+def test_the_report_draws_each_groups_rate_and_a_measured_noise_scale() -> None:
+    """parts/layer_lr's rates beside `lr`, parts/gns's figure in a panel of its own, each only where logged."""
+    records = [{"step": 1, "loss": 1.5, "lr": 1e-3, "lr/layer_1": 1e-3, "lr/layer_0": 8e-4, "gradient_noise_scale": 3.0}]
+    panels = {title: series for title, series, _ in panels_of(records)}
+    assert panels["learning rate"] == [("lr", "lr", "-"), ("lr/layer_0", "layer_0", "--"), ("lr/layer_1", "layer_1", "--")]
+    assert panels["gradient noise scale (examples)"] == [("gradient_noise_scale", "B_simple", "o-")]
+    assert "gradient noise scale (examples)" not in {title for title, _, _ in panels_of(records[:0])}

@@ -59,11 +59,13 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
 
 class LoggedFigures(Protocol):
     """A part's figures logged beside the loss and throughput (parts/mfu: MFU; parts/dpo: rewards): each rank's
-    since the last interval (`local`), gathered with the rest, then combined (`report`)."""
+    (`local`), gathered with the rest, then combined (`report`). `local` is called at each logged interval, with the
+    interval's units and seconds, and once more at the end for summary.json (`whole_run`), with the launch's: a part
+    that counts its own events keeps the run's totals apart from the interval's."""
 
     steady: tuple[str, ...]  # of `report`'s keys, those summary.json also gets as medians after warm-up
 
-    def local(self, units: int, seconds: float) -> dict[str, float]: ...
+    def local(self, units: int, seconds: float, whole_run: bool) -> dict[str, float]: ...
 
     def report(self, ranks: dict[str, torch.Tensor], units_per_sec: float) -> dict[str, float]: ...
 
@@ -111,7 +113,7 @@ class SpeedMeter:
 
     def interval(self) -> dict[str, float]:
         """This rank's figures since the last call, for `collectives.gather_scalars`; starts the next interval."""
-        figures = self._local(self.units, self.steps, self.seconds)
+        figures = self._local(self.units, self.steps, self.seconds, whole_run=False)
         self.units = self.steps = 0
         self.seconds = 0.0
         return figures
@@ -119,14 +121,14 @@ class SpeedMeter:
     def whole_run(self) -> dict[str, float]:
         """This rank's figures over the launch's steps after its first (or the first, if alone)."""
         if self.total_steps:
-            return self._local(self.total_units, self.total_steps, self.total_seconds)
-        return self._local(self.first_step[0], 1, self.first_step[1])
+            return self._local(self.total_units, self.total_steps, self.total_seconds, whole_run=True)
+        return self._local(self.first_step[0], 1, self.first_step[1], whole_run=True)
 
-    def _local(self, units: int, steps: int, seconds: float) -> dict[str, float]:
+    def _local(self, units: int, steps: int, seconds: float, whole_run: bool) -> dict[str, float]:
         seconds = max(seconds, 1e-9)
         # by position, not device name: every rank must send the same names (rank 1's GPU is its cuda:1)
         peaks = {f"peak_memory {i}": peak_memory_bytes(device) for i, device in enumerate(self.memory_devices)}
-        figures = {key: value for part in self.figures for key, value in part.local(units, seconds).items()}
+        figures = {key: value for part in self.figures for key, value in part.local(units, seconds, whole_run).items()}
         return {"units_per_sec": units / seconds, "step_time": seconds / max(steps, 1), **peaks, **figures}
 
     def report(self, ranks: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -57,21 +57,26 @@ def pair_sums(scores: torch.Tensor, beta: float, loss_type: str, label_smoothing
 
 
 class PairFigures:
-    """`LoggedFigures` (training/performance.py) of the pairs trained since the last log: their sums on this rank,
-    then the means over every rank's pairs, by TRL's names."""
+    """`LoggedFigures` (training/performance.py) of the pairs trained since the last log (or, for summary.json, in the
+    whole launch): their sums on this rank, then the means over every rank's pairs, by TRL's names."""
 
     steady = ()
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor | float] = {}
+        self.run_sums: dict[str, torch.Tensor | float] = {}  # the logged intervals', for the whole launch
 
     def add(self, sums: dict[str, torch.Tensor]) -> None:
         self.sums["pairs"] = self.sums.get("pairs", 0.0) + len(sums["loss"])
         for name in FIGURES.values():
             self.sums[name] = self.sums.get(name, 0.0) + sums[name].detach().sum()
 
-    def local(self, units: int, seconds: float) -> dict[str, torch.Tensor | float]:
-        local = {f"dpo {name}": self.sums.get(name, 0.0) for name in ("pairs", *FIGURES.values())}
+    def local(self, units: int, seconds: float, whole_run: bool) -> dict[str, torch.Tensor | float]:
+        names = ("pairs", *FIGURES.values())
+        if whole_run:
+            return {f"dpo {name}": self.run_sums.get(name, 0.0) + self.sums.get(name, 0.0) for name in names}
+        local = {f"dpo {name}": self.sums.get(name, 0.0) for name in names}
+        self.run_sums = {name: self.run_sums.get(name, 0.0) + self.sums.get(name, 0.0) for name in names}
         self.sums = {}
         return local
 

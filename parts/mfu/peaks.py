@@ -83,7 +83,7 @@ class Mfu:
     def __init__(self, device: torch.device, flops_per_unit: float, peak: float, ranks_per_batch: int = 1) -> None:
         self.device, self.flops_per_unit, self.peak, self.ranks_per_batch = device, flops_per_unit, peak, ranks_per_batch
 
-    def local(self, units: int, seconds: float) -> dict[str, float]:
+    def local(self, units: int, seconds: float, whole_run: bool) -> dict[str, float]:
         if self.device.type != "cpu":
             return {"peak_flops": self.peak}
         # A CPU's peak is a 0.1 s probe, a lower bound: another process may have slowed it. The

@@ -1,6 +1,7 @@
-"""`output_dir/report.png`: training and eval loss, learning rate, throughput and gradient norm
-against step, then one panel per other evaluation metric the run logged (`eval_accuracy`, and any
-a task adds), drawn from `output_dir/metrics.jsonl` at the end of every run.
+"""`output_dir/report.png`: training and eval loss, learning rate (each parameter group's, where they differ),
+throughput and gradient norm against step, the gradient noise scale where a run measured it (parts/gns), then one
+panel per other evaluation metric the run logged (`eval_accuracy`, and any a task adds), drawn from
+`output_dir/metrics.jsonl` at the end of every run.
 
     python -m parts.report.drawing outputs/default      # redraw it for any run directory
 """
@@ -19,6 +20,9 @@ CORE_PANELS = (  # (title, [(metrics key, label, style)], log scale)
     ("learning rate", [("lr", "lr", "-")], False),
     ("throughput (all ranks)", [("tokens_per_sec", "tokens/s", "-"), ("samples_per_sec", "samples/s", "-")], False),
     ("gradient norm (before clipping)", [("grad_norm", "grad norm", "-")], True),
+)
+LOGGED_PANELS = (  # drawn where the run logged them
+    ("gradient noise scale (examples)", [("gradient_noise_scale", "B_simple", "o-")], True),
 )
 
 
@@ -43,6 +47,17 @@ def other_pass(key: str) -> str | None:
     return found.group(1) if (found := re.fullmatch(r"eval_([a-z0-9]+)_loss", key)) else None
 
 
+def panels_of(records: list[dict]) -> tuple:
+    """Every panel of the report: the core's, another pass's loss beside the loss, each parameter group's rate beside
+    `lr` (`lr/<group>`, where their rates differ), the panels of `LOGGED_PANELS` logged, then `metric_panels`."""
+    logged = {key for record in records for key in record}
+    (loss_title, losses, log_scale), (lr_title, rates, lr_log), *rest = CORE_PANELS
+    losses = [*losses, *((key, f"eval ({other_pass(key)})", "s--") for key in sorted(filter(other_pass, logged)))]
+    rates = [*rates, *((key, key.removeprefix("lr/"), "--") for key in sorted(logged) if key.startswith("lr/"))]
+    return ((loss_title, losses, log_scale), (lr_title, rates, lr_log), *rest,
+            *(panel for panel in LOGGED_PANELS if any(key in logged for key, *_ in panel[1]))) + metric_panels(records)
+
+
 def write_report(output_dir: str | Path, title: str = "") -> Path:
     """Draw the report from the run's metrics.jsonl; returns the PNG's path."""
     from matplotlib.figure import Figure  # here, not at the top: only the main process draws, at the end
@@ -51,10 +66,7 @@ def write_report(output_dir: str | Path, title: str = "") -> Path:
     records = read_metrics(output_dir)
     # The object API: no pyplot, no display. Fixed margins: matplotlib's constrained layout
     # takes longer than drawing the panels (0.7 s of 1.5 s at the end of every run).
-    passes = sorted({key for record in records for key in record if other_pass(key)})
-    (loss_title, losses, log_scale), *rest = CORE_PANELS
-    losses = [*losses, *((key, f"eval ({other_pass(key)})", "s--") for key in passes)]
-    panels = ((loss_title, losses, log_scale), *rest) + metric_panels(records)
+    panels = panels_of(records)
     columns = (len(panels) + 1) // 2
     figure = Figure(figsize=(6 * columns, 8))
     figure.subplots_adjust(left=0.09 * 2 / columns, right=0.98, bottom=0.07, top=0.9, hspace=0.35, wspace=0.25)

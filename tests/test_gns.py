@@ -1,0 +1,95 @@
+"""The gradient noise scale (parts/gns): the same value under ddp, fsdp and ZeRO-3 for one split of the global batch,
+and within the estimator's noise for another split; the estimator unbiased on known terms; impossible settings
+refused in one line; the part built on the public API alone."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+
+from tests.harness import assert_public_api_only, flag_refusal, read_metrics
+from training.errors import StrategyError
+from training.parts import Launch
+from training.strategy import Strategy
+
+pytestmark = [pytest.mark.parts("gns"), pytest.mark.forked]
+
+STEPS = 8
+MEASURED = ("--gns_every", "1", "--max_steps", str(STEPS), "--logging_steps", "1", "--eval_strategy", "no",
+            "--save_strategy", "no")
+SPLITS = {  # name -> (config, micro-batch, accumulation): a global batch of 8 on 2 processes
+    "ddp": ("ddp", "2", "2"), "fsdp": ("fsdp", "2", "2"), "zero3": ("deepspeed_zero3", "2", "2"),
+    "ddp 4x1": ("ddp", "4", "1"),  # another split: micro-batches of 4
+}
+
+
+@pytest.fixture(scope="module")
+def runs(cached_run):
+    return {name: cached_run(config, *MEASURED, "--per_device_train_batch_size", micro,
+                             "--gradient_accumulation_steps", accumulation)
+            for name, (config, micro, accumulation) in SPLITS.items()}
+
+
+def per_step(run) -> list[float]:
+    return [record["gradient_noise_scale"] for record in read_metrics(run) if "gradient_noise_scale" in record]
+
+
+def test_the_strategies_measure_the_same_noise_scale_for_one_split(runs) -> None:
+    values = {name: per_step(runs[name]) for name in ("ddp", "fsdp", "zero3")}
+    assert len(values["ddp"]) == STEPS and all(math.isfinite(value) and value > 0 for value in values["ddp"])
+    for name in ("fsdp", "zero3"):
+        assert values[name] == pytest.approx(values["ddp"], rel=1e-4), name
+    summaries = {name: json.loads((runs[name] / "summary.json").read_text()) for name in ("ddp", "fsdp", "zero3")}
+    for summary in summaries.values():  # the whole run's, over its 8 measured steps, and the median after warm-up
+        assert summary["gradient_noise_scale"] == pytest.approx(summaries["ddp"]["gradient_noise_scale"], rel=1e-4)
+        assert summary["steady_gradient_noise_scale"] == pytest.approx(statistics.median(values["ddp"][1:]), rel=1e-4)
+
+
+def test_another_split_measures_it_within_the_estimators_noise(runs) -> None:
+    """Micro-batches of 4 rather than 2: another estimate of the same quantity, apart from the first by no more than
+    three standard errors of the two runs' per-step estimates (and apart: a split that changed nothing proves
+    nothing)."""
+    two, four = per_step(runs["ddp"]), per_step(runs["ddp 4x1"])
+    whole = {name: json.loads((runs[name] / "summary.json").read_text())["gradient_noise_scale"] for name in runs}
+    error = math.sqrt(statistics.variance(two) / len(two) + statistics.variance(four) / len(four))
+    assert 0 < abs(whole["ddp 4x1"] - whole["ddp"]) < 3 * error, (whole, error)
+
+
+@pytest.mark.quick
+def test_the_estimate_of_known_terms_is_exact() -> None:
+    """|G|² = 4 and tr(Σ) = 8, per token: E|G_b|² = 4 + 8/b for micro-batches of b = 2 tokens and a global batch of
+    B = 8, in 4 examples of 2 tokens: B_simple = 8/4 = 2 tokens, one example."""
+    from parts.gns.noise import NoiseMeter
+
+    def column(*values: float) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float64)
+
+    ranks = {"gns small": column(2 * 8.0, 2 * 8.0), "gns micro_batches": column(2, 2), "gns inverse_tokens": column(1, 1),
+             "gns big": column(5.0, 5.0), "gns tokens": column(8, 8), "gns examples": column(4, 4),
+             "gns steps": column(1, 1)}
+    assert NoiseMeter.report(None, ranks, 0.0) == {"gradient_noise_scale": pytest.approx(1.0)}
+    assert NoiseMeter.report(None, ranks | {"gns steps": column(0, 0)}, 0.0) == {}  # nothing measured: nothing logged
+    assert NoiseMeter.report(None, ranks | {"gns big": column(9.0, 9.0)}, 0.0) == {}  # tr(Σ) estimated <= 0
+    assert NoiseMeter.report(None, ranks | {"gns small": column(200.0, 200.0)}, 0.0) == {}  # |G|² estimated <= 0
+
+
+@pytest.mark.quick
+def test_impossible_settings_are_refused_in_one_line(monkeypatch) -> None:
+    from parts.gns import PART
+
+    assert flag_refusal(["--gns_every", "-1"], {}, monkeypatch).startswith("--gns_every -1: give a step interval >= 1")
+    from training.arguments import parse_args
+
+    *_, args = parse_args(["--gns_every", "5"])
+    with pytest.raises(StrategyError, match="^--gns_every compares one micro-batch's gradient with the global batch's"):
+        PART.check_launch(Launch(args, Strategy.DDP, 1, on_cpu=True))
+    PART.check_launch(Launch(args, Strategy.DDP, 2, on_cpu=True))
+
+
+@pytest.mark.quick
+def test_a_forkers_part_needs_the_public_api_alone() -> None:
+    assert_public_api_only("gns")
