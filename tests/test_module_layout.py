@@ -160,11 +160,17 @@ def test_each_hook_combines_the_parts_answers_as_it_declares() -> None:
         def started(self, run):
             return None
 
+        def checkpoint_layout(self, args):
+            return {}
+
     class Second(First):
         name = "second"
 
         def loader_settings(self, args):
             return {"num_workers": 2}
+
+        def checkpoint_layout(self, args):
+            return {"schedule": "1F1B", "stages": [0, 2]}  # any JSON value
 
         def started(self, run):
             return "a line"
@@ -176,6 +182,8 @@ def test_each_hook_combines_the_parts_answers_as_it_declares() -> None:
     assert both.wrap_model("model", None) == "second(first(model))"
     assert both.loader_settings(None) == {"num_workers": 2, "pin_memory": True}
     assert both.started(None) == ["a line"]
+    assert HOOKS["checkpoint_layout"] is Combine.BY_PART
+    assert both.checkpoint_layout(None) == {"second": {"schedule": "1F1B", "stages": [0, 2]}}  # (first's empty: none)
     assert both.train_loader(None) is None and both.summary(0) == {}  # a hook no part overrides: nothing
     assert type(parts()) is InstalledParts and parts().parts == installed_parts()
 

@@ -16,6 +16,7 @@ from tests.harness import SPLITS, TINY_RUN, bad_input_errors, launch, read_metri
 from training.arguments import ArgumentError, parse_args
 from training.checkpoints.changes import check_changes, recorded_flags
 from training.checkpoints.files import TrainerState
+from training.checkpoints.resume import load_checkpoint
 from training.errors import ResumeError
 from training.flags import every_flag
 from training.parts import installed
@@ -103,6 +104,20 @@ def test_another_number_of_optimizer_groups_is_refused_in_one_line(tmp_path) -> 
                                           "with the flags it was trained with"):
         check_changes(Path("step_4"), state_of(tmp_path), state_of(tmp_path, groups=4))
     check_changes(Path("step_4"), state_of(tmp_path, groups=0), state_of(tmp_path))  # (not recorded before 2026-12-07)
+
+
+@pytest.mark.quick
+def test_a_parts_layout_of_any_json_value_is_refused_naming_the_part_and_setting(tmp_path) -> None:
+    """`checkpoint_layout` (by part): a setting a flag sets named with its dashes, another by its key, a part the
+    checkpoint did not record as `none`."""
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"completed_steps": 4, "global_batch": 8, "layout": {
+        "mine": {"my_flag": 0.8, "stages": [0, 2]}}}))
+    this_run = TrainerState(global_batch=8, flags={"my_flag": 0.5}, layout={"mine": {"my_flag": 0.5, "stages": [0, 2]},
+                                                                           "other": {"cut": "rows"}})
+    with pytest.raises(ResumeError, match=re.escape(
+            f"{tmp_path} holds a model laid out otherwise: parts/mine: --my_flag was 0.8, is 0.5; parts/other: cut was "
+            "none, is 'rows'; resume with the flags that laid it out so")):
+        load_checkpoint(None, tmp_path, this_run, max_steps=10)
 
 
 # recipe values left empty or of the wrong kind: each refused as the command line refuses it, naming the file

@@ -30,7 +30,7 @@ class TrainerState:
     global_batch: int = 0  # sequences per optimizer step; resuming needs the same
     num_processes: int = 1  # that saved the checkpoint
     strategy: str = ""  # that saved it, as its config is named (deepspeed_zero2, fsdp...)
-    layout: dict[str, int] = field(default_factory=dict)  # how parts cut the model (pipeline stages), each saved apart
+    layout: dict[str, dict[str, Any]] = field(default_factory=dict)  # by part: how it cuts the model (`checkpoint_layout`)
     per_device_train_batch_size: int = 0  # the micro-batch that ran (0: not recorded, before --auto_find_batch_size)
     gradient_accumulation_steps: int = 0
     optim: str = ""  # the --optim whose state it holds ("": not recorded, before 2026-11-28)
