@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,6 +89,12 @@ def test_impossible_settings_are_refused_in_one_line(monkeypatch) -> None:
     with pytest.raises(StrategyError, match="^--gns_every compares one micro-batch's gradient with the global batch's"):
         PART.check_launch(Launch(args, Strategy.DDP, 1, on_cpu=True))
     PART.check_launch(Launch(args, Strategy.DDP, 2, on_cpu=True))
+    for ranks_per_batch, precision, refusal in [(2, "no", "with tensor parallelism: a group's ranks each hold a slice"),
+                                                (1, "fp16", "under fp16: its loss scale multiplies the gradients")]:
+        prepared = SimpleNamespace(args=args, ranks_per_batch=ranks_per_batch,
+                                   accelerator=SimpleNamespace(mixed_precision=precision))
+        with pytest.raises(StrategyError, match=f"^--gns_every {refusal}"):
+            PART.after_prepare(prepared)
 
 
 @pytest.mark.quick

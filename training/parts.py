@@ -197,7 +197,9 @@ class Grouping:
 
 @dataclass(frozen=True)
 class MicroStep:
-    """One micro-batch's forward and backward just run, on every rank."""
+    """One micro-batch's forward and backward just run, on every rank. The backward ran on its loss sum over
+    `window_targets`, times the processes (training/step.py `forward_backward`): this rank's gradient of the
+    micro-batch is processes / window_targets times its loss sum's."""
 
     accelerator: Accelerator
     model: torch.nn.Module  # as prepared
@@ -511,11 +513,11 @@ class Part:
     @hook(Combine.EACH)
     def after_backward(self, micro: MicroStep) -> None:
         """After each micro-batch's backward, on every rank, before clipping and the optimizer step; no host sync
-        here. What `.grad` holds then is the strategy's: DDP: this rank's sum over the window so far, averaged over
-        the processes once `micro.sync`; FSDP2: nothing before `micro.sync` (the sum stays inside FSDP), then this
-        rank's shard of the average (a DTensor); DeepSpeed ZeRO: nothing (it reduces into its own buffers during
-        backward). A micro-batch's own gradient on this rank, under every strategy: tensor hooks on the parameters as
-        the forward uses them (parts/gns)."""
+        here. What `.grad` holds then is the strategy's (measured): DDP: this rank's sum over the window so far,
+        averaged over the processes once `micro.sync`; FSDP2: None before `micro.sync` (the sum stays inside FSDP),
+        then this rank's shard of the average (a DTensor); ZeRO-1: this rank's sum, then None once `micro.sync`;
+        ZeRO-2/3: None (they reduce into buffers of their own during backward). A micro-batch's own gradient on this
+        rank, under every strategy: tensor hooks on the parameters as the forward uses them (parts/gns)."""
 
     @hook(Combine.EACH)
     def after_optimizer_step(self, step: OptimizerStep) -> None:

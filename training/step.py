@@ -1,11 +1,12 @@
 """One optimizer step, whole, in the order it runs: the micro-step's objective (the task's loss sums as the parts make
 them: `training_objective`), then per window of micro-batches (`accumulation_windows`): forward and backward of each
 (`forward_backward`) and the parts' `after_backward`, clipping (`clip_gradients`), the optimizer step, the scheduler
-step and the step counters, the non-finite check (`NonFiniteGuard`), and the parts' `after_optimizer_step`. train.py's loop calls `optimizer_step` once
-per window. Under DeepSpeed the engine clips and steps inside `accelerator.backward` of the window's last micro-batch
-(accelerate calls `engine.step()` there), so `clip_gradients` reads the norm it measured and `optimizer.step()` is a
-no-op; every other strategy clips and steps in the calls that name it. A part's runner
-(pipeline stages: training/runner.py) does the forward/backward and the clipping its own way; the rest is the same."""
+step and the step counters, the non-finite check (`NonFiniteGuard`), and the parts' `after_optimizer_step`. train.py's
+loop calls `optimizer_step` once per window. Under DeepSpeed the engine clips and steps inside `accelerator.backward`
+of the window's last micro-batch (accelerate calls `engine.step()` there), so `clip_gradients` reads the norm it
+measured and `optimizer.step()` is a no-op; every other strategy clips and steps in the calls that name it. A part's
+runner (pipeline stages: training/runner.py) does the forward/backward and the clipping its own way; the rest is the
+same."""
 
 from __future__ import annotations
 

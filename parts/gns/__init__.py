@@ -48,10 +48,13 @@ class GradientNoiseScale(Part):
         from parts.gns.noise import NoiseMeter
 
         every = training.args.parts.gns.gns_every
-        self.meter = NoiseMeter(training, every) if every and training.ranks_per_batch == 1 else None
-        if every and self.meter is None:
+        if every and training.ranks_per_batch > 1:
             raise StrategyError("--gns_every with tensor parallelism: a group's ranks each hold a slice of every "
                                 "gradient; measure it on a launch without tp")
+        if every and training.accelerator.mixed_precision == "fp16":  # (clipping's norm is unscaled, the hooks' not)
+            raise StrategyError("--gns_every under fp16: its loss scale multiplies the gradients the hooks read; "
+                                "measure it in bf16 or fp32 (--mixed_precision bf16)")
+        self.meter = NoiseMeter(training, every) if every else None
 
     def around_training(self, loop: Loop) -> None:
         if self.meter is not None:

@@ -35,6 +35,7 @@ class NoiseMeter:
         self.examples = training.args.per_device_train_batch_size * self.processes * training.args.gradient_accumulation_steps
         self.device = training.accelerator.device
         self.measuring = False
+        self.window_targets: torch.Tensor | None = None  # the measured step's, from its micro-batches
         self.micro = torch.zeros((), device=self.device, dtype=torch.float64)  # |gradient|² of the micro-batch so far
         self.interval = self.zeros()
         self.run = self.zeros()
@@ -56,7 +57,7 @@ class NoiseMeter:
 
     def add_gradient(self, gradient: torch.Tensor) -> None:
         if self.measuring:
-            self.micro += gradient.detach().double().pow(2).sum()
+            self.micro += gradient.detach().float().pow(2).sum()
 
     def start(self, step: int) -> None:
         """Before the run's first step (`step`, counted from 1)."""
@@ -84,10 +85,11 @@ class NoiseMeter:
         self.measuring = (step + 1) % self.every == 0
 
     def local(self, units: int, seconds: float, whole_run: bool) -> dict[str, torch.Tensor]:
+        """The interval's sums (and the next interval started), or the whole launch's."""
+        totals = {name: self.run[name] + value for name, value in self.interval.items()}
         if not whole_run:
-            self.run = {name: self.run[name] + value for name, value in self.interval.items()}
-        sums, self.interval = (self.run, self.interval) if whole_run else (self.interval, self.zeros())
-        return {f"gns {name}": value for name, value in sums.items()}
+            totals, self.run, self.interval = self.interval, totals, self.zeros()
+        return {f"gns {name}": value for name, value in totals.items()}
 
     def report(self, ranks: dict[str, torch.Tensor], units_per_sec: float) -> dict[str, float]:
         """B_simple over the measured steps, in examples; nothing where no step was measured or an estimated term is
