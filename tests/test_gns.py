@@ -24,7 +24,8 @@ MEASURED = ("--gns_every", "1", "--max_steps", str(STEPS), "--logging_steps", "1
             "--save_strategy", "no")
 SPLITS = {  # name -> (config, micro-batch, accumulation): a global batch of 8 on 2 processes
     "ddp": ("ddp", "2", "2"), "fsdp": ("fsdp", "2", "2"), "zero3": ("deepspeed_zero3", "2", "2"),
-    "ddp 4x1": ("ddp", "4", "1"),  # another split: micro-batches of 4
+    "ddp 4x1": ("ddp", "4", "1"),  # other splits: micro-batches of 4, and one process accumulating 2 of them
+    "single 4x2": ("single", "4", "2"),
 }
 
 
@@ -50,14 +51,15 @@ def test_the_strategies_measure_the_same_noise_scale_for_one_split(runs) -> None
         assert summary["steady_gradient_noise_scale"] == pytest.approx(statistics.median(values["ddp"][1:]), rel=1e-4)
 
 
-def test_another_split_measures_it_within_the_estimators_noise(runs) -> None:
-    """Micro-batches of 4 rather than 2: another estimate of the same quantity, apart from the first by no more than
-    three standard errors of the two runs' per-step estimates (and apart: a split that changed nothing proves
-    nothing)."""
-    two, four = per_step(runs["ddp"]), per_step(runs["ddp 4x1"])
-    whole = {name: json.loads((runs[name] / "summary.json").read_text())["gradient_noise_scale"] for name in runs}
-    error = math.sqrt(statistics.variance(two) / len(two) + statistics.variance(four) / len(four))
-    assert 0 < abs(whole["ddp 4x1"] - whole["ddp"]) < 3 * error, (whole, error)
+@pytest.mark.parametrize("split", ["ddp 4x1", "single 4x2"])
+def test_another_split_measures_it_within_the_estimators_noise(split, runs) -> None:
+    """Micro-batches of 4 rather than 2, on 2 processes or on one accumulating them: another estimate of the same
+    quantity, apart from the first by no more than three standard errors of the two runs' per-step estimates (and
+    apart: a split that changed nothing proves nothing)."""
+    two, other = per_step(runs["ddp"]), per_step(runs[split])
+    whole = {name: json.loads((runs[name] / "summary.json").read_text())["gradient_noise_scale"] for name in ("ddp", split)}
+    error = math.sqrt(statistics.variance(two) / len(two) + statistics.variance(other) / len(other))
+    assert len(other) == STEPS and 0 < abs(whole[split] - whole["ddp"]) < 3 * error, (whole, error)
 
 
 @pytest.mark.quick

@@ -258,6 +258,7 @@ def test_an_evaluation_takes_any_optimizer_and_block_size_and_refuses_an_average
 
 
 @pytest.mark.quick
+@pytest.mark.parts("distillation")  # training/checkpoints/frozen.py: DPO's and distillation's (kept with either)
 def test_a_frozen_model_is_known_by_its_weights_and_configuration_not_its_path(tiny_model, tmp_path, caplog) -> None:
     """DPO's reference and a teacher (training/checkpoints/frozen.py): the same model moved elsewhere is logged; other
     weights or another configuration are refused unless named in --allow_config_changes; a checkpoint that records
