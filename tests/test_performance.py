@@ -83,6 +83,29 @@ def test_steady_state_is_the_median_of_the_intervals_after_the_first() -> None:
     assert SpeedMeter(torch.device("cpu")).steady_state() == {}  # one interval or none: no steady state
 
 
+def test_a_parts_steady_figure_is_the_median_of_the_intervals_that_logged_it() -> None:
+    """A part's figure some intervals leave out (parts/gns measuring every 10th step, logged every 5th) takes the
+    median of those that have it, and none where no interval after the first has it."""
+
+    class EveryOther:
+        steady, calls = ("measured",), 0
+
+        def local(self, units: int, seconds: float, whole_run: bool) -> dict[str, float]:
+            return {}
+
+        def report(self, ranks, units_per_sec: float) -> dict[str, float]:
+            self.calls += 1
+            return {"measured": float(self.calls)} if self.calls % 2 else {}
+
+    speed = SpeedMeter(torch.device("cpu"), figures=[EveryOther()])
+    for _ in range(6):  # intervals 1, 3, 5 measured
+        speed.units, speed.steps, speed.seconds = 1, 1, 1.0
+        speed.report_interval({name: torch.tensor([value]) for name, value in speed.interval().items()})
+    assert speed.steady_state()["steady_measured"] == 4.0  # the median of 3 and 5 (1: the warm-up)
+    speed.reported = speed.reported[:2]
+    assert "steady_measured" not in speed.steady_state()
+
+
 # 4 steps on DDP, batches loaded by a worker process
 # No evaluation: under --torch_compile it would compile a second (inference) graph, and these tests read training figures.
 SHORT_RUN = ("--max_steps", "4", "--logging_steps", "1", "--eval_strategy", "no", "--per_device_train_batch_size", "4",

@@ -154,8 +154,8 @@ class SpeedMeter:
         `steady_step_time` and the parts' (`steady_mfu`); empty with fewer than two intervals."""
         after_warm_up = self.reported[1:]
         keys = [f"{self.unit}_per_sec", "step_time", *(key for part in self.figures for key in part.steady)]
-        return {f"steady_{key}": statistics.median(r[key] for r in after_warm_up)
-                for key in keys if after_warm_up and key in after_warm_up[0]}
+        logged = {key: [r[key] for r in after_warm_up if key in r] for key in keys}  # (a part's: not every interval)
+        return {f"steady_{key}": statistics.median(values) for key, values in logged.items() if values}
 
 
 def parameter_count(model: torch.nn.Module) -> int:
