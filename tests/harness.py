@@ -454,7 +454,6 @@ def parity_args(config: str, base_model: Path) -> tuple[str, ...]:
 
 
 
-
 def assert_public_api_only(part: str) -> None:
     """parts/<part> is written as a forker writes a part (issue 70): of this template it imports `training.parts`, the
     errors and the shares API alone (no core edit needed), and no private name."""

@@ -92,7 +92,8 @@ def test_each_parameter_trains_at_the_rate_and_decay_its_name_implies(config, ru
 
 def test_the_strategies_train_alike(runs) -> None:
     losses = {config: [record["loss"] for record in read_metrics(run) if "loss" in record] for config, run in runs.items()}
-    assert losses["deepspeed_zero3"] == pytest.approx(losses["ddp"], rel=1e-5)
+    for config in ("deepspeed_zero3", "deepspeed_zero3_offload"):
+        assert losses[config] == pytest.approx(losses["ddp"], rel=1e-5), config
     assert all(math.isfinite(loss) for loss in losses["ddp"])
 
 

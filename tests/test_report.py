@@ -46,8 +46,8 @@ def test_the_report_draws_a_panel_for_every_metric_a_task_logs(tmp_path) -> None
 
 def test_the_report_draws_each_groups_rate_and_a_measured_noise_scale() -> None:
     """parts/layer_lr's rates beside `lr`, parts/gns's figure in a panel of its own, each only where logged."""
-    records = [{"step": 1, "loss": 1.5, "lr": 1e-3, "lr/layer_1": 1e-3, "lr/layer_0": 8e-4, "gradient_noise_scale": 3.0}]
+    records = [{"step": 1, "loss": 1.5, "lr": 1e-3, "lr/layer_10": 1e-3, "lr/layer_2": 8e-4, "gradient_noise_scale": 3.0}]
     panels = {title: series for title, series, _ in panels_of(records)}
-    assert panels["learning rate"] == [("lr", "lr", "-"), ("lr/layer_0", "layer_0", "--"), ("lr/layer_1", "layer_1", "--")]
+    assert panels["learning rate"] == [("lr", "lr", "-"), ("lr/layer_2", "layer_2", "--"), ("lr/layer_10", "layer_10", "--")]
     assert panels["gradient noise scale (examples)"] == [("gradient_noise_scale", "B_simple", "o-")]
     assert "gradient noise scale (examples)" not in {title for title, _, _ in panels_of(records[:0])}

@@ -58,7 +58,8 @@ def read_metrics(run: str | Path) -> list[dict]:
 
 def learning_rates(rates: list[float], groups: list[dict]) -> dict[str, float]:
     """`lr`: the first parameter group's rate (--learning_rate as scheduled, unless a part set the groups' rates:
-    parts/layer_lr's first is the top layer's); where the groups' rates differ, each as `lr/<group's name>` too."""
+    parts/layer_lr's first is the highest layer that trains); where the groups' rates differ, each as `lr/<group's
+    name>` too."""
     named = {f"lr/{group.get('name', index)}": rate for index, (group, rate) in enumerate(zip(groups, rates))}
     return {"lr": rates[0], **(named if len(set(rates)) > 1 else {})}
 

@@ -197,9 +197,9 @@ class Grouping:
 
 @dataclass(frozen=True)
 class MicroStep:
-    """One micro-batch's forward and backward just run, on every rank. The backward ran on its loss sum over
-    `window_targets`, times the processes (training/step.py `forward_backward`): this rank's gradient of the
-    micro-batch is processes / window_targets times its loss sum's."""
+    """One micro-batch's forward and backward just run, on every rank. The core's runner ran the backward on its loss
+    sum over `window_targets`, times the processes (training/step.py `forward_backward`): this rank's gradient of the
+    micro-batch is processes / window_targets times its loss sum's (a part's runner says its own)."""
 
     accelerator: Accelerator
     model: torch.nn.Module  # as prepared
@@ -512,8 +512,9 @@ class Part:
 
     @hook(Combine.EACH)
     def after_backward(self, micro: MicroStep) -> None:
-        """After each micro-batch's backward, on every rank, before clipping and the optimizer step; no host sync
-        here. What `.grad` holds then is the strategy's (measured): DDP: this rank's sum over the window so far,
+        """After each micro-batch's backward, on every rank; no host sync here. Before clipping and the optimizer step,
+        except under DeepSpeed, whose engine clips and steps inside the backward of the window's last micro-batch
+        (`micro.sync`: the weights already updated). What `.grad` holds then is the strategy's (measured): DDP: this rank's sum over the window so far,
         averaged over the processes once `micro.sync`; FSDP2: None before `micro.sync` (the sum stays inside FSDP),
         then this rank's shard of the average (a DTensor); ZeRO-1: this rank's sum, then None once `micro.sync`;
         ZeRO-2/3: None (they reduce into buffers of their own during backward). A micro-batch's own gradient on this

@@ -28,7 +28,9 @@ class GradientNoiseScale(Part):
     description = "the gradient noise scale (the critical batch size) measured as the run trains (--gns_every)"
     flags = GnsFlags
     # a pipeline's or a tensor-parallel group's ranks each hold part of every gradient of one batch
-    conflicts = (Conflict("gns_every", "pipeline_parallel_size", ": a process holds some stages' gradients"),)
+    conflicts = (Conflict("gns_every", "pipeline_parallel_size", ": a process holds some stages' gradients"),
+                 Conflict("gns_every", "ddp_comm_hook", ": the global gradient clipping measures is what the hook "
+                                                         "compressed"))
 
     def __init__(self) -> None:
         self.meter = None  # the run's `NoiseMeter`, once prepared
@@ -39,7 +41,8 @@ class GradientNoiseScale(Part):
 
     def check_launch(self, launch: Launch) -> None:
         """Two batch sizes: more than one micro-batch per optimizer step."""
-        if launch.args.parts.gns.gns_every and launch.processes * launch.args.gradient_accumulation_steps < 2:
+        args = launch.args
+        if args.parts.gns.gns_every and args.do_train and launch.processes * args.gradient_accumulation_steps < 2:
             raise StrategyError("--gns_every compares one micro-batch's gradient with the global batch's, and one "
                                 "process without accumulation has one micro-batch per step: add "
                                 "--gradient_accumulation_steps 2, or launch 2 processes or more")
@@ -47,7 +50,7 @@ class GradientNoiseScale(Part):
     def after_prepare(self, training: Training) -> None:
         from parts.gns.noise import NoiseMeter
 
-        every = training.args.parts.gns.gns_every
+        every = training.args.parts.gns.gns_every if training.args.do_train else 0  # (an evaluation: no gradients)
         if every and training.ranks_per_batch > 1:
             raise StrategyError("--gns_every with tensor parallelism: a group's ranks each hold a slice of every "
                                 "gradient; measure it on a launch without tp")

@@ -21,7 +21,7 @@ import torch
 
 from training.parts import MicroStep, Training
 
-SUMS = ("small", "inverse_tokens", "micro_batches", "big", "tokens", "examples", "steps")
+SUMS = ("small", "inverse_tokens", "micro_batches", "big", "inverse_window_tokens", "tokens", "examples", "steps")
 
 
 class NoiseMeter:
@@ -57,7 +57,7 @@ class NoiseMeter:
 
     def add_gradient(self, gradient: torch.Tensor) -> None:
         if self.measuring:
-            self.micro += gradient.detach().float().pow(2).sum()
+            self.micro += gradient.detach().float().pow(2).sum().to(self.device)  # (--device_map: layers on other GPUs)
 
     def start(self, step: int) -> None:
         """Before the run's first step (`step`, counted from 1)."""
@@ -79,7 +79,9 @@ class NoiseMeter:
     def step_done(self, step: int, grad_norm: torch.Tensor | float) -> None:
         if self.measuring:
             self.interval["big"] += torch.as_tensor(grad_norm, device=self.device, dtype=torch.float64) ** 2
-            self.interval["tokens"] += torch.as_tensor(self.window_targets, device=self.device, dtype=torch.float64)
+            window = torch.as_tensor(self.window_targets, device=self.device, dtype=torch.float64)
+            self.interval["inverse_window_tokens"] += 1 / window
+            self.interval["tokens"] += window
             self.interval["examples"] += self.examples
             self.interval["steps"] += 1
         self.measuring = (step + 1) % self.every == 0
@@ -99,9 +101,10 @@ class NoiseMeter:
             return {}
         small = float(ranks["gns small"].sum() / ranks["gns micro_batches"].sum())  # E|G_small|²
         b = float(ranks["gns micro_batches"].sum() / ranks["gns inverse_tokens"].sum())  # tokens, harmonic mean
-        big, tokens = float(ranks["gns big"][0]) / steps, float(ranks["gns tokens"][0]) / steps
+        big = float(ranks["gns big"][0]) / steps  # E|G_big|²
+        tokens = steps / float(ranks["gns inverse_window_tokens"][0])  # B, tokens, harmonic mean
         signal = (tokens * big - b * small) / (tokens - b)  # |G|²
         noise = (small - big) / (1 / b - 1 / tokens)  # tr(Σ)
-        if signal <= 0 or noise <= 0:
+        if not (signal > 0 and noise > 0):  # (and not NaN)
             return {}
         return {"gradient_noise_scale": noise / signal * float(ranks["gns examples"][0]) / float(ranks["gns tokens"][0])}

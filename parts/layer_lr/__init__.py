@@ -19,9 +19,10 @@ from training.parts import Conflict, Flags, Grouping, Part
 @dataclass
 class LayerLrFlags:
     layer_lr_decay: float = field(default=1.0, metadata={
-        "help": "Layer-wise learning-rate decay (timm's layer_decay): the top layer (the last block, the final norm, "
-                "the output head) trains at --learning_rate, each block below at this factor times the one above, the "
-                "embeddings lowest; in (0, 1], 0.65 to 0.9 is common for fine-tuning. 1: off (docs/layer_lr.md)."})
+        "help": "Layer-wise learning-rate decay (timm's layer_decay): the top (what follows the last block: the final "
+                "norm, the output head) trains at --learning_rate, each block below at this factor times the one "
+                "above, the embeddings lowest; in (0, 1], 0.65 to 0.9 is common for fine-tuning. 1: off "
+                "(docs/layer_lr.md)."})
     no_decay_names: str | None = field(default=None, metadata={
         "help": "Comma-separated fragments of parameter names that get no weight decay, in place of the default "
                 "rule (biases and norm scales); add embed for the embeddings: bias,norm,embed."})
@@ -47,7 +48,7 @@ class LayerLr(Part):
         """The groups by depth, top first (`lr` logs the top layer's rate), each at --learning_rate times the decay to
         the power of its distance from the top; weight decay as the core split it, or by --no_decay_names."""
         own = grouping.args.parts.layer_lr
-        if own.layer_lr_decay == 1 and own.no_decay_names is None:
+        if (own.layer_lr_decay == 1 and own.no_decay_names is None) or not grouping.args.do_train:  # (nothing steps)
             return groups
         from parts.layer_lr.depths import regrouped
 

@@ -53,7 +53,9 @@ def panels_of(records: list[dict]) -> tuple:
     logged = {key for record in records for key in record}
     (loss_title, losses, log_scale), (lr_title, rates, lr_log), *rest = CORE_PANELS
     losses = [*losses, *((key, f"eval ({other_pass(key)})", "s--") for key in sorted(filter(other_pass, logged)))]
-    rates = [*rates, *((key, key.removeprefix("lr/"), "--") for key in sorted(logged) if key.startswith("lr/"))]
+    groups = sorted((key for key in logged if key.startswith("lr/")),  # layer_2 before layer_10
+                    key=lambda key: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)])
+    rates = [*rates, *((key, key.removeprefix("lr/"), "--") for key in groups)]
     return ((loss_title, losses, log_scale), (lr_title, rates, lr_log), *rest,
             *(panel for panel in LOGGED_PANELS if any(key in logged for key, *_ in panel[1]))) + metric_panels(records)
 
