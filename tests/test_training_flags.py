@@ -1,17 +1,17 @@
 """TrainingArguments-style flags end to end: eval/save intervals, first-step logging, sample limits, overwrite,
-and a tokenizer trained on the user's corpus with the end-of-run sample's prompt."""
+and a tokenizer of the user's own (`--tokenizer_name`: a copy of the shipped one in a directory of theirs) with the
+end-of-run sample's prompt."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 from transformers import AutoTokenizer
 
-from tests.harness import REPO, read_metrics, split_args, train
+from models.language import SHIPPED_TOKENIZER
+from tests.harness import read_metrics, split_args, train
 from train import due
 
 pytestmark = pytest.mark.forked  # launches fork from a process that imported them (tests/harness.py)
@@ -30,19 +30,15 @@ def test_an_interval_falls_on_its_steps_or_epoch_ends(strategy, step, epoch_end,
 def test_epoch_intervals_first_step_logging_sample_limits_and_overwrite(cached_run, uneven_data, tmp_path) -> None:
     run = tmp_path / "run"  # a finished run (checkpoints step_4 and step_8, final/, metrics) to start afresh over
     shutil.copytree(cached_run("ddp", *split_args(uneven_data, per_device=4, accumulation=1)), run)
-    corpus = uneven_data[uneven_data.index("--train_file") + 1]
-    tokenizer_dir = tmp_path / "tokenizer"  # trained on the user's corpus (scripts/build_tokenizer.py --train_file)
-    built = subprocess.run([sys.executable, "scripts/build_tokenizer.py", "--train_file", corpus, "--vocab_size", "300",
-                            "--output_dir", str(tokenizer_dir)], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert built.returncode == 0, built.stderr
+    tokenizer_dir = shutil.copytree(SHIPPED_TOKENIZER, tmp_path / "tokenizer")  # the user's, in a directory of theirs
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    assert len(tokenizer) == 302 and tokenizer.chat_template  # 300 learned, and the two chat turn markers (--task sft)
+    assert len(tokenizer) == 919 and tokenizer.chat_template  # 917 learned, and the two chat turn markers (--task sft)
     result = train("single", run, "--overwrite_output_dir", "--max_train_samples", "48", "--max_eval_samples", "10",
                    "--num_train_epochs", "2", "--eval_strategy", "epoch", "--save_strategy", "epoch",
                    "--logging_first_step", "--logging_steps", "5", "--per_device_train_batch_size", "8",
                    "--block_size", "32", "--tokenizer_name", str(tokenizer_dir), "--sample_prompt", "The fox")
     assert "sample:          'The fox" in result.stdout  # the end-of-run sample continues --sample_prompt
-    assert json.loads((run / "final" / "config.json").read_text())["vocab_size"] == 320  # 302, padded to a multiple of 64
+    assert json.loads((run / "final" / "config.json").read_text())["vocab_size"] == 960  # 919, padded to a multiple of 64
     assert (run / "final" / "tokenizer.json").read_text() == (tokenizer_dir / "tokenizer.json").read_text()
     assert "48 sequences of up to 32 tokens, global batch 8, 6 steps/epoch, training to step 12, 10 examples for evaluation" \
         in result.stderr

@@ -467,11 +467,9 @@ class Part:
     @hook(Combine.CHAIN)
     def optimizer_groups(self, groups: list[dict], grouping: Grouping) -> list[dict]:
         """The optimizer's parameter groups (`params`, `weight_decay`, optional `lr` and `name`) as the core split them
-        (weights decay; biases and norm scales do not), regrouped, before the optimizer and the schedule are built, on
-        every rank under every strategy and --optim. A group's `lr` is its base rate, which the schedule scales as it
-        scales every group's; `name` names it in the logs (`lr/<name>`). The core then splits each group by dtype
-        (ZeRO flattens a group into one buffer) and drops empty ones. Again for each micro-batch `micro_batch`
-        prepares."""
+        (biases and norm scales without decay), regrouped before the optimizer and schedule are built, on every rank.
+        A group's `lr` is its base rate, which the schedule scales; `name` names it in the logs (`lr/<name>`). The core
+        then splits each group by dtype (ZeRO flattens a group into one buffer) and drops empty ones."""
         return groups
 
     @hook(Combine.ONE)
@@ -514,11 +512,10 @@ class Part:
     def after_backward(self, micro: MicroStep) -> None:
         """After each micro-batch's backward, on every rank; no host sync here. Before clipping and the optimizer step,
         except under DeepSpeed, whose engine clips and steps inside the backward of the window's last micro-batch
-        (`micro.sync`: the weights already updated). What `.grad` holds then is the strategy's (measured): DDP: this rank's sum over the window so far,
-        averaged over the processes once `micro.sync`; FSDP2: None before `micro.sync` (the sum stays inside FSDP),
-        then this rank's shard of the average (a DTensor); ZeRO-1: this rank's sum, then None once `micro.sync`;
-        ZeRO-2/3: None (they reduce into buffers of their own during backward). A micro-batch's own gradient on this
-        rank, under every strategy: tensor hooks on the parameters as the forward uses them (parts/gns)."""
+        (`micro.sync`). What `.grad` holds then is the strategy's (measured): DDP: this rank's sum over the window so
+        far, averaged over the processes once `micro.sync`; FSDP2: None, then this rank's shard of the average (a
+        DTensor); ZeRO-1: this rank's sum, then None; ZeRO-2/3: None (they reduce into buffers of their own). A
+        micro-batch's own gradient on this rank, under every strategy: tensor hooks on the parameters (parts/gns)."""
 
     @hook(Combine.EACH)
     def after_optimizer_step(self, step: OptimizerStep) -> None:

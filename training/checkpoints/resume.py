@@ -119,12 +119,10 @@ def config_differences(saved: dict[str, Any], this_run: dict[str, Any]) -> dict[
 
 def check_same_model(path: Path, saved: dict[str, Any], this_run: dict[str, Any], allowed: str | None,
                      other_shapes: str | None = None, trained_with: str = "") -> None:
-    """Refuse a checkpoint of another model (another activation, norm epsilon, RoPE theta...: the same shapes load
+    """Refuse a checkpoint of another model (`model_description`s: another activation, norm epsilon, RoPE theta... load
     and train silently otherwise), unless `allowed` (--allow_config_changes) names each differing field; where the
     tensors' shapes differ too (`other_shapes`: the first, `shapes_differ`), no field may change (`trained_with`: the
-    model flags the checkpoint's run gave, named in the line). Compared: what the
-    model computes (its config less how it was named and run, an adapter's settings, a plain module's arguments), not
-    the task's data settings (a block size: logged by `check_changes`)."""
+    model flags the checkpoint's run gave, named in the line)."""
     saved, this_run = ({section: values for section, values in described.items() if section != "settings"}
                        for described in (saved, this_run))  # (the task's settings: recorded until 2026-12-07)
     if other_shapes:
@@ -248,10 +246,9 @@ def load_checkpoint(accelerator: Accelerator | None, path: Path, this_run: Train
     layout alone must match."""
     try:
         saved = json.loads((path / TRAINER_STATE).read_text())
-        if (stages := saved.pop("pipeline_stages", 1)) > 1:  # how checkpoints before 2026-11-27 recorded a pipeline
-            saved["layout"] = {"pipeline_stages": stages}
-        if not all(isinstance(cut, dict) for cut in saved.get("layout", {}).values()):  # flat: the pipeline's alone,
-            saved["layout"] = {"pipeline": saved["layout"]}  # before the parts' layouts were kept apart (2026-12-08)
+        layout = saved.get("layout", {})  # a pipeline as recorded before 2026-11-27 (beside the steps), 2026-12-08 (flat)
+        if (stages := saved.pop("pipeline_stages", 1)) > 1 or any(type(cut) is not dict for cut in layout.values()):
+            saved["layout"] = {"pipeline": layout or {"pipeline_stages": stages}}
         state = TrainerState(**saved)
     except json.JSONDecodeError:
         raise ResumeError(f"{path / TRAINER_STATE} is damaged; resume an earlier checkpoint") from None
@@ -314,9 +311,8 @@ def resume(accelerator: Accelerator, path: Path, this_run: TrainerState, max_ste
            allowed_changes: str | None = None, unchecked: bool = False, evaluating: bool = False) -> TrainerState:
     """Restore `path` into this run (`this_run`: its fresh state), on every rank; the state to continue from. The
     generators are reseeded where the process count changed, and metrics.jsonl keeps only what was logged up to the
-    checkpoint's step (the trackers' own purge: `tracker_purge_step`). `unchecked`: --resume_unchecked. `evaluating`
-    (--do_train false): no steps left to train, nor the global batch, optimizer and flags that trained it, are
-    needed."""
+    checkpoint's step (the trackers' own purge: `tracker_purge_step`). `unchecked`: --resume_unchecked; `evaluating`:
+    --do_train false (`load_checkpoint`)."""
     state = load_checkpoint(accelerator, path, this_run, math.inf if evaluating else max_steps, runner, model,
                             optimizer, scheduler, allowed_changes, unchecked, evaluating)
     reseeded = ""
