@@ -32,7 +32,8 @@ class NoiseMeter:
 
     def __init__(self, training: Training, every: int) -> None:
         self.every, self.processes = every, training.accelerator.num_processes
-        self.examples = training.args.per_device_train_batch_size * self.processes * training.args.gradient_accumulation_steps
+        args = training.args
+        self.examples = args.per_device_train_batch_size * self.processes * args.gradient_accumulation_steps
         self.device = training.accelerator.device
         self.measuring = False
         self.window_targets: torch.Tensor | None = None  # the measured step's, from its micro-batches

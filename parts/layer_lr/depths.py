@@ -1,7 +1,8 @@
 """Numbers a model's layers for layer-wise rates: its blocks are its one outermost `nn.ModuleList` (`model.layers`,
 `transformer.h`, `blocks`), block i at depth i + 1; what comes before them in `named_parameters` (the embeddings,
-and a parameter the model holds itself) is depth 0, what comes after (the final norm, the output head) the top. A model without one such list (none, or an encoder and a decoder)
-says how with a method `layer_depth(name) -> int` (0 lowest), or is refused."""
+and a parameter the model holds itself) is depth 0, what comes after (the final norm, the output head) the top. A
+model without one such list (none, or an encoder and a decoder) says how with a method `layer_depth(name) -> int`
+(0 lowest), or is refused."""
 
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def regrouped(groups: list[dict], model: torch.nn.Module, args, decay: float, no
     for group in groups:
         for parameter in group["params"]:
             name = named[id(parameter)]
-            weight_decay = (0.0 if any(fragment in name.lower() for fragment in fragments) else args.weight_decay
-                            ) if fragments else group["weight_decay"]
+            weight_decay = group["weight_decay"]  # the core's rule, unless --no_decay_names replaces it
+            if fragments:
+                weight_decay = 0.0 if any(fragment in name.lower() for fragment in fragments) else args.weight_decay
             by_depth.setdefault((depths.get(name, 0), weight_decay), []).append(parameter)
     return [{"params": parameters, "weight_decay": weight_decay, "name": f"layer_{depth}",
              "lr": args.learning_rate * decay ** (top - depth)}
-            for (depth, weight_decay), parameters in sorted(by_depth.items(), key=lambda item: (-item[0][0], -item[0][1]))]
+            for (depth, weight_decay), parameters in sorted(by_depth.items(), key=lambda item: item[0], reverse=True)]
